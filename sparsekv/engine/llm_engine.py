@@ -1,0 +1,163 @@
+"""The engine loop: validate requests, schedule, run, detokenize, and keep the run's figures."""
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sparsekv.engine.block_manager import BlockManager
+from sparsekv.engine.model_runner import ModelRunner
+from sparsekv.engine.scheduler import Scheduler
+from sparsekv.engine.sequence import Sequence
+from sparsekv.models.spec import ModelSpec
+from sparsekv.sampling_params import SamplingParams
+
+GIB = 1 << 30
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated ids
+    text: str | None  # detokenized, when a tokenizer exists
+    finish_reason: str | None
+
+
+@dataclass
+class RunStats:
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)  # decode step times
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def decode_ms_per_step(self) -> float:
+        return 1e3 * self.decode_seconds / self.decode_steps if self.decode_steps else 0.0
+
+
+class LLMEngine:
+    def __init__(self, config, spec: ModelSpec, model, kv_store, tokenizer, device: torch.device,
+                 dtype: torch.dtype, max_model_len: int, policy):
+        self.config, self.spec, self.model, self.kv_store = config, spec, model, kv_store
+        self.tokenizer, self.device, self.dtype, self.policy = tokenizer, device, dtype, policy
+        self.max_model_len = max_model_len
+        self.block_manager = BlockManager(kv_store.num_blocks, kv_store.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_seqs,
+                                   kv_store.prefill_token_budget or config.scheduler.max_num_batched_tokens,
+                                   kv_store.chunk_alignment)
+        self.runner = ModelRunner(model, kv_store, device)
+        eos = set(spec.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_ids = eos
+        self.stats = RunStats()
+
+    # ---- requests
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: pass a non-empty string or list of token ids")
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.config.model.name} has no tokenizer: pass token-id lists, or a "
+                                 "checkpoint directory with tokenizer files")
+            return self.tokenizer.encode(prompt)
+        token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("prompt is empty: pass a non-empty string or list of token ids")
+        bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
+        return token_ids
+
+    def check_fits(self, num_tokens: int) -> None:
+        if num_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {num_tokens} tokens but max_model_len is {self.max_model_len}, which "
+                             "leaves no room to generate: shorten the prompt, or raise scheduler.max_model_len "
+                             f"(the model's maximum is {self.spec.max_position_embeddings})")
+        blocks = (num_tokens + self.kv_store.block_size - 1) // self.kv_store.block_size
+        if blocks > self.kv_store.num_blocks:
+            need = blocks * self.kv_store.bytes_per_block / GIB
+            have = self.kv_store.num_blocks * self.kv_store.bytes_per_block / GIB
+            raise ValueError(f"prompt of {num_tokens} tokens needs {need:.2f} GiB of KV cache but only "
+                             f"{have:.2f} GiB is available: {self.kv_store.capacity_hint()}")
+
+    def add_request(self, token_ids: list[int], params: SamplingParams) -> Sequence:
+        self.check_fits(len(token_ids))
+        seq = Sequence(token_ids, params, self.kv_store.block_size)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request and return its blocks to the pool."""
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+            self.release(seq)
+
+    def release(self, seq: Sequence) -> None:
+        self.kv_store.release(seq)
+        self.runner.sampler.forget(seq.seq_id)
+
+    # ---- loop
+    def step(self) -> list[Sequence]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            raise RuntimeError("no sequence could be scheduled: the KV cache cannot hold even one; "
+                               f"{self.kv_store.capacity_hint()}")
+        start = time.perf_counter()
+        sampled = self.runner.run(batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        if batch.is_prefill:
+            self.stats.prompt_tokens += sum(batch.num_new_tokens)
+            self.stats.prefill_seconds += elapsed
+        else:
+            self.stats.decode_tokens += len(batch.seqs)
+            self.stats.decode_steps += 1
+            self.stats.decode_seconds += elapsed
+            self.stats.step_seconds.append(elapsed)
+        finished = self.scheduler.postprocess(batch, sampled, self.eos_ids, self.max_model_len)
+        for seq in finished:
+            self.release(seq)
+        return finished
+
+    def generate(self, prompts: list[str | list[int]] | str,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 progress=None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        token_lists = [self.tokenize(p) for p in prompts]
+        for token_ids in token_lists:  # every request is checked before any is queued
+            self.check_fits(len(token_ids))
+        seqs = [self.add_request(t, p) for t, p in zip(token_lists, params_list)]
+        while self.scheduler.has_unfinished():
+            self.step()
+            if progress is not None:
+                progress(self)
+        return [RequestOutput(i, seq.token_ids[:seq.num_prompt_tokens], seq.completion_token_ids,
+                              self.tokenizer.decode(seq.completion_token_ids) if self.tokenizer else None,
+                              seq.finish_reason) for i, seq in enumerate(seqs)]
+
+    # ---- figures
+    def peak_memory(self) -> dict[str, float]:
+        figures = {"host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB}
+        if self.device.type == "cuda":
+            figures["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
+        return figures

@@ -1,0 +1,75 @@
+"""Turns a scheduled batch into tensors and a Context, runs the model, samples."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sparsekv.engine.context import Context, PrefillChunk, set_context
+from sparsekv.engine.sampler import Sampler
+from sparsekv.engine.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, kv_store, device: torch.device):
+        self.model = model
+        self.kv_store = kv_store
+        self.device = device
+        self.block_size = kv_store.block_size
+        self.sampler = Sampler()
+
+    def _tensor(self, values, dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda").to(
+            self.device, non_blocking=True)
+
+    def prepare_prefill(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, Context, list[int]]:
+        input_ids, positions, slots, chunks, sample_rows = [], [], [], [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            rows = len(input_ids)
+            input_ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
+                         for p in range(start, start + n))
+            chunks.append(PrefillChunk(seq, rows, rows + n, start, self._tensor(seq.block_table, torch.int32)))
+            if start + n == len(seq):
+                sample_rows.append(rows + n - 1)
+        context = Context(is_prefill=True, kv_store=self.kv_store, seqs=batch.seqs,
+                          slot_mapping=self._tensor(slots, torch.int64), chunks=chunks)
+        return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), context, sample_rows)
+
+    def prepare_decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, Context, list[int]]:
+        seqs = batch.seqs
+        positions = [len(seq) - 1 for seq in seqs]
+        slots = [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
+                 for seq, p in zip(seqs, positions)]
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
+        context_lens = [len(seq) for seq in seqs]
+        context = Context(is_prefill=False, kv_store=self.kv_store, seqs=seqs,
+                          slot_mapping=self._tensor(slots, torch.int64),
+                          block_tables=self._tensor(tables, torch.int32),
+                          context_lens=self._tensor(context_lens, torch.int32),
+                          max_context_len=max(context_lens))
+        input_ids = self._tensor([seq.token_ids[-1] for seq in seqs], torch.int64)
+        return input_ids, self._tensor(positions, torch.int64), context, list(range(len(seqs)))
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> dict[int, int]:
+        """Returns {seq_id: sampled token} for the sequences whose step ends at their newest token."""
+        prepare = self.prepare_prefill if batch.is_prefill else self.prepare_decode
+        input_ids, positions, context, sample_rows = prepare(batch)
+        set_context(context)
+        try:
+            self.kv_store.begin_step(context)
+            hidden = self.model(input_ids, positions)  # [N, hidden]
+            self.kv_store.end_step(context)
+        finally:
+            set_context(None)
+        if not sample_rows:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_rows])  # [B, vocab]
+        sampled_seqs = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                        if seq.num_computed_tokens + n == len(seq)]
+        tokens = self.sampler(logits, [s.sampling_params for s in sampled_seqs], [s.seq_id for s in sampled_seqs])
+        self.last_logits = logits
+        return {seq.seq_id: token for seq, token in zip(sampled_seqs, tokens)}

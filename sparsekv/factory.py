@@ -1,0 +1,123 @@
+"""Assemble model + KV store + policy + runner from a composed config."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from sparsekv.config import Device, DType, OffloadMode, PrefillMode
+from sparsekv.engine.llm_engine import LLMEngine
+from sparsekv.kvcache.base import available_host_memory
+from sparsekv.kvcache.offload_store import OffloadKVStore
+from sparsekv.kvcache.paged import PagedKVStore
+from sparsekv.models.loader import build_model, model_class, resolve_spec
+from sparsekv.models.spec import ModelSpec
+from sparsekv.plugins import registry
+from sparsekv.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+DTYPES = {DType.float32: torch.float32, DType.float16: torch.float16, DType.bfloat16: torch.bfloat16}
+
+
+def resolve_device(cfg: DictConfig) -> torch.device:
+    if cfg.device == Device.cuda and not torch.cuda.is_available():
+        raise ValueError("device=cuda but no CUDA device is visible; use device=cpu or device=auto")
+    if cfg.device == Device.auto:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.device.value)
+
+
+def resolve_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype != DType.auto:
+        return DTYPES[cfg.dtype]
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def build_policy(policy_cfg: DictConfig):
+    policies = registry().policies
+    name = policy_cfg.get("name") if policy_cfg is not None else None
+    if name not in policies:
+        raise ValueError(f"policy {name!r} is not registered; registered: {', '.join(sorted(policies))}")
+    policy = OmegaConf.to_object(policy_cfg)
+    if not isinstance(policy, policies[name]):
+        policy = policies[name](**policy)
+    return policy
+
+
+def num_device_kv_blocks(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                         max_model_len: int) -> int:
+    """Enough for max_num_seqs full-length sequences, capped by the memory left after the weights."""
+    offload = cfg.offload
+    if offload.num_kv_blocks:
+        return int(offload.num_kv_blocks)
+    block_bytes = spec.kv_bytes_per_token * offload.block_size * dtype.itemsize
+    wanted = cfg.scheduler.max_num_seqs * -(-max_model_len // offload.block_size)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        activations = cfg.scheduler.max_num_batched_tokens * (
+            4 * spec.intermediate_size + 8 * spec.hidden_size + 6 * spec.num_attention_heads * spec.head_dim
+        ) * dtype.itemsize + (1 << 30)
+        budget = total * offload.gpu_memory_utilization - used - activations
+    else:
+        budget = available_host_memory() * 0.5
+    return max(1, min(wanted, int(budget // block_bytes)))
+
+
+def check_offload_config(cfg: DictConfig) -> None:
+    offload = cfg.offload
+    if offload.block_size < 1:
+        raise ValueError(f"offload.block_size={offload.block_size} must be a positive number of tokens")
+    if offload.mode == OffloadMode.cpu:
+        if offload.num_gpu_blocks < 1:
+            raise ValueError(f"offload.num_gpu_blocks={offload.num_gpu_blocks}: the GPU ring needs at least 1 slot "
+                             "(2 or more let loads overlap compute)")
+        chunk = offload.prefill_chunk_size
+        if chunk is not None and (chunk < offload.block_size or chunk % offload.block_size):
+            raise ValueError(f"offload.prefill_chunk_size={chunk} must be a positive multiple of "
+                             f"offload.block_size={offload.block_size}")
+
+
+def prefill_chunk_tokens(cfg: DictConfig, max_model_len: int) -> int:
+    offload = cfg.offload
+    if offload.prefill_mode == PrefillMode.layerwise:
+        return max_model_len  # the whole prompt in one pass per layer
+    chunk = offload.prefill_chunk_size or cfg.scheduler.max_num_batched_tokens
+    return max(offload.block_size, chunk - chunk % offload.block_size)
+
+
+def build_kv_store(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                   max_model_len: int, policy):
+    if cfg.offload.mode == OffloadMode.none:
+        num_blocks = num_device_kv_blocks(cfg, spec, dtype, device, max_model_len)
+        return PagedKVStore(spec.num_hidden_layers, num_blocks, cfg.offload.block_size, spec.num_key_value_heads,
+                            spec.head_dim, dtype, device)
+    offload = cfg.offload
+    full = registry().policies["full"]()
+    prefill_policy = policy if policy.supports_prefill else full
+    decode_policy = policy if policy.supports_decode else full
+    chunk = prefill_chunk_tokens(cfg, max_model_len)
+    initial_prefill_buffer = min(chunk, cfg.scheduler.max_num_batched_tokens)
+    return OffloadKVStore(spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, offload.block_size,
+                          offload.num_gpu_blocks, chunk, cfg.scheduler.max_num_seqs, offload.host_pool_gib, dtype,
+                          device, prefill_policy, decode_policy, initial_prefill_buffer)
+
+
+def build_engine(cfg: DictConfig) -> LLMEngine:
+    """Everything that can fail on bad input is checked before the weights are built."""
+    models = registry().models
+    spec = resolve_spec(cfg.model)
+    cls = model_class(spec, models)
+    policy = build_policy(cfg.policy)
+    device = resolve_device(cfg)
+    dtype = resolve_dtype(cfg, device)
+    max_model_len = cfg.scheduler.max_model_len or spec.max_position_embeddings
+    check_offload_config(cfg)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, spec, cls, device, dtype, cfg.seed)
+    kv_store = build_kv_store(cfg, spec, dtype, device, max_model_len, policy)
+    tokenizer = load_tokenizer(cfg.model.path, spec.vocab_size)
+    log.info("built %s on %s (%s), offload=%s: %d KV blocks of %d tokens", spec.architecture, device, dtype,
+             cfg.offload.mode.value, kv_store.num_blocks, cfg.offload.block_size)
+    return LLMEngine(cfg, spec, model, kv_store, tokenizer, device, dtype, max_model_len, policy)

@@ -1,0 +1,232 @@
+"""Physical limits the benchmarks report against: measured device ceilings and the arithmetic of a model.
+
+Measured ceilings (CUDA only; each returns None on a CPU device): dense GEMM rate, HBM copy bandwidth,
+pinned host<->device copy bandwidth. Each is timed with CUDA events after a warm-up, on fresh random data
+(never zeros: some GPUs move and multiply zeros faster), and the median of several repeats is reported.
+
+Pure functions (no device, unit-tested on CPU): FLOPs of a prefill, bytes a decode step must read, KV bytes
+per token, bytes of a model's weights. A figure's floor is work / measured rate; a benchmark reports
+achieved time / floor time (>= 1; 1 means at the physical limit).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import math
+import statistics
+from typing import Callable
+
+import torch
+from torch import nn
+
+GIB = 1 << 30
+
+# ---------------------------------------------------------------------------------------------- arithmetic
+
+
+def _itemsize(dtype_bytes: int | float | torch.dtype) -> float:
+    return dtype_bytes.itemsize if isinstance(dtype_bytes, torch.dtype) else dtype_bytes
+
+
+def kv_bytes_per_token(spec, dtype_bytes: int | torch.dtype = 2) -> int:
+    """K and V of one token in all layers: layers x 2 x kv_heads x head_dim x dtype bytes (Qwen3-4B bf16: 144 KiB)."""
+    return int(spec.num_hidden_layers * 2 * spec.num_key_value_heads * spec.head_dim * _itemsize(dtype_bytes))
+
+
+def linear_params_per_token(spec) -> int:
+    """Weights of the linear layers every token goes through (q, k, v, o, gate, up, down in every layer),
+    without the embedding and the lm_head."""
+    h, heads, kv_heads, d = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+    attn = h * heads * d + 2 * h * kv_heads * d + heads * d * h
+    mlp = 3 * h * spec.intermediate_size
+    return spec.num_hidden_layers * (attn + mlp)
+
+
+def param_count(spec) -> int:
+    """All parameters of a Llama/Qwen3-style model (embedding once when tied; norms included)."""
+    h, d = spec.hidden_size, spec.head_dim
+    embed = spec.vocab_size * h
+    norms = spec.num_hidden_layers * 2 * h + h
+    if getattr(spec, "architecture", "").startswith("Qwen3"):
+        norms += spec.num_hidden_layers * 2 * d  # q_norm, k_norm
+    lm_head = 0 if spec.tie_word_embeddings else spec.vocab_size * h
+    return linear_params_per_token(spec) + embed + lm_head + norms
+
+
+def prefill_flops(spec, context: int, chunked: bool | int = False, batch: int = 1) -> float:
+    """FLOPs to prefill `batch` prompts of `context` tokens.
+
+    Linear layers: 2 x linear params x tokens, plus the lm_head (2 x hidden x vocab) for the last token only.
+    Attention (QK^T and PV, causal): 2 x 2 x layers x heads x head_dim x context^2 / 2.
+    `chunked`: a prefill chunk size (True: 256). Chunked prefill that computes each chunk's diagonal square
+    densely (masked, not skipped) does context x chunk / 2 more attention work per layer and head; the default
+    (False) is the ideal causal count, the floor.
+    """
+    linear = 2.0 * linear_params_per_token(spec) * context + 2.0 * spec.hidden_size * spec.vocab_size
+    pairs = context * context / 2.0
+    if chunked:
+        chunk = 256 if chunked is True else int(chunked)
+        pairs += context * min(chunk, context) / 2.0
+    attention = 2.0 * 2.0 * spec.num_hidden_layers * spec.num_attention_heads * spec.head_dim * pairs
+    return batch * (linear + attention)
+
+
+def decode_bytes(spec, context: int, batch: int, dtype_bytes: int | torch.dtype, weight_bytes: float) -> float:
+    """Bytes one decode step must read at least: the weights once, plus the KV of `context` tokens for each of
+    the `batch` sequences."""
+    return float(weight_bytes) + batch * context * kv_bytes_per_token(spec, dtype_bytes)
+
+
+def weight_bytes(model: nn.Module, skip_untied_embedding: bool = False) -> int:
+    """Bytes of a model's parameters, each shared tensor counted once.
+
+    skip_untied_embedding: leave out embedding tables that no linear layer shares (a decode step reads one
+    row of them per token, not the table); a tied embedding is read whole by the lm_head and stays in.
+    """
+    linear_ptrs = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Linear)}
+    skip = set()
+    if skip_untied_embedding:
+        skip = {m.weight.data_ptr() for m in model.modules()
+                if isinstance(m, nn.Embedding) and m.weight.data_ptr() not in linear_ptrs}
+    seen, total = set(), 0
+    for param in model.parameters():
+        ptr = param.data_ptr()
+        if ptr in seen or ptr in skip:
+            continue
+        seen.add(ptr)
+        total += param.numel() * param.element_size()
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- measured
+
+
+def _is_cuda(device) -> bool:
+    device = torch.device(device) if device is not None else None
+    return device is not None and device.type == "cuda" and torch.cuda.is_available()
+
+
+def _cuda_median_seconds(fn: Callable[[], None], warmup: int = 3, repeats: int = 7, inner: int = 1) -> float:
+    """Median over `repeats` of the CUDA-event time of `inner` back-to-back calls, divided by `inner`."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / inner)
+    return statistics.median(times)
+
+
+def _release() -> None:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def matmul_tflops(dtype: torch.dtype = torch.bfloat16, n: int = 8192, device="cuda") -> float | None:
+    """Dense n x n x n GEMM rate in TFLOP/s (2 n^3 FLOPs per product)."""
+    if not _is_cuda(device):
+        return None
+    with torch.no_grad():
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        c = torch.empty(n, n, device=device, dtype=dtype)
+        seconds = _cuda_median_seconds(lambda: torch.matmul(a, b, out=c), warmup=5, repeats=7, inner=10)
+        del a, b, c
+    _release()
+    return 2.0 * n ** 3 / seconds / 1e12
+
+
+def hbm_gbps(nbytes: int = 2 * GIB, device="cuda") -> float | None:
+    """Device-to-device copy bandwidth in GB/s, counting the bytes read plus the bytes written."""
+    if not _is_cuda(device):
+        return None
+    numel = nbytes // 4
+    src = torch.rand(numel, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    seconds = _cuda_median_seconds(lambda: dst.copy_(src), warmup=3, repeats=7, inner=5)
+    del src, dst
+    _release()
+    return 2.0 * numel * 4 / seconds / 1e9
+
+
+def _host_buffer(numel: int, pinned: bool, fill_from: torch.Tensor | None = None) -> torch.Tensor:
+    host = torch.empty(numel, dtype=torch.float32, pin_memory=pinned)
+    if fill_from is not None:
+        host.copy_(fill_from)  # random bytes, drawn on the device (fast) and brought over once
+    return host
+
+
+def h2d_gbps(pinned: bool = True, nbytes: int = GIB, device="cuda") -> float | None:
+    """Host-to-device copy bandwidth in GB/s (bytes moved / time), from pinned (default) or pageable memory."""
+    if not _is_cuda(device):
+        return None
+    numel = nbytes // 4
+    dst = torch.rand(numel, device=device, dtype=torch.float32)
+    src = _host_buffer(numel, pinned, fill_from=dst)
+    dst.zero_()
+    repeats = 5 if pinned else 3
+    seconds = _cuda_median_seconds(lambda: dst.copy_(src, non_blocking=pinned), warmup=2, repeats=repeats)
+    del dst, src
+    _release()
+    return numel * 4 / seconds / 1e9
+
+
+def d2h_gbps(pinned: bool = True, nbytes: int = GIB, device="cuda") -> float | None:
+    """Device-to-host copy bandwidth in GB/s into pinned (default) or pageable memory."""
+    if not _is_cuda(device):
+        return None
+    numel = nbytes // 4
+    src = torch.rand(numel, device=device, dtype=torch.float32)
+    dst = _host_buffer(numel, pinned)
+    repeats = 5 if pinned else 3
+    seconds = _cuda_median_seconds(lambda: dst.copy_(src, non_blocking=pinned), warmup=2, repeats=repeats)
+    del dst, src
+    _release()
+    return numel * 4 / seconds / 1e9
+
+
+def measure_floors(device="cuda", dtype: torch.dtype = torch.bfloat16, pageable: bool = True) -> dict:
+    """All measured ceilings of `device` plus what they were measured on. On a CPU device the figures are None.
+
+    Keys: device, gpu_name, torch_version, cuda_version, date, matmul_dtype, matmul_tflops, hbm_gbps,
+    h2d_gbps, d2h_gbps, h2d_pageable_gbps (None unless pageable), measure_seconds.
+    """
+    import time
+
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    cuda = _is_cuda(device)
+    if cuda and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    floors = {
+        "device": str(device),
+        "gpu_name": torch.cuda.get_device_name(device) if cuda else None,
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "matmul_dtype": str(dtype).replace("torch.", ""),
+    }
+    start = time.perf_counter()
+    with torch.cuda.device(device) if cuda else contextlib.nullcontext():
+        floors["matmul_tflops"] = matmul_tflops(dtype, device=device)
+        floors["hbm_gbps"] = hbm_gbps(device=device)
+        floors["h2d_gbps"] = h2d_gbps(pinned=True, device=device)
+        floors["d2h_gbps"] = d2h_gbps(pinned=True, device=device)
+        floors["h2d_pageable_gbps"] = h2d_gbps(pinned=False, device=device) if pageable else None
+    floors["measure_seconds"] = time.perf_counter() - start
+    for key in ("matmul_tflops", "hbm_gbps", "h2d_gbps", "d2h_gbps", "h2d_pageable_gbps"):
+        value = floors[key]
+        if value is not None and not math.isfinite(value):
+            floors[key] = None
+    return floors
+
+
+if __name__ == "__main__":  # python -m sparsekv.floors: print this machine's ceilings
+    import json
+
+    print(json.dumps(measure_floors("cuda" if torch.cuda.is_available() else "cpu"), indent=2))

@@ -1,0 +1,121 @@
+"""Backend selection shared by every kernel in sparsekv.kernels.
+
+One function, :func:`attention_backend`, decides which implementation runs:
+
+* ``'flash_attn'``: the flash-attn package (CUDA, fp16/bf16 only);
+* ``'sdpa'``: torch's fused flash kernel via ``aten._scaled_dot_product_flash_attention``
+  (CUDA, fp16/bf16, non-causal or Sq == Sk because its causal mask is top-left aligned);
+* ``'triton'``: our Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``);
+* ``'torch'``: the pure-torch references.
+
+``SPARSEKV_ATTN_BACKEND`` (torch|triton|flash_attn|sdpa) forces a choice; a forced backend
+that cannot run the given call falls back along flash_attn -> sdpa -> triton -> torch.
+Merge and paged-decode kernels only distinguish Triton from torch (:func:`use_triton`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+try:  # triton is an optional dependency: without it only torch / flash-attn / sdpa run
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    tl = None
+
+HAS_TRITON = triton is not None
+# Kernel modules decorate with this; annotations stay strings (``from __future__ import
+# annotations``), which Triton accepts, so kernel definitions need no triton at import.
+jit = triton.jit if HAS_TRITON else (lambda fn: fn)
+
+BACKENDS = ("torch", "triton", "flash_attn", "sdpa")
+ENV_BACKEND = "SPARSEKV_ATTN_BACKEND"
+
+# Tests flip this to True so that every output buffer the launchers allocate starts as NaN:
+# any element a kernel forgets to write then fails the comparison with the reference.
+POISON_OUTPUTS = False
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def triton_interpret() -> bool:
+    """True when Triton kernels run on the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+@functools.lru_cache(maxsize=None)
+def has_flash_attn() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _forced_backend() -> str | None:
+    forced = os.environ.get(ENV_BACKEND, "").strip().lower()
+    if not forced:
+        return None
+    if forced not in BACKENDS:
+        raise ValueError(f"{ENV_BACKEND}={forced!r} is not one of {BACKENDS}")
+    return forced
+
+
+def attention_backend(
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+    causal: bool = False,
+    seqlen_q: int | None = None,
+    seqlen_k: int | None = None,
+    head_dim: int | None = None,
+) -> str:
+    """Pick the attention implementation for tensors on ``device``.
+
+    Called with only ``device`` it returns the preferred backend for that device; the
+    optional arguments describe a concrete call so that backends that cannot serve it
+    (fp32 for flash kernels, bottom-right causal with Sq != Sk for sdpa, ...) are skipped.
+    """
+    device = torch.device(device)
+    forced = _forced_backend()
+    if device.type != "cuda":
+        # Off-GPU only the interpreter can run Triton; everything else is the reference.
+        return "triton" if HAS_TRITON and triton_interpret() and forced != "torch" else "torch"
+    if forced == "torch" or (forced == "triton" and HAS_TRITON):
+        return forced
+    half_ok = dtype is None or dtype in _HALF_DTYPES
+    dim_ok = head_dim is None or (head_dim % 8 == 0 and head_dim <= 256)
+    if forced in (None, "flash_attn") and has_flash_attn() and half_ok and dim_ok:
+        return "flash_attn"
+    causal_ok = not causal or seqlen_q is None or seqlen_q == seqlen_k
+    if forced in (None, "flash_attn", "sdpa") and half_ok and dim_ok and causal_ok:
+        return "sdpa"
+    return "triton" if HAS_TRITON else "torch"
+
+
+def use_triton(device: torch.device | str) -> bool:
+    """Whether the Triton kernels (merge, paged decode) should run for ``device``."""
+    return attention_backend(device) != "torch"
+
+
+def alloc_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.empty, or a NaN-filled buffer when POISON_OUTPUTS is set (tests)."""
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int | None) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on H100); 132 off-GPU."""
+    if device_index is None or not torch.cuda.is_available():
+        return 132
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()

@@ -1,0 +1,262 @@
+"""Prefill/chunk attention that also returns the log-sum-exp of each query row.
+
+flash_attn_with_lse(q [Sq, H, D], k/v [Sk, KVH, D]) -> (o [Sq, H, D], lse [H, Sq] fp32).
+Causal masking is bottom-right aligned: query i sees key j iff j <= i + (Sk - Sq).
+Rows that see no key give o = 0 and lse = -inf, so partial results merge exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from ._dispatch import alloc_output, attention_backend, cdiv, jit, tl, triton_interpret
+
+__all__ = ["attention_backend", "flash_attn_with_lse", "flash_attn_with_lse_reference"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, for 16-bit inputs on H100.
+GPU_CONFIGS: dict[int, tuple[int, int, int, int]] = {
+    16: (128, 64, 4, 3),
+    32: (128, 64, 4, 3),
+    64: (128, 64, 4, 3),
+    128: (128, 64, 8, 3),
+    256: (64, 64, 8, 2),
+}
+# fp32 inputs need twice the shared memory per tile (not a hot path: smaller tiles).
+GPU_CONFIGS_FP32: dict[int, tuple[int, int, int, int]] = {
+    16: (64, 64, 4, 2),
+    32: (64, 64, 4, 2),
+    64: (64, 64, 4, 2),
+    128: (64, 32, 4, 2),
+    256: (32, 32, 4, 2),
+}
+INTERPRET_CONFIG = (16, 16, 4, 1)  # small blocks keep the CPU interpreter fast
+SUPPORTED_HEAD_DIMS = tuple(GPU_CONFIGS)
+
+
+@jit
+def _attn_block_loop(
+    acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n,
+    lo, hi, Sk, causal_off, stride_kn, stride_vn, qk_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+):
+    # acc [BLOCK_M, D] fp32; m_i, l_i [BLOCK_M] fp32 (running max in log2 units, row sum)
+    k_ptrs += lo * stride_kn
+    v_ptrs += lo * stride_vn
+    for start_n in range(lo, hi, BLOCK_N):
+        if MASKED:
+            cols = start_n + offs_n  # [BLOCK_N]
+            k = tl.load(k_ptrs, mask=cols[:, None] < Sk, other=0.0)  # [BLOCK_N, D]
+            v = tl.load(v_ptrs, mask=cols[:, None] < Sk, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if MASKED:
+            keep = cols[None, :] < Sk
+            if IS_CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + causal_off)
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
+            # Rows with nothing visible yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return acc, m_i, l_i
+
+
+@jit
+def _flash_fwd_kernel(
+    Q, K, V, O, LSE,
+    stride_qm, stride_qh, stride_qd,
+    stride_kn, stride_kh, stride_kd,
+    stride_vn, stride_vh, stride_vd,
+    stride_om, stride_oh, stride_od,
+    stride_lh, stride_lm,
+    Sq, Sk, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+
+    q_ptrs = Q + head.to(tl.int64) * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm \
+        + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=offs_m[:, None] < Sq, other=0.0)  # [BLOCK_M, D]
+    k_ptrs = K + kv_head.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn \
+        + offs_d[None, :] * stride_kd  # [BLOCK_N, D]
+    v_ptrs = V + kv_head.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn \
+        + offs_d[None, :] * stride_vd
+
+    # Keys [0, full_hi) are visible to every row of this block and need no mask;
+    # keys [full_hi, hi) are partly visible; keys >= hi are invisible and skipped.
+    causal_off = Sk - Sq
+    if IS_CAUSAL:
+        hi = tl.maximum(tl.minimum(Sk, start_m + BLOCK_M + causal_off), 0)
+        full_hi = tl.maximum(tl.minimum(Sk, start_m + causal_off + 1), 0)
+    else:
+        hi = Sk
+        full_hi = Sk
+    full_hi = (full_hi // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc, m_i, l_i = _attn_block_loop(
+        acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, 0, full_hi, Sk, causal_off,
+        stride_kn, stride_vn, qk_scale, BLOCK_N, False, IS_CAUSAL)
+    acc, m_i, l_i = _attn_block_loop(
+        acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, full_hi, hi, Sk, causal_off,
+        stride_kn, stride_vn, qk_scale, BLOCK_N, True, IS_CAUSAL)
+
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    row_ok = offs_m < Sq
+    o_ptrs = O + head.to(tl.int64) * stride_oh + offs_m[:, None].to(tl.int64) * stride_om \
+        + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + head.to(tl.int64) * stride_lh + offs_m * stride_lm, lse, mask=row_ok)
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"expected q [Sq, H, D], k/v [Sk, KVH, D]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head dim mismatch: q {tuple(q.shape)} vs k {tuple(k.shape)}")
+    H, KVH = q.shape[1], k.shape[1]
+    if KVH == 0 or H % KVH != 0:
+        raise ValueError(
+            f"q heads H={H} (q {tuple(q.shape)}) must be a multiple of kv heads KVH={KVH} "
+            f"(k {tuple(k.shape)})")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise ValueError(
+            f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v on different devices: {q.device}, {k.device}, {v.device}")
+
+
+def flash_attn_with_lse_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    softmax_scale: float | None = None, causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch fp32 reference: returns o [Sq, H, D] (q.dtype), lse [H, Sq] fp32."""
+    _check_inputs(q, k, v)
+    Sq, H, D = q.shape
+    Sk, KVH, _ = k.shape
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    group = H // KVH
+    qf = q.float().transpose(0, 1)  # [H, Sq, D]
+    kf = k.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, Sk, D]
+    vf = v.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, Sk, D]
+    s = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [H, Sq, Sk]
+    if causal:
+        i = torch.arange(Sq, device=q.device)[:, None]
+        j = torch.arange(Sk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (Sk - Sq), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [H, Sq]; -inf for rows with no visible key
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])  # [H, Sq, Sk]
+    o = torch.matmul(p, vf)  # [H, Sq, D]
+    return o.transpose(0, 1).to(q.dtype), lse.contiguous()
+
+
+def _empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    Sq, H, _ = q.shape
+    o = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    lse = torch.full((H, Sq), float("-inf"), dtype=torch.float32, device=q.device)
+    return o, lse
+
+
+def _flash_attn_triton(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    Sq, H, D = q.shape
+    Sk, KVH, _ = k.shape
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"triton attention supports head dims {SUPPORTED_HEAD_DIMS}; got D={D} "
+            f"(q {tuple(q.shape)})")
+    if triton_interpret():
+        block_m, block_n, warps, stages = INTERPRET_CONFIG
+    else:
+        configs = GPU_CONFIGS_FP32 if q.element_size() > 2 else GPU_CONFIGS
+        block_m, block_n, warps, stages = configs[D]
+    o = alloc_output((Sq, H, D), q.dtype, q.device)  # [Sq, H, D]
+    lse = alloc_output((H, Sq), torch.float32, q.device)  # [H, Sq]
+    grid = (cdiv(Sq, block_m), H)
+    _flash_fwd_kernel[grid](
+        q, k, v, o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
+        Sq, Sk, scale * LOG2E,
+        GROUP=H // KVH, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=causal,
+        num_warps=warps, num_stages=stages,
+    )
+    return o, lse
+
+
+def _flash_attn_package(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from flash_attn import flash_attn_func
+
+    out, lse, _ = flash_attn_func(
+        q[None], k[None], v[None], softmax_scale=scale, causal=causal, return_attn_probs=True)
+    lse = lse[0].float()  # [H, Sq]; flash-attn marks rows with no visible key with +inf
+    lse = torch.where(torch.isposinf(lse), float("-inf"), lse)
+    return out[0], lse
+
+
+def _flash_attn_sdpa(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # torch's fused flash kernel wants [B, H, S, D] and equal head counts; its causal mask is
+    # top-left aligned, which equals ours only when Sq == Sk (checked by attention_backend).
+    H, KVH = q.shape[1], k.shape[1]
+    if H != KVH:
+        k = k.repeat_interleave(H // KVH, dim=1)  # [Sk, H, D]
+        v = v.repeat_interleave(H // KVH, dim=1)
+    res = torch.ops.aten._scaled_dot_product_flash_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        0.0, causal, False, scale=scale)
+    out, lse = res[0], res[1]  # [1, H, Sq, D], [1, H, Sq] natural-log lse
+    return out[0].transpose(0, 1).contiguous(), lse[0].float().contiguous()
+
+
+def flash_attn_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    softmax_scale: float | None = None, causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one sequence. q [Sq, H, D], k/v [Sk, KVH, D] -> o [Sq, H, D], lse [H, Sq].
+
+    lse is fp32 natural-log log-sum-exp of the scaled scores (-inf for rows with no key).
+    """
+    _check_inputs(q, k, v)
+    Sq, H, D = q.shape
+    Sk = k.shape[0]
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    if Sq == 0 or Sk == 0:
+        return _empty_result(q)
+    backend = attention_backend(q.device, q.dtype, causal, Sq, Sk, D)
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        if backend in ("flash_attn", "sdpa"):
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if backend == "flash_attn":
+        return _flash_attn_package(q, k, v, scale, causal)
+    if backend == "sdpa":
+        return _flash_attn_sdpa(q, k, v, scale, causal)
+    if backend == "triton":
+        return _flash_attn_triton(q, k, v, scale, causal)
+    return flash_attn_with_lse_reference(q, k, v, scale, causal)

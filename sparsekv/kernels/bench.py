@@ -1,0 +1,99 @@
+"""GPU micro-benchmarks of the attention kernels: ``python -m sparsekv.kernels.bench``.
+
+Times every applicable attention backend (triton, sdpa, flash_attn) on prefill/chunk shapes and
+the paged decode kernel over context lengths and split counts, so that the CUDA default in
+``_dispatch.attention_backend`` and the module constants can be chosen by measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from . import attention as A
+from . import paged_attention as P
+from ._dispatch import has_flash_attn
+
+
+def _bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup, rep=rep)
+
+
+def _causal_pairs(sq: int, sk: int) -> int:
+    """Number of visible (query, key) pairs under bottom-right causal masking."""
+    off = sk - sq
+    return sum(max(0, min(sk, i + off + 1)) for i in range(sq))
+
+
+def bench_attention(sq: int, sk: int, causal: bool, h: int = 32, kvh: int = 8, d: int = 128,
+                    dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+    q = torch.randn(sq, h, d, device="cuda", dtype=dtype)  # [Sq, H, D]
+    k = torch.randn(sk, kvh, d, device="cuda", dtype=dtype)  # [Sk, KVH, D]
+    v = torch.randn(sk, kvh, d, device="cuda", dtype=dtype)
+    scale = 1.0 / math.sqrt(d)
+    pairs = _causal_pairs(sq, sk) if causal else sq * sk
+    flops = 4.0 * pairs * h * d
+    impls = {"triton": A._flash_attn_triton}
+    if not causal or sq == sk:
+        impls["sdpa"] = A._flash_attn_sdpa
+    if has_flash_attn():
+        impls["flash_attn"] = A._flash_attn_package
+    res = {}
+    for name, fn in impls.items():
+        ms = _bench_ms(lambda: fn(q, k, v, scale, causal))
+        res[name] = ms
+        print(f"attn  Sq={sq:6d} Sk={sk:6d} causal={causal!s:5} D={d:3d} {name:10s} "
+              f"{ms * 1e3:9.1f} us  {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
+    return res
+
+
+def bench_paged(lens: list[int], h: int = 32, kvh: int = 8, d: int = 128, block_size: int = 16,
+                num_splits: int | None = None, dtype: torch.dtype = torch.bfloat16) -> float:
+    b = len(lens)
+    used = [-(-n // block_size) for n in lens]
+    k_cache = torch.randn(sum(used) + 1, block_size, kvh, d, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.zeros(b, max(used), dtype=torch.int32, device="cuda")
+    perm = torch.randperm(sum(used), device="cuda").int()
+    start = 0
+    for i, n in enumerate(used):
+        tables[i, :n] = perm[start:start + n]
+        start += n
+    q = torch.randn(b, h, d, device="cuda", dtype=dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    max_len = max(lens)
+    ms = _bench_ms(lambda: P.paged_decode_attention(
+        q, k_cache, v_cache, tables, lens_t, max_context_len=max_len, num_splits=num_splits))
+    splits = num_splits or P.choose_num_splits(b, kvh, max_len, q.device)
+    gbytes = 2 * sum(lens) * kvh * d * k_cache.element_size() / 1e9
+    print(f"paged B={b:3d} max_ctx={max_len:7d} splits={splits:3d} {ms * 1e3:9.1f} us  "
+          f"{gbytes / ms * 1e3:6.0f} GB/s", flush=True)
+    return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    for d in (128,) if args.quick else (64, 128, 256):
+        bench_attention(4096, 4096, False, d=d)
+        bench_attention(4096, 4096, True, d=d)
+    bench_attention(16384, 16384, True)
+    bench_attention(1024, 8192, True)
+    bench_attention(2048, 32768, True)
+    for lens in ([8192], [32768], [131072], [4096] * 32, [1024] * 64, [128000] * 4):
+        bench_paged(lens)
+    if not args.quick:
+        for splits in (8, 16, 33, 64, 128):
+            bench_paged([131072], num_splits=splits)
+        for splits in (4, 8, 16, 33, 64):
+            bench_paged([32768], num_splits=splits)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""The interface both KV stores (GPU-resident paged, CPU-offloaded) give the engine and the attention layers."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from sparsekv.engine.context import Context
+
+
+class KVStore(ABC):
+    block_size: int
+    num_blocks: int  # blocks the block manager may hand out
+    bytes_per_block: int  # K and V of one block, all layers
+    prefill_token_budget: int | None = None  # tokens per prefill step, when the store fixes it
+    chunk_alignment: int = 1  # unfinished prefill chunks end on a multiple of this
+
+    def begin_step(self, context: Context) -> None:
+        """Called before the model runs a step (offload: start the decode pipeline)."""
+
+    def end_step(self, context: Context) -> None:
+        """Called after the last layer of a step (offload: wait for pending offloads)."""
+
+    @abstractmethod
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               context: Context) -> torch.Tensor:
+        """Store this step's k/v [N, KVH, D] for `layer_id` and return attention of q [N, H, D] -> [N, H, D]."""
+
+    def capacity_hint(self) -> str:
+        """What the user can change to get more KV capacity."""
+        return "raise offload.num_kv_blocks or offload.gpu_memory_utilization, or use offload=cpu"
+
+    def release(self, seq) -> None:
+        """A sequence left (finished or aborted): forget per-sequence state."""
+
+
+def available_host_memory() -> int:
+    """MemAvailable from /proc/meminfo in bytes (0 if unknown)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -1,0 +1,42 @@
+"""Pinned host memory for KV blocks, grown in slabs as sequences grow (start-up cost does not scale with the
+maximum context). Each slab is laid out [layer, block, block_size, kv_heads, head_dim]."""
+from __future__ import annotations
+
+import torch
+
+GIB = 1 << 30
+
+
+class HostPool:
+    def __init__(self, num_layers: int, max_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, pin_memory: bool, slab_bytes: int = 1 * GIB):
+        self.num_layers, self.block_size = num_layers, block_size
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.max_blocks = max_blocks
+        self.pin_memory = pin_memory
+        self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        self.blocks_per_slab = max(1, min(max_blocks, slab_bytes // self.bytes_per_block))
+        self.k_slabs: list[torch.Tensor] = []  # each [L, blocks_per_slab, block_size, KVH, D]
+        self.v_slabs: list[torch.Tensor] = []
+
+    @property
+    def capacity(self) -> int:
+        return len(self.k_slabs) * self.blocks_per_slab
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.capacity * self.bytes_per_block
+
+    def ensure_capacity(self, num_blocks: int) -> None:
+        """Allocate slabs until block ids [0, num_blocks) exist."""
+        if num_blocks > self.max_blocks:
+            raise ValueError(f"host KV pool holds {self.max_blocks} blocks, {num_blocks} requested")
+        shape = (self.num_layers, self.blocks_per_slab, self.block_size, self.num_kv_heads, self.head_dim)
+        while self.capacity < num_blocks:
+            self.k_slabs.append(torch.empty(shape, dtype=self.dtype, pin_memory=self.pin_memory))
+            self.v_slabs.append(torch.empty(shape, dtype=self.dtype, pin_memory=self.pin_memory))
+
+    def block(self, layer: int, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host K and V of one block of one layer: [block_size, KVH, D] each."""
+        slab, index = divmod(block_id, self.blocks_per_slab)
+        return self.k_slabs[slab][layer, index], self.v_slabs[slab][layer, index]

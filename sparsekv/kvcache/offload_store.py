@@ -1,0 +1,134 @@
+"""offload=cpu: KV blocks live in pinned host memory; attention runs through the policy's ring pipelines."""
+from __future__ import annotations
+
+import torch
+
+from sparsekv.engine.context import Context
+from sparsekv.engine.sequence import Sequence
+from sparsekv.kvcache.base import KVStore, available_host_memory
+from sparsekv.kvcache.host_pool import GIB, HostPool
+from sparsekv.kvcache.offload_engine import OffloadEngine
+
+HOST_HEADROOM = 4 * GIB
+
+
+def host_pool_blocks(host_pool_gib: float | None, bytes_per_block: int) -> int:
+    limit = host_pool_gib * GIB if host_pool_gib else 0.9 * available_host_memory() - HOST_HEADROOM
+    return max(0, int(limit // bytes_per_block))
+
+
+class OffloadKVStore(KVStore):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_gpu_blocks: int,
+                 prefill_tokens: int, max_num_seqs: int, host_pool_gib: float | None, dtype: torch.dtype,
+                 device: torch.device, prefill_policy, decode_policy, initial_prefill_buffer: int):
+        self.block_size = block_size
+        self.chunk_tokens = prefill_tokens
+        self.prefill_token_budget = prefill_tokens
+        self.chunk_alignment = block_size
+        self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        self.num_blocks = host_pool_blocks(host_pool_gib, self.bytes_per_block)
+        self.host = HostPool(num_layers, max(1, self.num_blocks), block_size, num_kv_heads, head_dim, dtype,
+                             pin_memory=device.type == "cuda")
+        policies = [prefill_policy] if prefill_policy is decode_policy else [prefill_policy, decode_policy]
+        self.engine = OffloadEngine(self.host, num_gpu_blocks, initial_prefill_buffer, max_num_seqs, device,
+                                    policies)
+        for policy in policies:
+            policy.initialize(num_layers, num_kv_heads, head_dim, self.num_blocks, dtype, device)
+        self.prefill_policy, self.decode_policy = prefill_policy, decode_policy
+        self.device = device
+        self.decode_rows: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (seq, row of the decode buffer)
+        self.free_rows = list(range(max_num_seqs))
+        self.filled: list[int] = []  # decode: batch indices whose block fills this step
+
+    @property
+    def transfer_stats(self) -> dict[str, int]:
+        return self.engine.transfer_stats
+
+    def capacity_hint(self) -> str:
+        return (f"the host pool holds {self.num_blocks} blocks of {self.block_size} tokens; raise "
+                "offload.host_pool_gib, free host memory, or shorten the prompt")
+
+    # ---- views the policies use
+    def prefix_blocks(self, seq: Sequence) -> list[int]:
+        """Host blocks before the prefill chunk being computed (all full)."""
+        return seq.block_table[: seq.num_computed_tokens // self.block_size]
+
+    def num_chunks(self, seq: Sequence) -> int:
+        return -(-len(seq) // self.chunk_tokens)
+
+    def full_blocks(self, seq: Sequence) -> list[int]:
+        """Decode: host blocks before the block of the token being computed."""
+        return seq.block_table[: (len(seq) - 1) // self.block_size]
+
+    def decode_tail(self, seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode: the unfinished block's keys and values so far, the new token included."""
+        return self.engine.get_decode_layer_kv(self.decode_rows[seq.seq_id][1], layer,
+                                               (len(seq) - 1) % self.block_size + 1)
+
+    # ---- step
+    def _row(self, seq: Sequence, in_step: set[int]) -> int:
+        if seq.seq_id in self.decode_rows:
+            return self.decode_rows[seq.seq_id][1]
+        if not self.free_rows:  # reclaim rows of preempted sequences (their KV is recomputed anyway)
+            for seq_id, (other, row) in list(self.decode_rows.items()):
+                if seq_id not in in_step and other.num_computed_tokens == 0:
+                    del self.decode_rows[seq_id]
+                    self.free_rows.append(row)
+        row = self.free_rows.pop()
+        self.decode_rows[seq.seq_id] = (seq, row)
+        return row
+
+    def begin_step(self, context: Context) -> None:
+        self.host.ensure_capacity(1 + max(max(seq.block_table) for seq in context.seqs))
+        in_step = {seq.seq_id for seq in context.seqs}
+        rows = [self._row(seq, in_step) for seq in context.seqs]
+        if context.is_prefill:
+            self.engine.ensure_prefill_capacity(context.chunks[-1].end)
+            return
+        offsets = [(len(seq) - 1) % self.block_size for seq in context.seqs]
+        self.filled = [b for b, seq in enumerate(context.seqs) if len(seq) % self.block_size == 0]
+        self.rows_t = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.offsets_t = torch.tensor(offsets, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               context: Context) -> torch.Tensor:
+        return (self._prefill if context.is_prefill else self._decode)(layer_id, q, k, v, scale, context)
+
+    def _prefill(self, layer: int, q, k, v, scale: float, context: Context) -> torch.Tensor:
+        engine, bs = self.engine, self.block_size
+        engine.write_prefill_buffer(layer, k, v)
+        for chunk in context.chunks:  # offload first so the copies overlap the attention below
+            seq, first = chunk.seq, chunk.num_cached // bs
+            for i, start in enumerate(range(chunk.start, chunk.end, bs)):
+                engine.offload_prefill_buffer_async(layer, seq.block_table[first + i], min(bs, chunk.end - start),
+                                                    start)
+            tail = (chunk.num_cached + chunk.num_tokens) % bs
+            if tail and chunk.num_cached + chunk.num_tokens == len(seq):
+                engine.copy_prefill_tail_to_decode(layer, self.decode_rows[seq.seq_id][1], chunk.end - tail, tail)
+        out = torch.empty_like(q)
+        for chunk in context.chunks:
+            rows = slice(chunk.start, chunk.end)
+            out[rows] = self.prefill_policy.compute_chunked_prefill(
+                q[rows], k[rows], v[rows], layer, scale, engine, self, chunk.num_cached // self.chunk_tokens,
+                chunk.seq, chunk.num_tokens)
+        return out
+
+    def _decode(self, layer: int, q, k, v, scale: float, context: Context) -> torch.Tensor:
+        engine = self.engine
+        engine.write_decode_tokens(layer, self.rows_t, self.offsets_t, k, v)
+        out = torch.empty_like(q)
+        for b, seq in enumerate(context.seqs):
+            out[b:b + 1] = self.decode_policy.compute_chunked_decode(q[b:b + 1], layer, scale, engine, self, seq)
+        for b in self.filled:
+            seq = context.seqs[b]
+            engine.offload_decode_buffer_async(layer, self.decode_rows[seq.seq_id][1],
+                                               seq.block_table[(len(seq) - 1) // self.block_size])
+        return out
+
+    def release(self, seq: Sequence) -> None:
+        entry = self.decode_rows.pop(seq.seq_id, None)
+        if entry is not None:
+            self.free_rows.append(entry[1])
+        if not self.decode_rows:  # idle: per-sequence policy state can go
+            for policy in {id(p): p for p in (self.prefill_policy, self.decode_policy)}.values():
+                policy.reset()

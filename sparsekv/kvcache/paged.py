@@ -1,0 +1,45 @@
+"""offload=none: a paged KV cache resident on the device, nano-vllm style block tables."""
+from __future__ import annotations
+
+import torch
+
+from sparsekv.engine.context import Context
+from sparsekv.kernels import flash_attn_with_lse, merge_attention_outputs, paged_decode_attention, store_kv
+from sparsekv.kvcache.base import KVStore
+
+
+class PagedKVStore(KVStore):
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, blocks, block_size, KVH, D]
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * self.k_cache.element_size()
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               context: Context) -> torch.Tensor:
+        k_cache, v_cache = self.k_cache[layer_id], self.v_cache[layer_id]
+        store_kv(k, v, k_cache, v_cache, context.slot_mapping)
+        if not context.is_prefill:
+            out, _ = paged_decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens,
+                                            scale, max_context_len=context.max_context_len)
+            return out
+        out = torch.empty_like(q)
+        for chunk in context.chunks:
+            rows = slice(chunk.start, chunk.end)
+            o, lse = flash_attn_with_lse(q[rows], k[rows], v[rows], scale, causal=True)
+            if chunk.num_cached:
+                k_prefix, v_prefix = self.gather(layer_id, chunk.block_table, chunk.num_cached)
+                o_prefix, lse_prefix = flash_attn_with_lse(q[rows], k_prefix, v_prefix, scale, causal=False)
+                o, lse = merge_attention_outputs(o_prefix, lse_prefix, o, lse)
+            out[rows] = o
+        return out
+
+    def gather(self, layer_id: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous K/V [num_tokens, KVH, D] of the first num_tokens tokens of a sequence."""
+        blocks = block_table[: (num_tokens + self.block_size - 1) // self.block_size].long()
+        k = self.k_cache[layer_id].index_select(0, blocks).flatten(0, 1)[:num_tokens]
+        v = self.v_cache[layer_id].index_select(0, blocks).flatten(0, 1)[:num_tokens]
+        return k, v

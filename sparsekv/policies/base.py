@@ -1,0 +1,104 @@
+"""SparsePolicy: the plugin API for sparse attention.
+
+A policy is a dataclass whose fields are its hyperparameters; its `name` field is what users select with
+`policy=<name>`. The base class runs the standard offloaded pipelines once for every policy:
+
+  prefill chunk:  causal attention of the chunk to itself, then each earlier host block that select_blocks
+                  keeps is loaded into a GPU ring slot and attended, partials merged by log-sum-exp
+  decode step:    each kept host block through the ring, then the sequence's unfinished block from the decode
+                  buffer, merged the same way
+
+A selection-only policy (Quest) overrides select_blocks and the metadata hooks; a compute policy (MInference)
+overrides compute_chunked_prefill / compute_chunked_decode. Policies never copy KV themselves: every load goes
+through the OffloadEngine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from sparsekv.kernels import flash_attn_with_lse, merge_attention_outputs
+
+if TYPE_CHECKING:
+    from sparsekv.engine.sequence import Sequence
+    from sparsekv.kvcache.offload_engine import OffloadEngine
+
+
+@dataclass
+class PolicyContext:
+    query_chunk_idx: int  # prefill: which chunk of the prompt; decode: 0
+    num_query_chunks: int
+    layer_id: int
+    query: torch.Tensor  # [Nq, H, D]
+    is_prefill: bool
+    block_size: int
+    total_kv_len: int  # keys the query may attend to, this chunk/token included
+
+
+@dataclass
+class SparsePolicy:
+    name: str = "base"
+    supports_prefill: ClassVar[bool] = True
+    supports_decode: ClassVar[bool] = True
+    requires_block_selection: ClassVar[bool] = False
+
+    # ---- optional hooks
+    def initialize(self, num_layers: int, num_kv_heads: int, head_dim: int, num_cpu_blocks: int,
+                   dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate per-layer metadata once the KV layout is known."""
+
+    def on_prefill_offload(self, cpu_block_id: int, layer_id: int, k_cache: torch.Tensor,
+                           num_valid_tokens: int) -> None:
+        """A prefill block is leaving for the host; its keys k_cache [n, KVH, D] are still on the GPU."""
+
+    def on_decode_offload(self, cpu_block_id: int, layer_id: int, k_cache: torch.Tensor,
+                          num_valid_tokens: int) -> None:
+        """A filled decode block is leaving for the host; keys still on the GPU."""
+
+    def reset(self) -> None:
+        """Forget per-sequence state."""
+
+    # ---- selection
+    def select_blocks(self, available_blocks: list[int], offload_engine: "OffloadEngine",
+                      ctx: PolicyContext) -> list[int]:
+        """Host blocks to load for this query, in order. Default: all of them."""
+        return available_blocks
+
+    # ---- computation
+    def compute_chunked_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                                softmax_scale: float, offload_engine: "OffloadEngine", kvcache_manager,
+                                current_chunk_idx: int, seq: "Sequence", num_tokens: int) -> torch.Tensor:
+        """q [n, H, D], k/v [n, KVH, D] of this chunk -> [n, H, D]."""
+        out, lse = flash_attn_with_lse(q, k, v, softmax_scale, causal=True)
+        blocks = kvcache_manager.prefix_blocks(seq)
+        if blocks:
+            ctx = PolicyContext(current_chunk_idx, kvcache_manager.num_chunks(seq), layer_id, q, True,
+                                offload_engine.block_size, seq.num_computed_tokens + num_tokens)
+            out, lse = self.attend_host_blocks(q, layer_id, softmax_scale, offload_engine,
+                                               self.select_blocks(blocks, offload_engine, ctx), out, lse)
+        return out
+
+    def compute_chunked_decode(self, q: torch.Tensor, layer_id: int, softmax_scale: float,
+                               offload_engine: "OffloadEngine", kvcache_manager, seq: "Sequence") -> torch.Tensor:
+        """q [1, H, D] of one sequence's new token -> [1, H, D]."""
+        k_tail, v_tail = kvcache_manager.decode_tail(seq, layer_id)
+        out, lse = flash_attn_with_lse(q, k_tail, v_tail, softmax_scale, causal=False)
+        blocks = kvcache_manager.full_blocks(seq)
+        if blocks:
+            ctx = PolicyContext(0, 1, layer_id, q, False, offload_engine.block_size, len(seq))
+            out, lse = self.attend_host_blocks(q, layer_id, softmax_scale, offload_engine,
+                                               self.select_blocks(blocks, offload_engine, ctx), out, lse)
+        return out
+
+    @staticmethod
+    def attend_host_blocks(q: torch.Tensor, layer_id: int, softmax_scale: float, offload_engine: "OffloadEngine",
+                           blocks: list[int], out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stream full host blocks through the GPU ring and merge each block's attention into (out, lse)."""
+        for slot, _ in offload_engine.stream_blocks(layer_id, blocks):
+            k_slot, v_slot = offload_engine.get_kv_for_slot(slot)
+            block_out, block_lse = flash_attn_with_lse(q, k_slot, v_slot, softmax_scale, causal=False)
+            offload_engine.record_slot_compute_done(slot)
+            out, lse = merge_attention_outputs(block_out, block_lse, out, lse)
+        return out, lse

@@ -1,0 +1,15 @@
+"""Tasks selected with `task=<name>`: each is a function taking the composed config."""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+TASKS = {"generate": "sparsekv.tasks.generate:run",
+         "bench": "sparsekv.tasks.bench:run"}
+
+
+def get_task(name: str) -> Callable:
+    if name not in TASKS:
+        raise ValueError(f"task={name} is unknown; available: {', '.join(sorted(TASKS))}")
+    module, func = TASKS[name].split(":")
+    return getattr(importlib.import_module(module), func)

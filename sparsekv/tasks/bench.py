@@ -1,0 +1,358 @@
+"""task=bench: prefill and decode speed against the physical floors measured in the same run.
+
+    python -m sparsekv task=bench model=qwen3_4b model.load_format=dummy bench.context=32768 bench.decode_steps=32
+    python -m sparsekv -m task=bench policy=full,quest bench.context=32768,131072
+    python -m sparsekv.tasks.bench summarize outputs/        # Markdown table of every bench.json below a folder
+
+Each run writes bench.json (tasks.common.write_record) holding the composed config and the figures:
+achieved prefill/decode figures, the ceilings measured on this device (sparsekv.floors), the floor each
+figure is held against and the ratio achieved time / floor time (>= 1). On a CPU device the ceilings, floors
+and ratios are None.
+
+Floors:
+  prefill      = prefill FLOPs (linear layers + causal attention) / measured dense GEMM rate
+  decode (HBM) = (weight bytes + KV bytes of the context) / measured HBM copy bandwidth, per step
+  decode (PCIe, offload=cpu) = KV bytes of the context / measured pinned H2D bandwidth, per step
+The decode ratio is held against the larger (binding) of the decode floors.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, open_dict
+
+GIB = 1 << 30
+
+
+def _name(value: Any) -> Any:
+    return getattr(value, "value", value)
+
+
+def _ratio(seconds: float | None, floor_seconds: float | None) -> float | None:
+    if not seconds or not floor_seconds:
+        return None
+    return seconds / floor_seconds
+
+
+def bench_config(cfg: DictConfig, spec) -> DictConfig:
+    """A copy of `cfg` whose scheduler and KV pool fit the bench's requests."""
+    bench = cfg.bench
+    if bench.context < 1:
+        raise ValueError(f"bench.context={bench.context} must be at least 1 token")
+    if bench.decode_steps < 0:
+        raise ValueError(f"bench.decode_steps={bench.decode_steps} must be 0 or more")
+    if bench.batch_size < 1:
+        raise ValueError(f"bench.batch_size={bench.batch_size} must be at least 1")
+    cfg = copy.deepcopy(cfg)
+    needed = bench.context + bench.decode_steps + 1
+    with open_dict(cfg):
+        current = cfg.scheduler.max_model_len or spec.max_position_embeddings
+        if current < needed:
+            cfg.scheduler.max_model_len = needed
+        if cfg.scheduler.max_num_seqs < bench.batch_size:
+            cfg.scheduler.max_num_seqs = bench.batch_size
+        if bench.fit_kv_cache and _name(cfg.offload.mode) == "none" and not cfg.offload.num_kv_blocks:
+            block = cfg.offload.block_size
+            cfg.offload.num_kv_blocks = bench.batch_size * (-(-needed // block) + 1)
+    return cfg
+
+
+def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (length,), generator=generator).tolist() for _ in range(count)]
+
+
+def _numeric_delta(after: dict | None, before: dict | None) -> dict | None:
+    if after is None:
+        return None
+    before = before or {}
+    return {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _transfer_snapshot(engine) -> dict | None:
+    stats = getattr(engine.kv_store, "transfer_stats", None)
+    if callable(stats):
+        stats = stats()
+    return dict(stats) if isinstance(stats, dict) else None
+
+
+class _Progress:
+    """tqdm bars over the prefill (prompt tokens) and the decode (steps), fed by engine.generate's callback;
+    also snapshots the KV store's transfer counters when the prefill ends."""
+
+    def __init__(self, total_prompt_tokens: int, decode_steps: int, enabled: bool, start_transfers: dict | None):
+        from tqdm import tqdm
+
+        self.tqdm, self.enabled = tqdm, enabled
+        self.prefill_bar = tqdm(total=total_prompt_tokens, desc="prefill", unit="tok", unit_scale=True,
+                                mininterval=0.5, disable=not enabled, file=sys.stderr)
+        self.decode_total = decode_steps
+        self.decode_bar = None
+        self.after_prefill = start_transfers
+
+    def __call__(self, engine) -> None:
+        stats = engine.stats
+        self.prefill_bar.update(stats.prompt_tokens - self.prefill_bar.n)
+        if stats.decode_steps == 0:
+            self.after_prefill = _transfer_snapshot(engine)
+            return
+        if self.decode_bar is None:
+            self.prefill_bar.close()
+            self.decode_bar = self.tqdm(total=self.decode_total, desc="decode", unit="step", mininterval=0.5,
+                                        disable=not self.enabled, file=sys.stderr)
+        self.decode_bar.update(stats.decode_steps - self.decode_bar.n)
+
+    def close(self) -> None:
+        self.prefill_bar.close()
+        if self.decode_bar is not None:
+            self.decode_bar.close()
+
+
+def run(cfg: DictConfig) -> dict:
+    import time
+
+    import torch
+
+    from sparsekv import floors as fl
+    from sparsekv.engine.llm_engine import RunStats
+    from sparsekv.factory import resolve_device, resolve_dtype
+    from sparsekv.llm import LLM
+    from sparsekv.models.loader import resolve_spec
+    from sparsekv.sampling_params import SamplingParams
+    from sparsekv.tasks.common import write_record
+
+    spec = resolve_spec(cfg.model)
+    cfg = bench_config(cfg, spec)
+    bench = cfg.bench
+    context, steps, batch = int(bench.context), int(bench.decode_steps), int(bench.batch_size)
+    device = resolve_device(cfg)
+    dtype = resolve_dtype(cfg, device)
+
+    # Ceilings first, while the device memory is still free (offload=none takes most of it for the KV pool).
+    floors = fl.measure_floors(device, dtype=dtype) if bench.measure_floors else None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+    start = time.perf_counter()
+    llm = LLM.from_config(cfg)
+    engine = llm.engine
+    build_seconds = time.perf_counter() - start
+
+    warmup_seconds = None
+    if bench.warmup:
+        warm_len = max(1, min(context, int(bench.warmup_tokens)))
+        warm = random_prompts(batch, warm_len, spec.vocab_size, cfg.seed + 1)
+        start = time.perf_counter()
+        engine.generate(warm, SamplingParams(temperature=0.0, max_tokens=min(steps, 2) + 1, ignore_eos=True))
+        warmup_seconds = time.perf_counter() - start
+    engine.stats = RunStats()
+
+    prompts = random_prompts(batch, context, spec.vocab_size, cfg.seed)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    start_transfers = _transfer_snapshot(engine)
+    progress = _Progress(batch * context, steps, bool(bench.progress), start_transfers)
+    start = time.perf_counter()
+    try:
+        outputs = engine.generate(prompts, params, progress=progress)
+    finally:
+        progress.close()
+    wall_seconds = time.perf_counter() - start
+    end_transfers = _transfer_snapshot(engine)
+    stats = engine.stats
+
+    # ---- achieved
+    step_s = stats.step_seconds
+    decode_median_s = statistics.median(step_s) if step_s else None
+    decode_mean_s = statistics.mean(step_s) if step_s else None
+    figures: dict[str, Any] = {
+        "name": bench.name or f"{cfg.model.name} {_name(cfg.offload.mode)} {cfg.policy.name}",
+        "model": cfg.model.name,
+        "offload": _name(cfg.offload.mode),
+        "policy": cfg.policy.name,
+        "device": str(engine.device),
+        "gpu_name": floors.get("gpu_name") if floors else (
+            torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "batch_size": batch,
+        "context": context,
+        "prompt_tokens": stats.prompt_tokens,
+        "generated_tokens": sum(len(o.token_ids) for o in outputs),
+        "decode_steps": stats.decode_steps,
+        "build_seconds": build_seconds,
+        "warmup_seconds": warmup_seconds,
+        "wall_seconds": wall_seconds,
+        "prefill_seconds": stats.prefill_seconds,
+        "prefill_tok_s": stats.prefill_tok_s,
+        "decode_ms_per_token": 1e3 * decode_median_s if decode_median_s is not None else None,  # median step
+        "decode_ms_per_token_mean": 1e3 * decode_mean_s if decode_mean_s is not None else None,
+        "decode_tok_s": batch / decode_median_s if decode_median_s else None,  # all sequences, median step
+        "decode_tok_s_mean": stats.decode_tok_s,
+    }
+
+    # ---- work and floors
+    dtype_bytes = engine.dtype.itemsize
+    wbytes = fl.weight_bytes(engine.model, skip_untied_embedding=True)
+    decode_context = context + steps // 2  # the KV length at the median decode step
+    flops = fl.prefill_flops(spec, context, batch=batch)
+    dbytes = fl.decode_bytes(spec, decode_context, batch, dtype_bytes, wbytes)
+    kv_context_bytes = batch * decode_context * fl.kv_bytes_per_token(spec, dtype_bytes)
+    floor = (lambda key: floors.get(key) if floors else None)
+    matmul, hbm, h2d = floor("matmul_tflops"), floor("hbm_gbps"), floor("h2d_gbps")
+
+    prefill_floor_s = flops / (matmul * 1e12) if matmul else None
+    decode_hbm_floor_s = dbytes / (hbm * 1e9) if hbm else None
+    offloaded = figures["offload"] == "cpu"
+    decode_pcie_floor_s = kv_context_bytes / (h2d * 1e9) if (offloaded and h2d) else None
+    binding = [f for f in (decode_hbm_floor_s, decode_pcie_floor_s) if f]
+    decode_floor_s = max(binding) if binding else None
+    ms = (lambda seconds: 1e3 * seconds if seconds is not None else None)
+    figures.update({
+        "weight_bytes": wbytes,
+        "kv_bytes_per_token": fl.kv_bytes_per_token(spec, dtype_bytes),
+        "prefill_flops": flops,
+        "prefill_tflops": flops / stats.prefill_seconds / 1e12 if stats.prefill_seconds else None,
+        "prefill_floor_s": prefill_floor_s,
+        "prefill_ratio": _ratio(stats.prefill_seconds, prefill_floor_s),
+        "decode_context": decode_context,
+        "decode_bytes_per_step": dbytes,
+        "decode_gbps": dbytes / decode_median_s / 1e9 if decode_median_s else None,
+        "decode_hbm_floor_ms": ms(decode_hbm_floor_s),
+        "decode_pcie_floor_ms": ms(decode_pcie_floor_s),
+        "decode_floor_ms": ms(decode_floor_s),
+        "decode_ratio": _ratio(decode_median_s, decode_floor_s),
+    })
+
+    # ---- bytes the KV store says it moved (offload stores that count them)
+    if end_transfers is not None:
+        prefill_moved = _numeric_delta(progress.after_prefill, start_transfers)
+        decode_moved = _numeric_delta(end_transfers, progress.after_prefill)
+        per_step = {k: v / stats.decode_steps for k, v in decode_moved.items()} if stats.decode_steps else None
+        figures["kv_transfer"] = {"prefill": prefill_moved, "decode": decode_moved, "decode_per_step": per_step,
+                                  "raw": end_transfers}
+        h2d_keys = [k for k in (per_step or {}) if "h2d" in k.lower() and "byte" in k.lower()]
+        if h2d_keys and h2d:
+            loaded = sum(per_step[k] for k in h2d_keys)
+            figures["decode_h2d_bytes_per_step"] = loaded
+            figures["decode_loaded_floor_ms"] = 1e3 * loaded / (h2d * 1e9)
+            figures["decode_loaded_ratio"] = _ratio(decode_median_s, loaded / (h2d * 1e9))
+
+    figures.update(engine.peak_memory())
+    figures.setdefault("gpu_peak_gib", None)
+    figures["floors"] = floors
+    print_table(figures)
+    path = write_record(cfg, "bench", figures)
+    print(f"record: {path}")
+    return figures
+
+
+# ---------------------------------------------------------------------------------------------- printing
+
+
+def _fmt(value: Any, spec: str = ".3g", unit: str = "") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:{spec}}{unit}"
+
+
+def print_table(f: dict) -> None:
+    floors = f.get("floors") or {}
+    on = f"{f['device']}" + (f" ({f['gpu_name']})" if f.get("gpu_name") else "")
+    print(f"bench {f['name']}: model={f['model']} offload={f['offload']} policy={f['policy']} on {on}, "
+          f"{f['dtype']}, batch {f['batch_size']}, context {f['context']}, {f['decode_steps']} decode steps")
+    rows = [("", "achieved", "floor", "ratio"),
+            (f"prefill {f['prompt_tokens']} tok",
+             f"{_fmt(f['prefill_seconds'], '.3f', ' s')} = {_fmt(f['prefill_tok_s'], ',.0f', ' tok/s')}"
+             f" ({_fmt(f['prefill_tflops'], '.1f', ' TFLOP/s')})",
+             _fmt(f["prefill_floor_s"], ".3f", " s"), _fmt(f["prefill_ratio"], ".2f", "x")),
+            ("decode (median step)",
+             f"{_fmt(f['decode_ms_per_token'], '.2f', ' ms/token')} = {_fmt(f['decode_tok_s'], ',.1f', ' tok/s')}"
+             f" (mean {_fmt(f['decode_ms_per_token_mean'], '.2f', ' ms')})",
+             _fmt(f["decode_floor_ms"], ".2f", " ms"), _fmt(f["decode_ratio"], ".2f", "x"))]
+    if f.get("decode_hbm_floor_ms") is not None:
+        rows.append(("  HBM floor", f"{_fmt(f['decode_bytes_per_step'] / 1e9, '.2f', ' GB/step')}",
+                     _fmt(f["decode_hbm_floor_ms"], ".2f", " ms"), ""))
+    if f.get("decode_pcie_floor_ms") is not None:
+        rows.append(("  PCIe floor (KV of context / H2D)", "", _fmt(f["decode_pcie_floor_ms"], ".2f", " ms"), ""))
+    if f.get("decode_loaded_floor_ms") is not None:
+        rows.append(("  PCIe floor (bytes loaded / H2D)", _fmt(f["decode_h2d_bytes_per_step"] / 1e9, ".3f", " GB/step"),
+                     _fmt(f["decode_loaded_floor_ms"], ".2f", " ms"), _fmt(f["decode_loaded_ratio"], ".2f", "x")))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    if floors.get("matmul_tflops") is not None:
+        print(f"  ceilings: GEMM {_fmt(floors['matmul_tflops'], '.0f')} TFLOP/s ({floors['matmul_dtype']}), "
+              f"HBM {_fmt(floors['hbm_gbps'], ',.0f')} GB/s, H2D {_fmt(floors['h2d_gbps'], '.1f')} GB/s pinned "
+              f"({_fmt(floors.get('h2d_pageable_gbps'), '.1f')} pageable), D2H {_fmt(floors['d2h_gbps'], '.1f')} GB/s")
+    else:
+        print("  ceilings: not measured on this device (floors and ratios need CUDA)")
+    print(f"  memory: GPU peak {_fmt(f.get('gpu_peak_gib'), '.2f', ' GiB')}, "
+          f"host peak RSS {_fmt(f.get('host_peak_rss_gib'), '.2f', ' GiB')}")
+
+
+# ---------------------------------------------------------------------------------------------- summary
+
+SUMMARY_COLUMNS = [
+    ("name", "name", None), ("context", "context", "d"), ("batch", "batch_size", "d"),
+    ("prefill tok/s", "prefill_tok_s", ",.0f"), ("prefill s", "prefill_seconds", ".3f"),
+    ("prefill floor s", "prefill_floor_s", ".3f"), ("prefill ratio", "prefill_ratio", ".2f"),
+    ("decode ms/token", "decode_ms_per_token", ".2f"), ("decode floor ms", "decode_floor_ms", ".2f"),
+    ("decode ratio", "decode_ratio", ".2f"), ("GPU peak GiB", "gpu_peak_gib", ".2f"),
+]
+
+
+def load_records(directory: str | Path) -> list[dict]:
+    records = []
+    for path in sorted(Path(directory).rglob("bench.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            print(f"skipping {path}: {err}", file=sys.stderr)
+            continue
+        record["_path"] = str(path)
+        records.append(record)
+    records.sort(key=lambda r: (str(r.get("name")), r.get("context") or 0, r.get("batch_size") or 0))
+    return records
+
+
+def summarize(directory: str | Path) -> str:
+    """A Markdown table of every bench.json below `directory` (printed and returned)."""
+    records = load_records(directory)
+    lines = ["| " + " | ".join(c[0] for c in SUMMARY_COLUMNS) + " |",
+             "|" + "|".join("---" if c[2] is None else "---:" for c in SUMMARY_COLUMNS) + "|"]
+    for r in records:
+        cells = [str(r.get(key)) if spec is None else _fmt(r.get(key), spec) for _, key, spec in SUMMARY_COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    devices = sorted({f"{(r.get('floors') or {}).get('gpu_name') or r.get('device')}" for r in records})
+    notes = []
+    for r in records:
+        fl = r.get("floors") or {}
+        if fl.get("matmul_tflops") is not None:
+            notes.append(f"{r['name']} @ {r['context']}: GEMM {fl['matmul_tflops']:.0f} TFLOP/s, "
+                         f"HBM {fl['hbm_gbps']:,.0f} GB/s, H2D {fl['h2d_gbps']:.1f} GB/s, D2H {fl['d2h_gbps']:.1f} GB/s")
+    text = "\n".join(lines)
+    text += f"\n\n{len(records)} runs on {', '.join(devices) or 'nothing'}"
+    if notes:
+        text += "; ceilings measured in each run:\n" + "\n".join(f"- {n}" for n in notes)
+    print(text)
+    return text
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] != "summarize":
+        print("usage: python -m sparsekv.tasks.bench summarize DIR", file=sys.stderr)
+        return 2
+    summarize(argv[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

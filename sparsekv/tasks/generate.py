@@ -1,0 +1,41 @@
+"""task=generate: generate from `prompt`, print the text and the run's figures."""
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from sparsekv.llm import LLM
+from sparsekv.sampling_params import SamplingParams
+from sparsekv.tasks.common import write_record
+
+
+def sampling_params(cfg: DictConfig) -> SamplingParams:
+    return SamplingParams(**OmegaConf.to_container(cfg.sampling))
+
+
+def run(cfg: DictConfig) -> dict:
+    params = sampling_params(cfg)  # bad sampling values fail before the model is built
+    llm = LLM.from_config(cfg)
+    engine = llm.engine
+    out = llm.generate([cfg.prompt], params)[0]
+    stats = engine.stats
+    figures = {
+        "prompt_tokens": len(out.prompt_token_ids),
+        "generated_tokens": len(out.token_ids),
+        "prefill_tok_s": stats.prefill_tok_s,
+        "decode_tok_s": stats.decode_tok_s,
+        "decode_ms_per_token": stats.decode_ms_per_step,
+        **engine.peak_memory(),
+        "text": out.text,
+        "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason,
+    }
+    print(f"model: {cfg.model.name} ({engine.spec.architecture}) on {engine.device}, {engine.dtype}")
+    print(f"prompt: {cfg.prompt!r}")
+    print(f"output: {out.text if out.text is not None else out.token_ids!r}")
+    print(f"prompt tokens {figures['prompt_tokens']}, generated {figures['generated_tokens']} "
+          f"({out.finish_reason}); prefill {stats.prefill_tok_s:.1f} tok/s, decode {stats.decode_tok_s:.1f} tok/s "
+          f"({stats.decode_ms_per_step:.2f} ms/token)")
+    print("peak memory: " + ", ".join(f"{k} {v:.3f}" for k, v in engine.peak_memory().items()))
+    path = write_record(cfg, "generate", figures)
+    print(f"record: {path}")
+    return figures

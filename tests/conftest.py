@@ -1,0 +1,87 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints written with transformers, no downloads."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("SPARSEKV_DISABLE_PLUGIN_AUTOLOAD", "0")
+
+WORDS = ["the", "a", "fox", "dog", "jumps", "over", "lazy", "quick", "brown", "number", "magic", "is", "of",
+         "one", "special", "key", "value", "context", "long", "cache"]
+
+
+def save_tokenizer(path: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    vocab.update({f"w{i}": i for i in range(len(vocab), vocab_size)})
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", bos_token="<s>",
+                                        eos_token="</s>")
+    tokenizer.save_pretrained(str(path))
+
+
+def make_checkpoint(path: Path, arch: str = "qwen3", *, tie: bool = True, dtype=torch.float32,
+                    shard: bool = False, tokenizer: bool = True, seed: int = 0, **overrides) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                  tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6)
+    common.update(overrides)
+    torch.manual_seed(seed)
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(rope_theta=1e6, **common))
+    else:
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 256}
+        model = LlamaForCausalLM(LlamaConfig(rope_theta=5e5, rope_scaling=scaling, **common))
+    # widen the random init so that greedy decoding does not collapse onto one token
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.15)
+    model = model.to(dtype)
+    model.save_pretrained(str(path), max_shard_size="100KB" if shard else "2GB", safe_serialization=True)
+    if tokenizer:
+        save_tokenizer(path, common["vocab_size"])
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen3_ckpt(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", tie=True)
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("llama"), "llama", tie=False)
+
+
+@pytest.fixture(scope="session")
+def qwen3_bf16_sharded_ckpt(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3_bf16"), "qwen3", tie=False, dtype=torch.bfloat16,
+                           shard=True, seed=1)
+
+
+def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """HF transformers' greedy continuation and last-position logits, in float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1].float()
+        out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist(), logits
+
+
+def random_prompt(length: int, vocab: int = 128, seed: int = 0) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (length,), generator=generator).tolist()
