@@ -89,14 +89,17 @@ def prefill_chunk_tokens(cfg: DictConfig, max_model_len: int) -> int:
 
 def build_kv_store(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                    max_model_len: int, policy):
-    if cfg.offload.mode == OffloadMode.none:
-        num_blocks = num_device_kv_blocks(cfg, spec, dtype, device, max_model_len)
-        return PagedKVStore(spec.num_hidden_layers, num_blocks, cfg.offload.block_size, spec.num_key_value_heads,
-                            spec.head_dim, dtype, device)
-    offload = cfg.offload
     full = registry().policies["full"]()
     prefill_policy = policy if policy.supports_prefill else full
     decode_policy = policy if policy.supports_decode else full
+    if cfg.offload.mode == OffloadMode.none:
+        if decode_policy.requires_block_selection:
+            log.warning("policy %s selects blocks to load over PCIe; with offload=none decode stays dense "
+                        "(use offload=cpu to load only the selected blocks)", decode_policy.name)
+        num_blocks = num_device_kv_blocks(cfg, spec, dtype, device, max_model_len)
+        return PagedKVStore(spec.num_hidden_layers, num_blocks, cfg.offload.block_size, spec.num_key_value_heads,
+                            spec.head_dim, dtype, device, prefill_policy)
+    offload = cfg.offload
     chunk = prefill_chunk_tokens(cfg, max_model_len)
     initial_prefill_buffer = min(chunk, cfg.scheduler.max_num_batched_tokens)
     return OffloadKVStore(spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, offload.block_size,

@@ -4,19 +4,27 @@ from __future__ import annotations
 import torch
 
 from sparsekv.engine.context import Context
-from sparsekv.kernels import flash_attn_with_lse, merge_attention_outputs, paged_decode_attention, store_kv
+import logging
+
+from sparsekv.kernels import paged_decode_attention, store_kv
 from sparsekv.kvcache.base import KVStore
+
+log = logging.getLogger(__name__)
 
 
 class PagedKVStore(KVStore):
+    """Prefill attention is the prefill policy's compute_prefill over the sequence's keys so far; decode is dense
+    paged attention (block-selecting decode policies pay off only when blocks must cross PCIe: offload=cpu)."""
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, prefill_policy):
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, blocks, block_size, KVH, D]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * self.k_cache.element_size()
+        self.prefill_policy = prefill_policy
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                context: Context) -> torch.Tensor:
@@ -29,12 +37,11 @@ class PagedKVStore(KVStore):
         out = torch.empty_like(q)
         for chunk in context.chunks:
             rows = slice(chunk.start, chunk.end)
-            o, lse = flash_attn_with_lse(q[rows], k[rows], v[rows], scale, causal=True)
+            keys, values = k[rows], v[rows]
             if chunk.num_cached:
                 k_prefix, v_prefix = self.gather(layer_id, chunk.block_table, chunk.num_cached)
-                o_prefix, lse_prefix = flash_attn_with_lse(q[rows], k_prefix, v_prefix, scale, causal=False)
-                o, lse = merge_attention_outputs(o_prefix, lse_prefix, o, lse)
-            out[rows] = o
+                keys, values = torch.cat([k_prefix, keys]), torch.cat([v_prefix, values])
+            out[rows] = self.prefill_policy.compute_prefill(q[rows], keys, values, layer_id, scale)
         return out
 
     def gather(self, layer_id: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -67,6 +67,17 @@ class SparsePolicy:
         return available_blocks
 
     # ---- computation
+    def compute_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                        softmax_scale: float) -> torch.Tensor:
+        """offload=none: q [n, H, D] are the last n positions of k/v [S, KVH, D], all on the device -> [n, H, D].
+        Default: dense causal attention (the earlier S-n keys fully visible)."""
+        n = q.shape[0]
+        out, lse = flash_attn_with_lse(q, k[-n:], v[-n:], softmax_scale, causal=True)
+        if k.shape[0] > n:
+            prefix_out, prefix_lse = flash_attn_with_lse(q, k[:-n], v[:-n], softmax_scale, causal=False)
+            out, lse = merge_attention_outputs(prefix_out, prefix_lse, out, lse)
+        return out
+
     def compute_chunked_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                                 softmax_scale: float, offload_engine: "OffloadEngine", kvcache_manager,
                                 current_chunk_idx: int, seq: "Sequence", num_tokens: int) -> torch.Tensor:
