@@ -1,7 +1,11 @@
 """CLI: python -m sparsekv [group=option ...] [key=value ...]   (Hydra; add -m for a multirun sweep)."""
 from __future__ import annotations
 
+import gc
+import logging
 import sys
+import traceback
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -13,6 +17,7 @@ from sparsekv.tasks import get_task
 get_plugin_manager()  # plugins register their configs before Hydra composes
 
 USER_ERROR_EXIT_CODE = 2
+log = logging.getLogger("sparsekv")
 
 
 def is_user_error(exc: BaseException) -> bool:
@@ -31,16 +36,66 @@ def is_user_error(exc: BaseException) -> bool:
     return module == "sparsekv" or module.startswith("sparsekv.")
 
 
+def in_multirun() -> bool:
+    """True inside a job of a Hydra multirun sweep (`python -m sparsekv -m ...`)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except ValueError:  # HydraConfig not set: the Python API or a test calling main's body directly
+        return False
+
+
+def record_failed_job(cfg: DictConfig, exc: BaseException) -> Path | None:
+    """A failed job of a sweep leaves `<job dir>/<task name>.json` = {"config", "status": "failed", "error":
+    "<type>: <message>", "traceback"} (sparsekv.tasks.report lists it as a failed row) and the sweep goes on."""
+    from sparsekv.tasks.common import write_record
+
+    error = f"{type(exc).__name__}: {exc}"
+    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    if is_user_error(exc):
+        log.error("job failed: %s", exc)
+    else:
+        log.error("job failed: %s\n%s", error, trace.rstrip())
+    name = str(cfg.task.get("name") or "task") if cfg.get("task") is not None else "task"
+    try:
+        path = write_record(cfg, name, {"status": "failed", "error": error, "traceback": trace})
+    except Exception as write_exc:  # noqa: BLE001 - the sweep goes on even when the record cannot be written
+        log.error("could not write the failed record: %s: %s", type(write_exc).__name__, write_exc)
+        return None
+    log.error("failed record: %s", path)
+    return path
+
+
+def release_memory() -> None:
+    """After a failed job: drop the frames the traceback kept alive (the engine, its KV pool) and hand the cached
+    device memory back, so the next job of the sweep starts with the memory the failed one held."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 @hydra.main(version_base=None, config_path=str(config_dir()), config_name="config")
 def main(cfg: DictConfig) -> None:
+    failed = False
     try:
         get_task(cfg.task.name)(cfg)
-    except Exception as exc:  # noqa: BLE001 - sorted into user errors and the rest just below
-        if not is_user_error(exc):
-            raise
-        sys.stdout.flush()
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(USER_ERROR_EXIT_CODE)
+    except Exception as exc:  # noqa: BLE001 - sorted into sweep failures, user errors and the rest just below
+        # (torch.cuda.OutOfMemoryError is a RuntimeError, so an OOM job is recorded like any other failure)
+        if in_multirun():
+            sys.stdout.flush()
+            record_failed_job(cfg, exc)
+            failed = True
+        else:
+            if not is_user_error(exc):
+                raise
+            sys.stdout.flush()
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(USER_ERROR_EXIT_CODE)
+    if failed:
+        release_memory()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ MODEL_CLASSES = {
 }
 POLICY_CLASSES = [
     "sparsekv.policies.full:FullAttentionPolicy",
+    "sparsekv.policies.minference:MInferencePolicy",
 ]
 
 

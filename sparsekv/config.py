@@ -43,7 +43,11 @@ class PrefillMode(str, enum.Enum):
 
 
 class GraphMode(str, enum.Enum):
-    eager = "eager"
+    """How decode steps run (prefill is always eager). See sparsekv/engine/cuda_graph.py."""
+    auto = "auto"  # CUDA: cudagraph for offload=none, segmented for offload=cpu; eager without CUDA
+    eager = "eager"  # plain PyTorch, no CUDA graphs
+    cudagraph = "cudagraph"  # whole decode forward captured per batch bucket (offload=none)
+    segmented = "segmented"  # per layer: pre- and post-attention graphs, attention eager between (offload=cpu)
 
 
 @dataclass
@@ -92,7 +96,11 @@ class SchedulerConfig:
 
 @dataclass
 class GraphConfig:
-    mode: GraphMode = GraphMode.eager
+    mode: GraphMode = GraphMode.auto
+    # Decode batches are padded up to the next captured size: 1, 2, 4, 8, then steps of 16, up to
+    # max_batch_size (default: scheduler.max_num_seqs); a larger batch runs eagerly.
+    max_batch_size: Optional[int] = None
+    batch_sizes: Optional[List[int]] = None  # explicit capture sizes instead of the default ladder
 
 
 @dataclass
@@ -122,6 +130,66 @@ class BenchConfig:
     warmup_tokens: int = 256  # prompt tokens of each warm-up request (compilation/autotune stay out of the figures)
     fit_kv_cache: bool = True  # offload=none without offload.num_kv_blocks: size the device KV pool to the bench
     progress: bool = True  # tqdm bars over prefill and decode
+    baseline: bool = False  # also time HF transformers on the same prompts (sparsekv.baseline) -> "hf_baseline"
+
+
+@dataclass
+class ReportConfig:
+    """task=report: tables and plots of every JSON record below a run or sweep directory."""
+    dir: Optional[str] = None  # the sweep (or run, or outputs/) directory to scan recursively; required
+    out_dir: Optional[str] = None  # where report.csv, report.md and the PNGs go (default: `dir`)
+    plots: bool = True  # draw the PNG plots (matplotlib, Agg backend)
+
+
+class QualityPhase(str, enum.Enum):
+    decode = "decode"  # compute_chunked_decode: the last token's query
+    prefill = "prefill"  # compute_chunked_prefill (last chunk) and compute_prefill (offload=none, whole prompt)
+    both = "both"
+
+
+@dataclass
+class QualityConfig:
+    """task=quality: the configured policy's attention against dense attention, on planted Q/K/V and, when
+    model.path is set, on the checkpoint's own Q/K/V of a needle-in-a-haystack prompt (sparsekv.quality)."""
+    phase: QualityPhase = QualityPhase.both
+    context: int = 8192  # tokens of the planted sequence (prompt + the decoded token)
+    block_size: Optional[int] = None  # tokens per KV block (default: offload.block_size)
+    prefill_chunk: Optional[int] = None  # chunked-prefill chunk (default: offload.prefill_chunk_size, else 4 blocks)
+    num_gpu_blocks: Optional[int] = None  # ring slots (default: offload.num_gpu_blocks)
+    decode_steps: int = 0  # tokens decoded before the evaluated one (exercises on_decode_offload)
+    depths: List[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])  # needle depths, one input each
+    seeds: List[int] = field(default_factory=lambda: [0])
+    resident: bool = True  # with the prefill phase: also compute_prefill (offload=none) on the whole prompt
+    probe: bool = True  # second run with needle-indicator values -> needle_recall / needle_hit
+    shuffle_blocks: bool = False  # permute the host block ids (policies must not assume block id = position)
+    planted: bool = True  # evaluate on planted inputs
+    num_layers: int = 2  # planted shapes
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 128
+    sink_tokens: int = 4  # planted structure (scores each one adds; see sparsekv.quality.planted_inputs)
+    num_stripes: int = 8
+    local_window: Optional[int] = None  # default: block_size
+    sink_logit: float = 8.0
+    stripe_logit: float = 5.0
+    local_logit: float = 4.0
+    needle_logit: float = 6.0
+    model_inputs: Optional[bool] = None  # capture the model's Q/K/V (default: when model.path is set)
+    model_context: Optional[int] = None  # prompt tokens of the captured haystack prompt (default: context)
+    layers: Optional[List[int]] = None  # model layers to evaluate (default: all)
+    name: Optional[str] = None  # row label in records (default: "<model> <policy>")
+
+
+@dataclass
+class NeedleConfig:
+    """task=needle: RULER-style needle in a haystack, greedy generation, exact match of the magic number."""
+    contexts: List[int] = field(default_factory=lambda: [4096])  # prompt lengths in tokens
+    depths: List[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])  # needle position in [0, 1]
+    num_samples: int = 2  # prompts per (context, depth), each with its own key and number
+    seed: int = 0
+    max_tokens: int = 12
+    batch_size: int = 4  # prompts generated together
+    name: Optional[str] = None  # row label in records (default: "<model> <offload> <policy>")
 
 
 @dataclass
@@ -134,6 +202,9 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    quality: QualityConfig = field(default_factory=QualityConfig)
+    needle: NeedleConfig = field(default_factory=NeedleConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     device: Device = Device.auto
     dtype: DType = DType.auto
     seed: int = 0

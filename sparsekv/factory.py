@@ -7,6 +7,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from sparsekv.config import Device, DType, OffloadMode, PrefillMode
+from sparsekv.engine.cuda_graph import attach_graph_runner, check_graph_config, graph_settings, resolve_graph_mode
 from sparsekv.engine.llm_engine import LLMEngine
 from sparsekv.kvcache.base import available_host_memory
 from sparsekv.kvcache.offload_store import OffloadKVStore
@@ -117,10 +118,15 @@ def build_engine(cfg: DictConfig) -> LLMEngine:
     dtype = resolve_dtype(cfg, device)
     max_model_len = cfg.scheduler.max_model_len or spec.max_position_embeddings
     check_offload_config(cfg)
+    graph_cfg = cfg.get("graph")
+    check_graph_config(graph_cfg)
+    graph_mode = resolve_graph_mode(graph_settings(graph_cfg)[0], cfg.offload.mode, device)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, spec, cls, device, dtype, cfg.seed)
     kv_store = build_kv_store(cfg, spec, dtype, device, max_model_len, policy)
     tokenizer = load_tokenizer(cfg.model.path, spec.vocab_size)
     log.info("built %s on %s (%s), offload=%s: %d KV blocks of %d tokens", spec.architecture, device, dtype,
              cfg.offload.mode.value, kv_store.num_blocks, cfg.offload.block_size)
-    return LLMEngine(cfg, spec, model, kv_store, tokenizer, device, dtype, max_model_len, policy)
+    engine = LLMEngine(cfg, spec, model, kv_store, tokenizer, device, dtype, max_model_len, policy)
+    attach_graph_runner(engine, graph_mode, graph_cfg)  # after the KV pools, before the first decode
+    return engine

@@ -1,6 +1,7 @@
 """The Python API: `LLM(model, overrides=[...]).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import numbers
 import re
 from pathlib import Path
 
@@ -69,7 +70,48 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  progress=None) -> list[RequestOutput]:
-        """prompts: a string, a list of token ids, or a list of either."""
-        if not isinstance(prompts, str) and len(prompts) == 0:
-            raise ValueError("prompt is empty: pass a non-empty string or list of token ids (or a list of them)")
+        """prompts: a string, a list of token ids, or a list of either (one output per prompt, in order)."""
+        prompts = normalize_prompts(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+        for p in params:
+            if p is not None and not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params must be SamplingParams or a list of them, not {type(p).__name__}")
         return self.engine.generate(prompts, sampling_params, progress)
+
+
+PROMPT_SHAPES = "a string, a list of token ids, or a list of strings / token-id lists"
+
+
+def normalize_prompts(prompts) -> list[str | list[int]]:
+    """Any accepted prompt shape as a list of prompts; a wrong shape or type is a clear error here rather than
+    a TypeError from deep inside the engine."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be {PROMPT_SHAPES}; got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("prompt is empty: pass a non-empty string or list of token ids (or a list of them)")
+    if _is_token_id(prompts[0]):
+        return [_token_ids(prompts, None)]
+    out: list[str | list[int]] = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            out.append(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            out.append(_token_ids(prompt, i))
+        else:
+            raise TypeError(f"prompt {i} is a {type(prompt).__name__}; prompts must be {PROMPT_SHAPES}")
+    return out
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _token_ids(prompt, index: int | None) -> list[int]:
+    where = "prompt" if index is None else f"prompt {index}"
+    for t in prompt:
+        if not _is_token_id(t):
+            raise TypeError(f"{where}: token ids must be integers, got {t!r} ({type(t).__name__}); pass text as a "
+                            "string, not inside a token list")
+    return [int(t) for t in prompt]

@@ -35,7 +35,10 @@ NEG_INF = float("-inf")
 @pytest.fixture(autouse=True)
 def _poison_outputs(monkeypatch):
     monkeypatch.setattr(_dispatch, "POISON_OUTPUTS", True)
-    monkeypatch.delenv(_dispatch.ENV_BACKEND, raising=False)
+    if DEV.type == "cuda":
+        monkeypatch.delenv(_dispatch.ENV_BACKEND, raising=False)
+    else:  # off-GPU the Triton kernels run (interpreted) only when asked for
+        monkeypatch.setenv(_dispatch.ENV_BACKEND, "triton")
 
 
 def _tol(dtype: torch.dtype) -> float:
@@ -392,3 +395,22 @@ def test_gpu_merge_bf16():
     assert not o.isnan().any() and _rel_err(o, ro) < 1e-2
     _check_lse(lse, rlse, atol=1e-5)
     assert math.isfinite(lse[0, -1].item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_paged_decode_cuda_graph():
+    # With max_context_len given there is no host sync: the call can be captured in a CUDA
+    # graph and replayed after context_lens / q change in place.
+    lens = [3000, 700]
+    q, kc, vc, tables, lens_t, _, _ = _paged_case(lens, 16, 4, 128, 16, torch.bfloat16)
+    paged_decode_attention(q, kc, vc, tables, lens_t, max_context_len=4096)  # compile first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = paged_decode_attention(q, kc, vc, tables, lens_t, max_context_len=4096)
+    for new_lens in ([3000, 700], [2999, 1], [0, 650]):
+        lens_t.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        ref = paged_decode_attention_reference(q, kc, vc, tables, lens_t)
+        _check_attn((o.clone(), lse.clone()), ref, torch.bfloat16)

@@ -16,6 +16,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_store.block_size
         self.sampler = Sampler()
+        self.graph_runner = None  # sparsekv.engine.cuda_graph: replays captured decode steps (graph.mode)
 
     def _tensor(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda").to(
@@ -56,12 +57,21 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[int, int]:
         """Returns {seq_id: sampled token} for the sequences whose step ends at their newest token."""
-        prepare = self.prepare_prefill if batch.is_prefill else self.prepare_decode
-        input_ids, positions, context, sample_rows = prepare(batch)
+        graph = self.graph_runner
+        if graph is not None and (batch.is_prefill or not graph.can_run(batch.seqs)):
+            graph = None  # prefill, and decode batches larger than the largest captured one, run eagerly
+        prepared = graph.prepare_decode(batch) if graph is not None else None
+        if prepared is None:
+            prepare = self.prepare_prefill if batch.is_prefill else self.prepare_decode
+            prepared = prepare(batch)
+        input_ids, positions, context, sample_rows = prepared
         set_context(context)
         try:
             self.kv_store.begin_step(context)
-            hidden = self.model(input_ids, positions)  # [N, hidden]
+            if graph is not None:
+                hidden = graph.forward(input_ids, positions, context)  # [N, hidden]
+            else:
+                hidden = self.model(input_ids, positions)  # [N, hidden]
             self.kv_store.end_step(context)
         finally:
             set_context(None)

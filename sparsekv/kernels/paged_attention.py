@@ -23,7 +23,7 @@ BLOCK_N = 64  # tokens per inner step on GPU (16-bit, D <= 128; shrunk for bigge
 KV_TILE_BYTES = 16384  # BLOCK_N * D * element_size of one K (or V) tile at most
 NUM_WARPS = 4
 NUM_STAGES = 3
-INTERPRET_BLOCK_N = 16
+INTERPRET_BLOCK_N = 32
 MIN_GROUP_ROWS = 16  # tl.dot needs >= 16 rows: the GQA group is padded up to this
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in merging than it saves
 MAX_SPLITS = 128

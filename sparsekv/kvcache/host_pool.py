@@ -36,6 +36,15 @@ class HostPool:
             self.k_slabs.append(torch.empty(shape, dtype=self.dtype, pin_memory=self.pin_memory))
             self.v_slabs.append(torch.empty(shape, dtype=self.dtype, pin_memory=self.pin_memory))
 
+    def contiguous(self, block_id: int, next_block_id: int) -> bool:
+        """Do the two blocks sit next to each other in one slab?"""
+        return next_block_id == block_id + 1 and next_block_id % self.blocks_per_slab != 0
+
+    def blocks(self, layer: int, first_block: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host K and V of `count` consecutive blocks of one slab: [count, block_size, KVH, D] each."""
+        slab, index = divmod(first_block, self.blocks_per_slab)
+        return self.k_slabs[slab][layer, index:index + count], self.v_slabs[slab][layer, index:index + count]
+
     def block(self, layer: int, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Host K and V of one block of one layer: [block_size, KVH, D] each."""
         slab, index = divmod(block_id, self.blocks_per_slab)

@@ -56,54 +56,89 @@ class OffloadEngine:
 
     # ---- ring of GPU slots: load, wait, read, release
     def load_to_slot_layer(self, slot: int, layer: int, cpu_block: int) -> None:
-        host_k, host_v = self.host.block(layer, cpu_block)
-        s = self.streams
-        if s.cuda:
-            with torch.cuda.stream(s.h2d):
-                s.h2d.wait_event(s.slot_free[slot])  # the attention that last read this slot is done
-                s.h2d.wait_event(s.layer_offloaded[layer])  # the block reached the host
-                self.k_slots[slot].copy_(host_k, non_blocking=True)
-                self.v_slots[slot].copy_(host_v, non_blocking=True)
-                s.slot_loaded[slot].record(s.h2d)
-        else:
-            self.k_slots[slot].copy_(host_k)
-            self.v_slots[slot].copy_(host_v)
-        self.transfer_stats["h2d_bytes"] += 2 * self.block_bytes
-        self.transfer_stats["h2d_blocks"] += 1
+        self.next_slot = slot
+        self._issue_group(layer, [cpu_block], 1)
 
     def wait_slot_layer(self, slot: int) -> None:
-        if self.streams.cuda:
-            torch.cuda.current_stream(self.device).wait_event(self.streams.slot_loaded[slot])
+        self.wait_slots(slot, 1)
 
     def get_kv_for_slot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_slots[slot], self.v_slots[slot]  # [block_size, KVH, D] each
 
     def record_slot_compute_done(self, slot: int) -> None:
-        if self.streams.cuda:
-            self.streams.slot_free[slot].record(torch.cuda.current_stream(self.device))
+        self.record_slots_compute_done(slot, 1)
 
     def stream_blocks(self, layer: int, cpu_blocks: list[int]) -> Iterator[tuple[int, int]]:
         """Yield (slot, cpu_block) in order, each loaded and waited for, keeping up to num_slots loads in
         flight. The caller reads the slot and calls record_slot_compute_done(slot) before the next item."""
-        pending: deque[tuple[int, int]] = deque()
-        blocks = iter(cpu_blocks)
-        for block in blocks:
-            pending.append((self._issue(layer, block), block))
-            if len(pending) == self.num_slots:
-                break
-        while pending:
-            slot, block = pending.popleft()
-            self.wait_slot_layer(slot)
-            yield slot, block
-            following = next(blocks, None)
-            if following is not None:
-                pending.append((self._issue(layer, following), following))
+        for first, blocks in self.stream_block_groups(layer, cpu_blocks, group_size=1):
+            yield first, blocks[0]
 
-    def _issue(self, layer: int, cpu_block: int) -> int:
-        slot = self.next_slot
-        self.next_slot = (slot + 1) % self.num_slots
-        self.load_to_slot_layer(slot, layer, cpu_block)
-        return slot
+    def stream_block_groups(self, layer: int, cpu_blocks: list[int],
+                            group_size: int | None = None) -> Iterator[tuple[int, list[int]]]:
+        """Yield (first_slot, blocks): groups of up to `group_size` blocks loaded into consecutive slots, so one
+        attention call covers the group (get_kv_for_slots). Two groups are in flight: the ring's halves are the
+        double buffer. The caller calls record_slots_compute_done(first_slot, len(blocks)) after reading."""
+        size = group_size or max(1, self.num_slots // 2)
+        groups = [cpu_blocks[i:i + size] for i in range(0, len(cpu_blocks), size)]
+        in_flight = max(1, self.num_slots // size)
+        pending: deque[tuple[int, list[int]]] = deque()
+        for index, group in enumerate(groups):
+            if len(pending) == in_flight:
+                first, blocks = pending.popleft()
+                self.wait_slots(first, len(blocks))
+                yield first, blocks
+            pending.append((self._issue_group(layer, group, size), group))
+        while pending:
+            first, blocks = pending.popleft()
+            self.wait_slots(first, len(blocks))
+            yield first, blocks
+
+    def _issue_group(self, layer: int, blocks: list[int], size: int) -> int:
+        if self.next_slot + size > self.num_slots:
+            self.next_slot = 0
+        first = self.next_slot
+        self.next_slot = (first + size) % self.num_slots
+        s = self.streams
+        if s.cuda:
+            with torch.cuda.stream(s.h2d):
+                for slot in range(first, first + len(blocks)):
+                    s.h2d.wait_event(s.slot_free[slot])  # the attention that last read this slot is done
+                s.h2d.wait_event(s.layer_offloaded[layer])  # the blocks reached the host
+                self._copy_runs(layer, first, blocks)
+                s.slot_loaded[first].record(s.h2d)
+        else:
+            self._copy_runs(layer, first, blocks)
+        self.transfer_stats["h2d_bytes"] += 2 * self.block_bytes * len(blocks)
+        self.transfer_stats["h2d_blocks"] += len(blocks)
+        return first
+
+    def _copy_runs(self, layer: int, first_slot: int, blocks: list[int]) -> None:
+        """One copy per run of consecutive host blocks in one slab (a sequence's blocks are mostly consecutive)."""
+        start = 0
+        while start < len(blocks):
+            end = start + 1
+            while end < len(blocks) and self.host.contiguous(blocks[end - 1], blocks[end]):
+                end += 1
+            host_k, host_v = self.host.blocks(layer, blocks[start], end - start)
+            slots = slice(first_slot + start, first_slot + end)
+            self.k_slots[slots].copy_(host_k, non_blocking=True)
+            self.v_slots[slots].copy_(host_v, non_blocking=True)
+            start = end
+
+    def wait_slots(self, first: int, count: int) -> None:
+        if self.streams.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.streams.slot_loaded[first])
+
+    def get_kv_for_slots(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `count` consecutive slots as one sequence of keys: [count * block_size, KVH, D] each."""
+        return self.k_slots[first:first + count].flatten(0, 1), self.v_slots[first:first + count].flatten(0, 1)
+
+    def record_slots_compute_done(self, first: int, count: int) -> None:
+        if self.streams.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            for slot in range(first, first + count):
+                self.streams.slot_free[slot].record(stream)
 
     # ---- prefill buffer: the chunk being written
     def ensure_prefill_capacity(self, num_tokens: int) -> None:

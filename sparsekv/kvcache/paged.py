@@ -20,8 +20,11 @@ class PagedKVStore(KVStore):
                  dtype: torch.dtype, device: torch.device, prefill_policy):
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, blocks, block_size, KVH, D]
+        # One block past the num_blocks the block manager hands out: CUDA-graph decode (graph.mode=cudagraph) writes
+        # the keys of the padding rows of a batch there; nothing reads it.
+        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
+        self.scratch_slot = num_blocks * block_size
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, blocks + 1, block_size, KVH, D]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * self.k_cache.element_size()
         self.prefill_policy = prefill_policy

@@ -24,7 +24,9 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if qk_norm else None
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def project_qkv(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [N, hidden] (normed) -> q [N, H, D], k/v [N, KVH, D] after q/k norm and rotary."""
         n = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)  # [N, H, D]
@@ -33,8 +35,15 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        out = self.attn(q, k, v)  # [N, H, D]
-        return self.o_proj(out.reshape(n, self.q_size))
+        return q, k, v
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output [N, H, D] -> [N, hidden]."""
+        return self.o_proj(out.reshape(out.shape[0], self.q_size))
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project_qkv(hidden, cos, sin)
+        return self.project_out(self.attn(q, k, v))  # attn: [N, H, D]
 
 
 class GatedMLP(nn.Module):
@@ -57,9 +66,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = GatedMLP(spec)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
+    # forward = post_attention(hidden, attention(*pre_attention(hidden))): decode with graph.mode=segmented
+    # captures the two halves as CUDA graphs and runs the attention between them eagerly.
+    def pre_attention(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input norm, qkv projection, q/k norm, rotary: hidden [N, hidden] -> q [N, H, D], k/v [N, KVH, D]."""
+        return self.self_attn.project_qkv(self.input_layernorm(hidden), cos, sin)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.self_attn.attn(q, k, v)  # the KV store of the step's Context: [N, H, D]
+
+    def post_attention(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """o projection, residual, post norm, MLP, residual: -> the layer's output [N, hidden]."""
+        hidden = hidden + self.self_attn.project_out(attn_out)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.post_attention(hidden, self.attention(*self.pre_attention(hidden, cos, sin)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -86,10 +109,16 @@ class LlamaForCausalLM(nn.Module):
             return [spec.num_attention_heads * spec.head_dim, kv, kv]
         return [spec.intermediate_size, spec.intermediate_size]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # input_ids, positions [N] -> hidden [N, hidden]
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """input_ids, positions [N] -> hidden [N, hidden] and the rotary cos/sin [N, D] every layer uses."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        return hidden, cos, sin
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions [N] -> hidden [N, hidden]
+        hidden, cos, sin = self.embed(input_ids, positions)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin)
         return self.norm(hidden)

@@ -106,10 +106,11 @@ class SparsePolicy:
     @staticmethod
     def attend_host_blocks(q: torch.Tensor, layer_id: int, softmax_scale: float, offload_engine: "OffloadEngine",
                            blocks: list[int], out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stream full host blocks through the GPU ring and merge each block's attention into (out, lse)."""
-        for slot, _ in offload_engine.stream_blocks(layer_id, blocks):
-            k_slot, v_slot = offload_engine.get_kv_for_slot(slot)
-            block_out, block_lse = flash_attn_with_lse(q, k_slot, v_slot, softmax_scale, causal=False)
-            offload_engine.record_slot_compute_done(slot)
-            out, lse = merge_attention_outputs(block_out, block_lse, out, lse)
+        """Stream full host blocks through the GPU ring, a group of consecutive slots per attention call, and merge
+        each group's attention into (out, lse)."""
+        for first, group in offload_engine.stream_block_groups(layer_id, blocks):
+            k_slots, v_slots = offload_engine.get_kv_for_slots(first, len(group))  # [n * block_size, KVH, D]
+            group_out, group_lse = flash_attn_with_lse(q, k_slots, v_slots, softmax_scale, causal=False)
+            offload_engine.record_slots_compute_done(first, len(group))
+            out, lse = merge_attention_outputs(group_out, group_lse, out, lse)
         return out, lse

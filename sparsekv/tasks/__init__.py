@@ -5,7 +5,10 @@ import importlib
 from typing import Callable
 
 TASKS = {"generate": "sparsekv.tasks.generate:run",
-         "bench": "sparsekv.tasks.bench:run"}
+         "bench": "sparsekv.tasks.bench:run",
+         "report": "sparsekv.tasks.report:run",
+         "quality": "sparsekv.tasks.quality:run",
+         "needle": "sparsekv.tasks.needle:run"}
 
 
 def get_task(name: str) -> Callable:

@@ -248,6 +248,19 @@ def run(cfg: DictConfig) -> dict:
     figures.update(engine.peak_memory())
     figures.setdefault("gpu_peak_gib", None)
     figures["floors"] = floors
+
+    # ---- HF transformers baseline on the same prompts (bench.baseline=true; sparsekv.baseline owns the code)
+    if cfg.bench.baseline:
+        import gc
+
+        from sparsekv.baseline import baseline_figures
+
+        del outputs, engine, llm, progress  # hand the engine's weights and KV pool back before HF builds its model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        figures["hf_baseline"] = baseline_figures(cfg, prompts)
+
     print_table(figures)
     path = write_record(cfg, "bench", figures)
     print(f"record: {path}")
@@ -319,8 +332,27 @@ def load_records(directory: str | Path) -> list[dict]:
             continue
         record["_path"] = str(path)
         records.append(record)
-    records.sort(key=lambda r: (str(r.get("name")), r.get("context") or 0, r.get("batch_size") or 0))
+    records.sort(key=lambda r: (str(r.get("name")), r.get("context") or 0, r.get("batch_size") or 0,
+                                r["_path"]))
     return records
+
+
+def _summary_rows(record: dict) -> list[dict]:
+    """The record's own row, plus one per HF baseline system (bench.baseline=true); failed runs keep a row."""
+    config = record.get("config") or {}
+    bench = config.get("bench") or {}
+    name = record.get("name") or bench.get("name") or Path(record.get("_path", "?")).parent.name
+    row = {**record, "name": name, "context": record.get("context", bench.get("context")),
+           "batch_size": record.get("batch_size", bench.get("batch_size"))}
+    if record.get("status", "ok") != "ok":
+        row["name"] = f"{name} (failed: {str(record.get('error', ''))[:60]})".replace("|", "/")
+    rows = [row]
+    for system, f in ((record.get("hf_baseline") or {}).get("systems") or {}).items():
+        label = f"{name} [{system}]" + ("" if f.get("status") == "ok" else f" ({f.get('status')})")
+        rows.append({"name": label, "context": row["context"], "batch_size": row["batch_size"],
+                     **{k: f.get(k) for k in ("prefill_tok_s", "prefill_seconds", "decode_ms_per_token",
+                                              "gpu_peak_gib")}})
+    return rows
 
 
 def summarize(directory: str | Path) -> str:
@@ -329,14 +361,16 @@ def summarize(directory: str | Path) -> str:
     lines = ["| " + " | ".join(c[0] for c in SUMMARY_COLUMNS) + " |",
              "|" + "|".join("---" if c[2] is None else "---:" for c in SUMMARY_COLUMNS) + "|"]
     for r in records:
-        cells = [str(r.get(key)) if spec is None else _fmt(r.get(key), spec) for _, key, spec in SUMMARY_COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
+        for row in _summary_rows(r):
+            cells = [str(row.get(key)) if spec is None else _fmt(row.get(key), spec)
+                     for _, key, spec in SUMMARY_COLUMNS]
+            lines.append("| " + " | ".join(cells) + " |")
     devices = sorted({f"{(r.get('floors') or {}).get('gpu_name') or r.get('device')}" for r in records})
     notes = []
     for r in records:
         fl = r.get("floors") or {}
         if fl.get("matmul_tflops") is not None:
-            notes.append(f"{r['name']} @ {r['context']}: GEMM {fl['matmul_tflops']:.0f} TFLOP/s, "
+            notes.append(f"{r.get('name')} @ {r.get('context')}: GEMM {fl['matmul_tflops']:.0f} TFLOP/s, "
                          f"HBM {fl['hbm_gbps']:,.0f} GB/s, H2D {fl['h2d_gbps']:.1f} GB/s, D2H {fl['d2h_gbps']:.1f} GB/s")
     text = "\n".join(lines)
     text += f"\n\n{len(records)} runs on {', '.join(devices) or 'nothing'}"

@@ -23,7 +23,9 @@ def output_dir(cfg: DictConfig) -> Path:
 
 
 def write_record(cfg: DictConfig, name: str, figures: dict[str, Any]) -> Path:
-    record = {"config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), **figures}
+    """`<run dir>/<name>.json` = {"config": resolved config, "status": "ok", **figures}; a failed multirun job
+    passes {"status": "failed", "error": ..., "traceback": ...} (sparsekv.__main__)."""
+    record = {"config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "status": "ok", **figures}
     path = output_dir(cfg) / f"{name}.json"
     path.write_text(json.dumps(record, indent=2, default=str))
     return path

@@ -1,0 +1,417 @@
+"""CUDA graphs for decode steps (`graph.mode`). Prefill always runs eagerly.
+
+cudagraph (offload=none): the whole decode forward - embedding, every layer with its paged attention, final
+norm - is one graph per batch size of a ladder (1, 2, 4, 8, then steps of 16 up to the largest decode batch).
+A step copies its inputs into static buffers (input ids, positions, slot mapping, context lengths, block tables
+of a fixed width: the blocks of a max_model_len sequence) and replays the graph of the smallest size that
+holds the batch. Padding rows write their keys to the KV store's scratch slot and attend to nothing
+(context length 0). The paged decode kernel's split plan depends on `max_context_len`, so the graph passes the
+constant width * block_size: no host sync and the same kernels at every replay.
+
+segmented (offload=cpu): attention streams host KV blocks through the OffloadEngine's GPU ring, under host
+control (block selection, copy streams, events), so it stays eager. Everything around it is captured: per batch
+size one graph for the embedding (+ rotary cos/sin), then for every layer one pre-attention graph (input norm,
+qkv projection, q/k norm, rotary) and one post-attention graph (o projection, residual, post norm, MLP,
+residual), and one for the final norm. A step replays embed, then per layer pre -> eager attention -> post,
+then the final norm. The hidden state lives in one static buffer that every layer's graphs read and update in
+place, so no copies run between the segments beyond the attention output.
+
+Per-layer graphs (2 x num_layers per batch size) rather than one graph per segment with the weights as inputs:
+a graph bakes in the addresses of its weights, so sharing one graph across layers would mean copying each
+layer's weights into static buffers before every replay - twice the HBM traffic of the weight reads that
+bound decode (Qwen3-4B: ~220 MB per layer, ~75 us per layer at 3 TB/s, ~2.7 ms per step). Per-layer graphs cost
+only graph objects and the tiny activations of decode. scripts/bench_cuda_graph.py times both.
+
+All graphs share one memory pool and are captured after the KV pools are allocated, before the first decode;
+`engine.graph_stats` records the mode, capture time and memory. `emulate=True` (CPU tests) "replays" by
+calling the captured function again on the same static buffers, which exercises all the plumbing without CUDA.
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import functools
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+from sparsekv.config import GraphMode, OffloadMode
+from sparsekv.engine import context as context_module
+from sparsekv.engine.context import Context
+
+log = logging.getLogger(__name__)
+
+LADDER = (1, 2, 4, 8)  # then steps of LADDER_STEP
+LADDER_STEP = 16
+
+
+# ---- configuration
+def capture_batch_sizes(max_batch_size: int, batch_sizes=None) -> list[int]:
+    """The batch sizes to capture: `batch_sizes` when given, else 1, 2, 4, 8, 16, 32, ... up to and including
+    max_batch_size (which is added when the ladder skips it)."""
+    if batch_sizes:
+        sizes = sorted({int(b) for b in batch_sizes})
+        if sizes[0] < 1:
+            raise ValueError(f"graph.batch_sizes={list(batch_sizes)}: every batch size must be at least 1")
+        return sizes
+    if max_batch_size < 1:
+        raise ValueError(f"graph.max_batch_size={max_batch_size} must be at least 1")
+    sizes = {b for b in LADDER if b <= max_batch_size}
+    sizes.update(range(LADDER_STEP, max_batch_size + 1, LADDER_STEP))
+    sizes.add(max_batch_size)
+    return sorted(sizes)
+
+
+def _enum(value, cls):
+    return value if isinstance(value, cls) else cls(getattr(value, "value", value))
+
+
+def resolve_graph_mode(mode, offload, device: torch.device) -> GraphMode:
+    """The decode mode a run uses; a mode the run cannot use is a ValueError that names graph.mode and the fix.
+
+    auto: cudagraph for offload=none, segmented for offload=cpu on CUDA; eager without CUDA.
+    """
+    from sparsekv.kernels._dispatch import ENV_BACKEND, use_triton
+
+    mode, offload = _enum(mode, GraphMode), _enum(offload, OffloadMode)
+    if mode == GraphMode.eager:
+        return mode
+    if device.type != "cuda":
+        if mode == GraphMode.auto:
+            return GraphMode.eager
+        raise ValueError(f"graph.mode={mode.value} needs a CUDA device, but this run is on {device.type}: CUDA graphs "
+                         "replay captured GPU kernels. Use graph=eager, or graph=auto (eager without CUDA)")
+    paged_kernel = use_triton(device)  # the torch reference of paged decode syncs with the host: not capturable
+    if mode == GraphMode.auto:
+        if offload == OffloadMode.none and paged_kernel:
+            return GraphMode.cudagraph
+        return GraphMode.segmented
+    if mode == GraphMode.cudagraph and offload == OffloadMode.cpu:
+        raise ValueError("graph.mode=cudagraph captures whole decode steps, but with offload=cpu the attention "
+                         "streams host KV blocks under host control and cannot be captured; use graph=segmented "
+                         "(or graph=auto) with offload=cpu")
+    if mode == GraphMode.cudagraph and not paged_kernel:
+        raise ValueError(f"graph.mode=cudagraph needs the Triton paged-decode kernel, but the attention backend is "
+                         f"the torch reference (triton missing, or {ENV_BACKEND}=torch), which syncs with the host; "
+                         "install triton / unset the variable, or use graph=segmented (attention stays eager)")
+    return mode
+
+
+def graph_settings(graph_cfg) -> tuple[Any, int | None, list[int] | None]:
+    """(mode, max_batch_size, batch_sizes) of a `graph` config node (a missing node means auto)."""
+    if graph_cfg is None:
+        return GraphMode.auto, None, None
+    get = graph_cfg.get if hasattr(graph_cfg, "get") else (lambda key, default=None: getattr(graph_cfg, key, default))
+    max_batch = get("max_batch_size", None)
+    sizes = get("batch_sizes", None)
+    return get("mode", GraphMode.auto), (int(max_batch) if max_batch is not None else None), \
+        ([int(b) for b in sizes] if sizes else None)
+
+
+def check_graph_config(graph_cfg) -> None:
+    _, max_batch, sizes = graph_settings(graph_cfg)
+    if max_batch is not None and max_batch < 1:
+        raise ValueError(f"graph.max_batch_size={max_batch} must be at least 1 (larger decode batches run eagerly)")
+    if sizes is not None:
+        capture_batch_sizes(1, sizes)
+
+
+# ---- capture
+def _copy_into(dst, src) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
+
+
+@contextlib.contextmanager
+def _step_context(context: Context):
+    previous = context_module._CONTEXT
+    context_module.set_context(context)
+    try:
+        yield
+    finally:
+        context_module.set_context(previous)
+
+
+class _Capturer:
+    """Captures callables into CUDA graphs that share one memory pool. Each callable is run once eagerly first
+    (Triton compiles, cuBLAS picks its kernels), then captured on a side stream. With `emulate`, replay calls the
+    callable again and copies its results into the tensors the first call returned, as a graph would write them."""
+
+    def __init__(self, device: torch.device, emulate: bool):
+        self.device, self.emulate = device, emulate
+        self.pool = None
+        self.graphs: list = []
+        self.stream = None if emulate else torch.cuda.Stream(device)
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
+        out = fn()  # warm-up
+        if self.emulate:
+            self.graphs.append(fn)
+            return functools.partial(self._emulated_replay, fn, out), out
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        # capture_begin/end rather than `with torch.cuda.graph(...)`, which runs gc.collect() and empty_cache()
+        # at every capture: hundreds of segmented captures would take many seconds.
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.pool)
+            try:
+                out = fn()
+            finally:
+                graph.capture_end()
+        current.wait_stream(self.stream)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs.append(graph)
+        return graph.replay, out
+
+    @staticmethod
+    def _emulated_replay(fn, out) -> None:
+        _copy_into(out, fn())
+
+
+class DecodeGraphRunner:
+    """What the model runner sees: can_run(seqs), prepare_decode(batch) (None: use the runner's own), and
+    forward(input_ids, positions, context) -> hidden [N, hidden] of the real rows."""
+    mode: GraphMode
+
+    def __init__(self, model, kv_store, device: torch.device, batch_sizes: list[int], emulate: bool = False):
+        if not emulate and device.type != "cuda":
+            raise ValueError(f"graph.mode={self.mode.value} needs a CUDA device; this engine runs on {device}")
+        self.model, self.kv_store, self.device = model, kv_store, device
+        self.batch_sizes = list(batch_sizes)
+        self.max_batch_size = self.batch_sizes[-1]
+        self.capturer = _Capturer(device, emulate)
+        self.emulate = emulate
+        self.replayed_steps = 0  # decode steps replayed from graphs
+        self.eager_steps = 0  # decode steps too large for the captured sizes, run eagerly
+        self.stats: dict[str, Any] = {"mode": self.mode.value}
+
+    def bucket(self, n: int) -> int:
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+
+    def can_run(self, seqs) -> bool:
+        ok = 0 < len(seqs) <= self.max_batch_size
+        if not ok:
+            self.eager_steps += 1
+        return ok
+
+    def prepare_decode(self, batch):
+        return None
+
+    def capture(self) -> dict[str, Any]:
+        cuda = self.device.type == "cuda" and not self.emulate
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            reserved = torch.cuda.memory_reserved(self.device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            self._allocate()
+            for bs in reversed(self.batch_sizes):  # largest first: the smaller ones fit in its pool
+                self._capture(bs)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        self.stats.update(
+            capture_seconds=time.perf_counter() - start,
+            graph_pool_bytes=(torch.cuda.memory_reserved(self.device) - reserved) if cuda else 0,
+            static_buffer_bytes=sum(t.numel() * t.element_size() for t in self._static_buffers()),
+            num_graphs=len(self.capturer.graphs),
+            batch_sizes=list(self.batch_sizes),
+        )
+        log.info("graph.mode=%s: captured %d graphs for decode batch sizes %s in %.2f s (%.1f MiB)", self.mode.value,
+                 self.stats["num_graphs"], self.batch_sizes, self.stats["capture_seconds"],
+                 self.stats["graph_pool_bytes"] / 2**20)
+        return self.stats
+
+    def _allocate(self) -> None:
+        raise NotImplementedError
+
+    def _capture(self, bs: int) -> None:
+        raise NotImplementedError
+
+    def _static_buffers(self) -> list[torch.Tensor]:
+        return []
+
+    def _host(self, values, dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
+
+
+class CudaGraphRunner(DecodeGraphRunner):
+    """graph.mode=cudagraph: one graph of the whole decode forward per batch size (offload=none)."""
+    mode = GraphMode.cudagraph
+
+    def __init__(self, model, kv_store, device: torch.device, batch_sizes: list[int], max_model_len: int,
+                 emulate: bool = False):
+        super().__init__(model, kv_store, device, batch_sizes, emulate)
+        self.scratch_slot = getattr(kv_store, "scratch_slot", None)
+        if self.scratch_slot is None:
+            raise ValueError(f"graph.mode=cudagraph needs the device-resident paged KV cache (offload=none); "
+                             f"{type(kv_store).__name__} has no scratch slot for padded batch rows: use "
+                             "graph=segmented")
+        self.block_size = kv_store.block_size
+        self.width = -(-max_model_len // self.block_size)  # block-table width: a max_model_len sequence
+        self.max_context_len = self.width * self.block_size  # the paged kernel's split plan: fixed per graph
+        self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+
+    def _allocate(self) -> None:
+        mb, dev = self.max_batch_size, self.device
+        # [3 * bs] per batch size: input ids, positions, slot mapping (one copy per step); padding rows: token 0,
+        # position 0, the scratch slot, context length 0
+        self.inputs = torch.zeros(3 * mb, dtype=torch.int64, device=dev)
+        self.context_lens = torch.zeros(mb, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(mb, self.width, dtype=torch.int32, device=dev)
+
+    def _static_buffers(self) -> list[torch.Tensor]:
+        return [self.inputs, self.context_lens, self.block_tables, *(out for _, out in self.graphs.values())]
+
+    def _views(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids, positions, slots = self.inputs[:3 * bs].view(3, bs)
+        return ids, positions, slots
+
+    def _context(self, bs: int, seqs) -> Context:
+        _, _, slots = self._views(bs)
+        return Context(is_prefill=False, kv_store=self.kv_store, seqs=seqs, slot_mapping=slots,
+                       block_tables=self.block_tables[:bs], context_lens=self.context_lens[:bs],
+                       max_context_len=self.max_context_len)
+
+    def _capture(self, bs: int) -> None:
+        ids, positions, slots = self._views(bs)
+        slots.fill_(self.scratch_slot)  # the warm-up and capture runs write only the scratch slot
+        self.context_lens[:bs].zero_()
+        context = self._context(bs, [])
+        self.graphs[bs] = self.capturer.capture(functools.partial(self._forward, ids, positions, context))
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
+        with _step_context(context):
+            return self.model(ids, positions)  # [bs, hidden]
+
+    def can_run(self, seqs) -> bool:
+        if seqs and len(seqs) <= self.max_batch_size and any(len(s.block_table) > self.width for s in seqs):
+            self.eager_steps += 1
+            return False
+        return super().can_run(seqs)
+
+    def prepare_decode(self, batch):
+        seqs, bsz = batch.seqs, self.block_size
+        n = len(seqs)
+        bs = self.bucket(n)
+        pad = bs - n
+        positions = [len(seq) - 1 for seq in seqs]
+        ids = [seq.token_ids[-1] for seq in seqs]
+        slots = [seq.block_table[p // bsz] * bsz + p % bsz for seq, p in zip(seqs, positions)]
+        lens = [len(seq) for seq in seqs] + [0] * pad
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
+        host = self._host(ids + [0] * pad + positions + [0] * pad + slots + [self.scratch_slot] * pad, torch.int64)
+        self.inputs[:3 * bs].copy_(host, non_blocking=True)
+        self.context_lens[:bs].copy_(self._host(lens, torch.int32), non_blocking=True)
+        # entries past a row's own blocks keep stale values: the kernel reads only tokens < its context length
+        self.block_tables[:n, :width].copy_(self._host(tables, torch.int32), non_blocking=True)
+        ids_t, positions_t, _ = self._views(bs)
+        return ids_t[:n], positions_t[:n], self._context(bs, seqs), list(range(n))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
+        n = input_ids.shape[0]
+        replay, hidden = self.graphs[self.bucket(n)]
+        replay()
+        self.replayed_steps += 1
+        return hidden[:n]
+
+
+class SegmentedGraphRunner(DecodeGraphRunner):
+    """graph.mode=segmented: per layer a pre- and a post-attention graph, attention eager between them."""
+    mode = GraphMode.segmented
+    REQUIRED = ("embed", "norm", "layers")
+    REQUIRED_LAYER = ("pre_attention", "attention", "post_attention")
+
+    def __init__(self, model, kv_store, device: torch.device, batch_sizes: list[int], emulate: bool = False):
+        super().__init__(model, kv_store, device, batch_sizes, emulate)
+        missing = [name for name in self.REQUIRED if not hasattr(model, name)]
+        missing += [f"layers[i].{name}" for name in self.REQUIRED_LAYER
+                    if hasattr(model, "layers") and not all(hasattr(layer, name) for layer in model.layers)]
+        if missing:
+            raise ValueError(f"graph.mode=segmented needs a model split around attention; {type(model).__name__} "
+                             f"lacks {', '.join(missing)} (see sparsekv/models/llama.py); use graph=eager")
+        self.graphs: dict[int, tuple] = {}
+
+    def _allocate(self) -> None:
+        mb, dev = self.max_batch_size, self.device
+        self.inputs = torch.zeros(2 * mb, dtype=torch.int64, device=dev)  # [2 * bs]: input ids, positions
+        with _step_context(None):
+            hidden, cos, sin = self.model.embed(self.inputs[:1], self.inputs[1:2])
+            q, _, _ = self.model.layers[0].pre_attention(hidden, cos, sin)
+        self.hidden = torch.zeros(mb, *hidden.shape[1:], dtype=hidden.dtype, device=dev)  # [bs, hidden]
+        self.attn_out = torch.zeros(mb, *q.shape[1:], dtype=q.dtype, device=dev)  # [bs, H, D]
+
+    def _static_buffers(self) -> list[torch.Tensor]:
+        return [self.inputs, self.hidden, self.attn_out]
+
+    def _capture(self, bs: int) -> None:
+        ids, positions = self.inputs[:2 * bs].view(2, bs)
+        hidden, attn_out = self.hidden[:bs], self.attn_out[:bs]
+        capture = self.capturer.capture
+        embed, (cos, sin) = capture(functools.partial(self._embed, ids, positions, hidden))
+        layers = []
+        for layer in self.model.layers:
+            pre, qkv = capture(functools.partial(layer.pre_attention, hidden, cos, sin))
+            post, _ = capture(functools.partial(self._post, layer, hidden, attn_out))
+            layers.append((layer, pre, qkv, post))
+        final = capture(functools.partial(self.model.norm, hidden))
+        self.graphs[bs] = (embed, layers, final)
+
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor):
+        h, cos, sin = self.model.embed(ids, positions)
+        hidden.copy_(h)
+        return cos, sin
+
+    @staticmethod
+    def _post(layer, hidden: torch.Tensor, attn_out: torch.Tensor) -> None:
+        hidden.copy_(layer.post_attention(hidden, attn_out))  # every layer updates the one static hidden state
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
+        n = input_ids.shape[0]
+        bs = self.bucket(n)
+        static = self.inputs[:2 * bs].view(2, bs)
+        static[0, :n].copy_(input_ids)  # padding rows keep earlier (valid) ids and positions; rows never mix
+        static[1, :n].copy_(positions)
+        embed, layers, (final, normed) = self.graphs[bs]
+        embed()
+        attn_out = self.attn_out
+        for layer, pre, (q, k, v), post in layers:
+            pre()
+            attn_out[:n].copy_(layer.attention(q[:n], k[:n], v[:n]))  # eager: the KV store of the step's Context
+            post()
+        final()
+        self.replayed_steps += 1
+        return normed[:n]
+
+
+# ---- wiring
+def attach_graph_runner(engine, mode, graph_cfg=None, *, emulate: bool = False) -> dict[str, Any]:
+    """Capture decode graphs for `engine` (its KV pools exist, no decode has run yet), hand them to its model
+    runner, and record engine.graph_stats = {mode, capture_seconds, graph_pool_bytes, ...}. `mode` is resolved
+    (see resolve_graph_mode); `emulate` replays by re-running the captured functions (CPU tests)."""
+    mode = _enum(mode, GraphMode)
+    if mode == GraphMode.auto:
+        raise ValueError("attach_graph_runner takes a resolved graph mode; call resolve_graph_mode first")
+    stats: dict[str, Any] = {"mode": mode.value, "capture_seconds": 0.0, "graph_pool_bytes": 0,
+                             "static_buffer_bytes": 0, "num_graphs": 0, "batch_sizes": []}
+    engine.runner.graph_runner = None
+    if mode != GraphMode.eager:
+        _, max_batch, sizes = graph_settings(graph_cfg)
+        max_num_seqs = int(engine.config.scheduler.max_num_seqs)
+        sizes = capture_batch_sizes(min(max_batch or max_num_seqs, max_num_seqs), sizes)
+        if mode == GraphMode.cudagraph:
+            runner = CudaGraphRunner(engine.model, engine.kv_store, engine.device, sizes, engine.max_model_len,
+                                     emulate)
+        else:
+            runner = SegmentedGraphRunner(engine.model, engine.kv_store, engine.device, sizes, emulate)
+        stats.update(runner.capture())
+        engine.runner.graph_runner = runner
+    engine.graph_stats = stats
+    return stats

@@ -1,0 +1,407 @@
+"""Vertical-slash sparse attention (the MInference pattern) that also returns the log-sum-exp of each row.
+
+vertical_slash_attention(q [Sq, H, D], k/v [Sk, KVH, D], vertical_idx [H, NV], slash_offsets [H, NS],
+                         softmax_scale, q_offset) -> (o [Sq, H, D], lse [H, Sq] fp32)
+
+Positions are absolute: query row i sits at position q_offset + i, key j at position j. Query p of head h
+attends exactly to the union of
+  * the vertical columns c in vertical_idx[h] that are causally visible (c <= p), and
+  * the keys on the slash diagonals s in slash_offsets[h]: key p - s, when 0 <= p - s < Sk,
+with one softmax over that union (a key hit by a column and a diagonal counts once). Rows that see no key
+give o = 0 and lse = -inf, so partial results merge exactly with merge_attention_outputs.
+
+Index conventions: both index tensors are sorted ascending per head (int32 preferred; any integer dtype is
+accepted). Entries out of range (columns outside [0, Sk), offsets outside [0, q_offset + Sq)) are ignored,
+so a caller pads ragged per-head selections with a large sentinel at the end. Duplicates are ignored.
+
+Triton kernel, one program per (block of BLOCK_M query rows, head), online softmax over two loops:
+  1. slash tiles: the launcher turns the selected offsets into the list of "block diagonals" t whose
+     [BLOCK_M, BLOCK_N] key tiles contain at least one selected offset. With BLOCK_M a multiple of BLOCK_N the
+     offsets a tile covers depend only on t = (q_offset // BLOCK_N + (BLOCK_M // BLOCK_N) * m_block) - n_block,
+     so one sorted t-list per head serves every query block. Inside a tile the keys not on a selected diagonal
+     are masked by a lookup in a dense per-offset byte mask; tiles whose every offset is selected (the recent
+     band) skip that lookup.
+  2. vertical columns: the selected columns are gathered BLOCK_N at a time by index (causally visible ones
+     only: the launcher counts them per query block), masking keys that lie on a selected diagonal of the row
+     (already counted in loop 1).
+The pure-torch reference builds the dense boolean mask [H, rows, Sk] block of rows by block of rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from ._dispatch import HAS_TRITON, alloc_output, cdiv, jit, next_power_of_2, tl, triton_interpret, use_triton
+
+__all__ = [
+    "vertical_slash_attention",
+    "vertical_slash_attention_reference",
+    "vertical_slash_pair_count",
+]
+
+LOG2E = 1.4426950408889634
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M must be a multiple of BLOCK_N.
+GPU_CONFIG_16BIT = {64: (128, 64, 4, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)}
+GPU_CONFIG_FP32 = {64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (32, 16, 4, 1)}
+INTERPRET_CONFIG = (16, 16, 4, 1)  # small blocks keep the CPU interpreter fast
+REFERENCE_CHUNK_ELEMENTS = 1 << 24  # [H, rows, Sk] scores the reference materialises at once
+_SENTINEL = 1 << 30
+
+
+# ----------------------------------------------------------------------------------------- Triton kernel
+@jit
+def _online_softmax_step(acc, m_i, l_i, s, keep, v):
+    # s [BLOCK_M, BLOCK_N] scores in log2 units; keep: which of them belong to the row's key set.
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Rows with nothing visible so far keep m = -inf; shift by 0 there so exp2 gives 0, not NaN.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@jit
+def _vs_fwd_kernel(
+    Q, K, V, O, LSE,
+    VIDX, VCNT, SMASK, TLIST, TFULL, TLO, THI,
+    stride_qm, stride_qh, stride_qd,
+    stride_kn, stride_kh, stride_kd,
+    stride_vn, stride_vh, stride_vd,
+    stride_om, stride_oh, stride_od,
+    stride_lh, stride_lm,
+    stride_vih, stride_smh, stride_tlh, stride_cnth,
+    Sq, Sk, D, q_offset, d_lo, d_hi, tq0, qk_scale,
+    GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RATIO: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    row_ok = offs_m < Sq
+    dim_ok = offs_d < D
+    pos = q_offset + offs_m  # absolute query positions
+
+    q_ptrs = Q + head.to(tl.int64) * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm \
+        + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    k_base = K + kv_head.to(tl.int64) * stride_kh
+    v_base = V + kv_head.to(tl.int64) * stride_vh
+    smask = SMASK + head.to(tl.int64) * stride_smh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # ---- 1. slash tiles: key blocks n_block = tq - t for the t in this query block's range of the t-list
+    cnt_off = head.to(tl.int64) * stride_cnth + pid_m
+    t_lo = tl.load(TLO + cnt_off)
+    t_hi = tl.load(THI + cnt_off)
+    tq = tq0 + RATIO * pid_m
+    tlist = TLIST + head.to(tl.int64) * stride_tlh
+    tfull = TFULL + head.to(tl.int64) * stride_tlh
+    for it in range(t_lo, t_hi):
+        t = tl.load(tlist + it)
+        full = tl.load(tfull + it)
+        cols = (tq - t) * BLOCK_N + offs_n  # [BLOCK_N]
+        col_ok = cols < Sk
+        kv_mask = col_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        diag = pos[:, None] - cols[None, :]  # offset of each (row, key)
+        keep = col_ok[None, :] & (diag >= 0)
+        if full == 0:
+            on_slash = tl.load(smask + (diag - d_lo), mask=keep & (diag >= d_lo) & (diag < d_hi), other=0)
+            keep = keep & (on_slash != 0)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, keep, v)
+
+    # ---- 2. vertical columns visible to this query block, BLOCK_N at a time, minus those on a slash
+    v_cnt = tl.load(VCNT + cnt_off)
+    vidx = VIDX + head.to(tl.int64) * stride_vih
+    for start in range(0, v_cnt, BLOCK_N):
+        e = start + offs_n
+        e_ok = e < v_cnt
+        idx = tl.load(vidx + e, mask=e_ok, other=-1)  # [BLOCK_N] key columns
+        prev = tl.load(vidx + e - 1, mask=e_ok & (e > 0), other=-1)
+        col_ok = e_ok & (idx != prev) & (idx >= 0) & (idx < Sk)
+        kv_mask = col_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_base + idx[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_base + idx[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        diag = pos[:, None] - idx[None, :]
+        keep = col_ok[None, :] & (diag >= 0)
+        on_slash = tl.load(smask + (diag - d_lo), mask=keep & (diag >= d_lo) & (diag < d_hi), other=0)
+        keep = keep & (on_slash == 0)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, keep, v)
+
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    o_ptrs = O + head.to(tl.int64) * stride_oh + offs_m[:, None].to(tl.int64) * stride_om \
+        + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(LSE + head.to(tl.int64) * stride_lh + offs_m * stride_lm, lse, mask=row_ok)
+
+
+# ------------------------------------------------------------------------------------------- validation
+def _check_inputs(q, k, v, vertical_idx, slash_offsets, q_offset) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"expected q [Sq, H, D], k/v [Sk, KVH, D]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head dim mismatch: q {tuple(q.shape)} vs k {tuple(k.shape)}")
+    H, KVH = q.shape[1], k.shape[1]
+    if KVH == 0 or H % KVH != 0:
+        raise ValueError(
+            f"q heads H={H} (q {tuple(q.shape)}) must be a multiple of kv heads KVH={KVH} "
+            f"(k {tuple(k.shape)})")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise ValueError(
+            f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, idx in (("vertical_idx", vertical_idx), ("slash_offsets", slash_offsets)):
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != H:
+            shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+            raise ValueError(f"expected {name} of shape [H, N] with H={H} (q {tuple(q.shape)}); got {shape}")
+        if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+            raise ValueError(f"{name} must hold integer indices (int32), got {idx.dtype}")
+        if idx.device != q.device:
+            raise ValueError(f"{name} is on {idx.device} but q is on {q.device}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v on different devices: {q.device}, {k.device}, {v.device}")
+    if isinstance(q_offset, bool) or not isinstance(q_offset, int) or q_offset < 0:
+        raise ValueError(f"q_offset must be a non-negative int (position of q's first row); got {q_offset!r}")
+
+
+def _offset_range(Sq: int, Sk: int, q_offset: int) -> tuple[int, int]:
+    """[d_lo, d_hi): the offsets p - j that any causally visible (query, key) pair can have."""
+    return max(0, q_offset - Sk + 1), q_offset + Sq
+
+
+def _slash_mask(slash_offsets: torch.Tensor, d_lo: int, d_hi: int) -> torch.Tensor:
+    """Dense [H, d_hi - d_lo] int8: 1 where offset d_lo + i is selected (out-of-range entries ignored)."""
+    H = slash_offsets.shape[0]
+    width = d_hi - d_lo
+    s = slash_offsets.long()
+    idx = torch.where((s >= d_lo) & (s < d_hi), s - d_lo, width)
+    mask = torch.zeros((H, width + 1), dtype=torch.int8, device=s.device)
+    mask.scatter_(1, idx, 1)
+    return mask[:, :width].contiguous()
+
+
+def _vertical_mask(vertical_idx: torch.Tensor, Sk: int) -> torch.Tensor:
+    """Dense [H, Sk] bool of the selected columns."""
+    H = vertical_idx.shape[0]
+    c = vertical_idx.long()
+    idx = torch.where((c >= 0) & (c < Sk), c, Sk)
+    mask = torch.zeros((H, Sk + 1), dtype=torch.bool, device=c.device)
+    mask.scatter_(1, idx, True)
+    return mask[:, :Sk]
+
+
+def _empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    Sq, H, _ = q.shape
+    o = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    lse = torch.full((H, Sq), float("-inf"), dtype=torch.float32, device=q.device)
+    return o, lse
+
+
+# -------------------------------------------------------------------------------------------- reference
+def vertical_slash_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    vertical_idx: torch.Tensor, slash_offsets: torch.Tensor,
+    softmax_scale: float | None = None, q_offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch fp32 reference: dense boolean mask and masked softmax, built over blocks of query rows so
+    that at most REFERENCE_CHUNK_ELEMENTS scores exist at once. Returns o [Sq, H, D] (q.dtype), lse [H, Sq]."""
+    _check_inputs(q, k, v, vertical_idx, slash_offsets, q_offset)
+    Sq, H, D = q.shape
+    Sk, KVH, _ = k.shape
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    if Sq == 0 or Sk == 0:
+        return _empty_result(q)
+    group = H // KVH
+    d_lo, d_hi = _offset_range(Sq, Sk, q_offset)
+    width = d_hi - d_lo
+    on_slash = torch.cat([_slash_mask(slash_offsets, d_lo, d_hi).bool(),
+                          torch.zeros((H, 1), dtype=torch.bool, device=q.device)], dim=1)  # [H, width+1]
+    vertical = _vertical_mask(vertical_idx, Sk)  # [H, Sk]
+    kf = k.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, Sk, D]
+    vf = v.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, Sk, D]
+    keys = torch.arange(Sk, device=q.device)
+    rows = max(1, REFERENCE_CHUNK_ELEMENTS // max(1, H * Sk))
+    o = torch.empty((Sq, H, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((H, Sq), dtype=torch.float32, device=q.device)
+    for r0 in range(0, Sq, rows):
+        r1 = min(Sq, r0 + rows)
+        pos = q_offset + torch.arange(r0, r1, device=q.device)
+        diag = pos[:, None] - keys[None, :]  # [r, Sk]
+        causal = diag >= 0
+        slot = torch.where(causal & (diag >= d_lo) & (diag < d_hi), diag - d_lo, width)
+        mask = causal & (on_slash[:, slot] | vertical[:, None, :])  # [H, r, Sk]
+        s = torch.matmul(q[r0:r1].float().transpose(0, 1), kf.transpose(1, 2)) * scale  # [H, r, Sk]
+        s = s.masked_fill(~mask, float("-inf"))
+        part_lse = torch.logsumexp(s, dim=-1)  # [H, r]
+        p = torch.exp(s - torch.where(torch.isinf(part_lse), 0.0, part_lse)[..., None])
+        o[r0:r1] = torch.matmul(p, vf).transpose(0, 1).to(q.dtype)
+        lse[:, r0:r1] = part_lse
+    return o, lse
+
+
+def vertical_slash_pair_count(
+    Sq: int, Sk: int, q_offset: int, vertical_idx: torch.Tensor, slash_offsets: torch.Tensor,
+) -> torch.Tensor:
+    """Number of (query, key) pairs [H] (int64, on the index device) that vertical_slash_attention computes
+    for this selection; O(H * (NV + Sq + Sk)), no dense mask, no host sync."""
+    H = vertical_idx.shape[0]
+    dev = vertical_idx.device
+    if Sq == 0 or Sk == 0:
+        return torch.zeros(H, dtype=torch.int64, device=dev)
+    d_lo, d_hi = _offset_range(Sq, Sk, q_offset)
+    p_lo, p_hi = q_offset, q_offset + Sq - 1
+    on_slash = _slash_mask(slash_offsets, d_lo, d_hi).long()  # [H, W]
+    cs = torch.nn.functional.pad(on_slash.cumsum(1), (1, 0))  # [H, W+1]: selected offsets < d_lo + i
+    d = torch.arange(d_lo, d_hi, device=dev)
+    slash_rows = (torch.minimum(torch.full_like(d, p_hi), d + Sk - 1) - torch.clamp(d, min=p_lo) + 1).clamp(min=0)
+    slash_pairs = (on_slash * slash_rows).sum(1)
+    vertical = _vertical_mask(vertical_idx, Sk)  # [H, Sk]
+    c = torch.arange(Sk, device=dev)
+    vert_rows = (p_hi - torch.clamp(c, min=p_lo) + 1).clamp(min=0)
+    vert_pairs = (vertical.long() * vert_rows).sum(1)
+    # overlap: column c and offset s with p = c + s a query position -> s in [max(0, p_lo - c), p_hi - c]
+    lo = (torch.clamp(p_lo - c, min=0) - d_lo).clamp(0, d_hi - d_lo)
+    hi = (p_hi - c + 1 - d_lo).clamp(0, d_hi - d_lo)
+    overlap_per_col = (cs[:, hi] - cs[:, lo]).clamp(min=0)  # [H, Sk]
+    overlap = (vertical.long() * overlap_per_col).sum(1)
+    return slash_pairs + vert_pairs - overlap
+
+
+def visible_pair_count(Sq: int, Sk: int, q_offset: int) -> int:
+    """Causally visible (query, key) pairs: sum over rows p of min(p + 1, Sk)."""
+    total = 0
+    p_lo, p_hi = q_offset, q_offset + Sq - 1
+    if Sq <= 0 or Sk <= 0:
+        return 0
+    # rows with p + 1 <= Sk contribute p + 1; the rest contribute Sk
+    split = min(p_hi, Sk - 1)
+    if split >= p_lo:
+        total += (p_lo + 1 + split + 1) * (split - p_lo + 1) // 2
+    total += max(0, p_hi - max(p_lo, Sk) + 1) * Sk
+    return total
+
+
+# ------------------------------------------------------------------------------------------- launcher
+def _config(q: torch.Tensor) -> tuple[int, int, int, int]:
+    if triton_interpret():
+        return INTERPRET_CONFIG
+    D = q.shape[2]
+    table = GPU_CONFIG_FP32 if q.element_size() > 2 else GPU_CONFIG_16BIT
+    for dim in sorted(table):
+        if D <= dim:
+            return table[dim]
+    raise ValueError(f"vertical_slash_attention supports head dims up to 256; got D={D} (q {tuple(q.shape)})")
+
+
+def _vertical_slash_triton(q, k, v, vertical_idx, slash_offsets, scale, q_offset):
+    Sq, H, D = q.shape
+    Sk, KVH, _ = k.shape
+    dev = q.device
+    block_m, block_n, warps, stages = _config(q)
+    ratio = block_m // block_n
+    num_m = cdiv(Sq, block_m)
+    num_n = cdiv(Sk, block_n)
+    d_lo, d_hi = _offset_range(Sq, Sk, q_offset)
+
+    # per-offset selection mask and its prefix counts
+    smask = _slash_mask(slash_offsets, d_lo, d_hi)  # [H, W] int8
+    cs = torch.nn.functional.pad(smask.to(torch.int32).cumsum(1, dtype=torch.int32), (1, 0))  # [H, W+1]
+
+    # block diagonals t = tq(m) - n; the tile (m, n) covers offsets [phi + (t-1)*BN + 1, phi + t*BN + BM - 1]
+    qb, phi = divmod(q_offset, block_n)
+    t_min = qb - (num_n - 1)
+    t_max = qb + ratio * (num_m - 1)
+    t = torch.arange(t_min, t_max + 1, device=dev)
+    lo = torch.clamp(phi + (t - 1) * block_n + 1, min=d_lo)
+    hi = torch.clamp(phi + t * block_n + block_m, max=d_hi)  # exclusive
+    width = (hi - lo).clamp(min=0)
+    lo_i = (lo - d_lo).clamp(0, d_hi - d_lo)
+    hi_i = torch.maximum(lo_i, (hi - d_lo).clamp(0, d_hi - d_lo))
+    count = cs[:, hi_i] - cs[:, lo_i]  # [H, NT] selected offsets in each tile's window
+    needed = count > 0
+    full = (count == width[None, :]).to(torch.int32)
+    t_rel = (t - t_min).to(torch.int32)
+    keyed = torch.where(needed, t_rel[None, :], torch.full_like(t_rel, _SENTINEL)[None, :])
+    tlist, order = torch.sort(keyed, dim=1)
+    tlist = tlist.contiguous()
+    tfull = full.gather(1, order).contiguous()
+
+    # per query block: its range of t (key blocks 0..n_hi visible) and its visible vertical columns
+    mb = torch.arange(num_m, device=dev)
+    p_last = torch.clamp(q_offset + (mb + 1) * block_m - 1, max=q_offset + Sq - 1)
+    key_last = torch.clamp(p_last, max=Sk - 1)  # last key any row of the block may see
+    tq = (qb - t_min) + ratio * mb
+    n_hi = key_last // block_n
+    bounds = torch.stack([tq - n_hi, tq], dim=0).to(torch.int32)  # [2, NM]
+    t_lo = torch.searchsorted(tlist, bounds[0][None, :].expand(H, -1).contiguous(), right=False)
+    t_hi = torch.searchsorted(tlist, bounds[1][None, :].expand(H, -1).contiguous(), right=True)
+    t_lo = t_lo.to(torch.int32).contiguous()
+    t_hi = t_hi.to(torch.int32).contiguous()
+
+    if vertical_idx.shape[1] > 0:
+        vidx = vertical_idx.to(torch.int32).contiguous()
+        v_cnt = torch.searchsorted(vidx, key_last.to(torch.int32)[None, :].expand(H, -1).contiguous(), right=True)
+        v_cnt = v_cnt.to(torch.int32).contiguous()
+    else:
+        vidx = torch.full((H, 1), _SENTINEL, dtype=torch.int32, device=dev)
+        v_cnt = torch.zeros((H, num_m), dtype=torch.int32, device=dev)
+
+    o = alloc_output((Sq, H, D), q.dtype, dev)
+    lse = alloc_output((H, Sq), torch.float32, dev)
+    _vs_fwd_kernel[(num_m, H)](
+        q, k, v, o, lse,
+        vidx, v_cnt, smask, tlist, tfull, t_lo, t_hi,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
+        vidx.stride(0), smask.stride(0), tlist.stride(0), t_lo.stride(0),
+        Sq, Sk, D, q_offset, d_lo, d_hi, qb - t_min, scale * LOG2E,
+        GROUP=H // KVH, BLOCK_D=max(16, next_power_of_2(D)),
+        BLOCK_M=block_m, BLOCK_N=block_n, RATIO=ratio,
+        num_warps=warps, num_stages=stages,
+    )
+    return o, lse
+
+
+def vertical_slash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    vertical_idx: torch.Tensor, slash_offsets: torch.Tensor,
+    softmax_scale: float | None = None, q_offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse attention over selected columns and diagonals (see the module docstring).
+
+    q [Sq, H, D] at positions q_offset.., k/v [Sk, KVH, D] at positions 0..Sk-1, vertical_idx [H, NV] and
+    slash_offsets [H, NS] sorted integer tensors -> (o [Sq, H, D] in q.dtype, lse [H, Sq] fp32 natural log).
+    Runs the Triton kernel on CUDA (or on CPU under TRITON_INTERPRET=1), else the reference.
+    """
+    _check_inputs(q, k, v, vertical_idx, slash_offsets, q_offset)
+    Sq, H, D = q.shape
+    Sk = k.shape[0]
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    if Sq == 0 or Sk == 0 or D == 0:
+        return _empty_result(q)
+    if HAS_TRITON and use_triton(q.device):
+        return _vertical_slash_triton(q, k, v, vertical_idx, slash_offsets, scale, q_offset)
+    return vertical_slash_attention_reference(q, k, v, vertical_idx, slash_offsets, scale, q_offset)

@@ -1,0 +1,344 @@
+"""MInference (vertical-slash) policy and its kernel.
+
+On CPU the Triton kernel runs under the interpreter (CI exports TRITON_INTERPRET=1; we also default it here,
+before sparsekv.kernels is imported). The interpreter mishandles bf16 tl.dot, so CPU tests use fp32; bf16 at
+realistic size is the GPU test at the end.
+"""
+from __future__ import annotations
+
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from sparsekv import LLM, SamplingParams  # noqa: E402
+from sparsekv.kernels import (  # noqa: E402
+    _dispatch,
+    flash_attn_with_lse_reference,
+    vertical_slash_attention,
+    vertical_slash_attention_reference,
+    vertical_slash_pair_count,
+)
+from sparsekv.kvcache.host_pool import HostPool  # noqa: E402
+from sparsekv.kvcache.offload_engine import OffloadEngine  # noqa: E402
+from sparsekv.policies.minference import MInferencePolicy, _diagonal_sums  # noqa: E402
+from tests.conftest import random_prompt  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+CPU = ["device=cpu", "dtype=float32"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+FULL_BUDGET = ["policy=minference", "policy.vertical_size=100000", "policy.slash_size=100000"]
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    monkeypatch.setattr(_dispatch, "POISON_OUTPUTS", True)
+    monkeypatch.delenv(_dispatch.ENV_BACKEND, raising=False)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def _random_selection(H: int, n: int, count: int, gen: torch.Generator, pad: int = 0) -> torch.Tensor:
+    """[H, count + pad] sorted int32 picks from range(n), padded at the end with out-of-range sentinels."""
+    rows = [torch.randperm(n, generator=gen)[:count].sort().values for _ in range(H)]
+    sel = torch.stack(rows) if count else torch.empty((H, 0), dtype=torch.int64)
+    if pad:
+        sel = torch.cat([sel, torch.full((H, pad), 1 << 30, dtype=sel.dtype)], dim=1)
+    return sel.to(torch.int32).to(DEV)
+
+
+def _brute_mask(Sq, Sk, q_offset, vertical, slash) -> torch.Tensor:
+    """[H, Sq, Sk] by definition, loop by loop."""
+    H = vertical.shape[0]
+    mask = torch.zeros((H, Sq, Sk), dtype=torch.bool)
+    for h in range(H):
+        for i in range(Sq):
+            p = q_offset + i
+            for c in vertical[h].tolist():
+                if 0 <= c < Sk and c <= p:
+                    mask[h, i, c] = True
+            for s in slash[h].tolist():
+                if s >= 0 and 0 <= p - s < Sk:
+                    mask[h, i, p - s] = True
+    return mask
+
+
+def _masked_attention(q, k, v, mask, scale):
+    H, KVH = q.shape[1], k.shape[1]
+    kf = k.float().transpose(0, 1).repeat_interleave(H // KVH, 0)
+    vf = v.float().transpose(0, 1).repeat_interleave(H // KVH, 0)
+    s = (q.float().transpose(0, 1) @ kf.transpose(1, 2) * scale).masked_fill(~mask.to(q.device), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return (p @ vf).transpose(0, 1), lse
+
+
+def _check(out, ref, tol=1e-4):
+    o, lse = out
+    ro, rlse = ref
+    assert o.shape == ro.shape and lse.shape == rlse.shape and lse.dtype == torch.float32
+    assert not o.isnan().any() and not lse.isnan().any()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(rlse))
+    finite = torch.isfinite(rlse)
+    if finite.any():
+        assert (lse[finite] - rlse[finite]).abs().max().item() < tol * 10
+    assert (o.float() - ro.float()).abs().max().item() < tol * 10 and _rel_err(o, ro) < tol
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+@pytest.mark.parametrize("sq,sk,h,kvh,d,q_offset,nv,ns", [
+    (40, 40, 4, 4, 16, 0, 6, 5),      # self-attention, MHA
+    (24, 70, 4, 2, 32, 46, 9, 7),     # queries at the end of the keys, GQA 2
+    (33, 50, 8, 2, 16, 17, 12, 20),   # queries in the middle: keys after them are invisible, GQA 4
+    (19, 20, 4, 1, 64, 45, 5, 8),     # queries past the keys (every key visible to every row)
+    (45, 45, 2, 1, 16, 0, 30, 30),    # dense selections: columns overlap diagonals a lot
+    (20, 48, 2, 2, 24, 28, 0, 6),     # no columns; head dim not a power of 2
+    (20, 48, 2, 2, 16, 28, 7, 0),     # no diagonals (rows left of every column see nothing)
+    (20, 30, 2, 1, 16, 0, 0, 0),      # nothing selected: o = 0, lse = -inf
+])
+def test_kernel_matches_reference(sq, sk, h, kvh, d, q_offset, nv, ns):
+    gen = torch.Generator().manual_seed(sq * 1000 + sk)
+    q = torch.randn(sq, h, d, generator=gen).to(DEV)
+    k = torch.randn(sk, kvh, d, generator=gen).to(DEV)
+    v = torch.randn(sk, kvh, d, generator=gen).to(DEV)
+    vertical = _random_selection(h, sk, nv, gen, pad=3)
+    slash = _random_selection(h, q_offset + sq, ns, gen, pad=2)
+    scale = 0.7 / math.sqrt(d)
+    ref = vertical_slash_attention_reference(q, k, v, vertical, slash, scale, q_offset)
+    _check(vertical_slash_attention(q, k, v, vertical, slash, scale, q_offset), ref)
+    # the reference itself against the definition, and the pair count against the mask
+    mask = _brute_mask(sq, sk, q_offset, vertical.cpu(), slash.cpu())
+    _check(ref, _masked_attention(q, k, v, mask, scale))
+    assert vertical_slash_pair_count(sq, sk, q_offset, vertical, slash).tolist() == mask.sum((1, 2)).tolist()
+
+
+def test_kernel_every_column_or_every_diagonal_is_dense_attention():
+    # a key on a selected column and a selected diagonal must count once: the union is then all keys
+    gen = torch.Generator().manual_seed(7)
+    sq, sk, h, kvh, d = 30, 50, 4, 2, 16
+    q, k, v = (torch.randn(n, hh, d, generator=gen).to(DEV) for n, hh in ((sq, h), (sk, kvh), (sk, kvh)))
+    dense = flash_attn_with_lse_reference(q, k, v, 0.25, causal=True)
+    all_cols = torch.arange(sk, dtype=torch.int32, device=DEV).expand(h, -1).contiguous()
+    all_offs = torch.arange(sk, dtype=torch.int32, device=DEV).expand(h, -1).contiguous()
+    some = _random_selection(h, sk, 11, gen)
+    for vertical, slash in ((all_cols, some), (some, all_offs), (all_cols, all_offs)):
+        _check(vertical_slash_attention(q, k, v, vertical, slash, 0.25, sk - sq), dense)
+
+
+def test_kernel_ignores_duplicates_and_out_of_range_entries():
+    gen = torch.Generator().manual_seed(3)
+    sq, sk, h, d = 20, 40, 2, 16
+    q, k, v = (torch.randn(n, h, d, generator=gen).to(DEV) for n in (sq, sk, sk))
+    clean_v = torch.tensor([[0, 5, 9], [3, 4, 30]], dtype=torch.int32, device=DEV)
+    clean_s = torch.tensor([[0, 2], [1, 7]], dtype=torch.int32, device=DEV)
+    messy_v = torch.tensor([[0, 5, 5, 9, 40, 99], [3, 3, 4, 30, 30, 1 << 30]], dtype=torch.int32, device=DEV)
+    messy_s = torch.tensor([[0, 0, 2, 2, 40], [1, 7, 7, 77, 1 << 30]], dtype=torch.int32, device=DEV)
+    expected = vertical_slash_attention_reference(q, k, v, clean_v, clean_s, 0.3, 20)
+    _check(vertical_slash_attention(q, k, v, messy_v, messy_s, 0.3, 20), expected)
+    _check(vertical_slash_attention_reference(q, k, v, messy_v, messy_s, 0.3, 20), expected)
+
+
+def test_kernel_bad_inputs_raise():
+    q, k = torch.randn(8, 4, 16), torch.randn(8, 2, 16)
+    sel = torch.zeros((4, 2), dtype=torch.int32)
+    with pytest.raises(ValueError, match="vertical_idx"):
+        vertical_slash_attention(q, k, k, torch.zeros((3, 2), dtype=torch.int32), sel)
+    with pytest.raises(ValueError, match="slash_offsets"):
+        vertical_slash_attention(q, k, k, sel, sel.float())
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        vertical_slash_attention(q, torch.randn(8, 3, 16), torch.randn(8, 3, 16), sel, sel)
+    with pytest.raises(ValueError, match="q_offset"):
+        vertical_slash_attention(q, k, k, sel, sel, q_offset=-1)
+    with pytest.raises(ValueError, match="dtype"):
+        vertical_slash_attention(q, k.double(), k.double(), sel, sel)
+
+
+def test_diagonal_sums_helper():
+    x = torch.randn(3, 5, 9)
+    sums, d_first = _diagonal_sums(x, 20, 4)
+    expected = torch.zeros(3, 13)
+    for i in range(5):
+        for j in range(9):
+            expected[:, (20 + i) - (4 + j) - d_first] += x[:, i, j]
+    assert d_first == 20 - 4 - 8 and torch.allclose(sums, expected, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ policy
+def test_hyperparameter_validation_names_the_field():
+    for field, value in [("last_q", 0), ("vertical_size", -1), ("slash_size", -5), ("sink_tokens", -1),
+                         ("recent_diagonals", 1.5), ("adaptive_budget", 0.0), ("adaptive_budget", 1.5),
+                         ("last_q", True)]:
+        with pytest.raises(ValueError, match=field):
+            MInferencePolicy(**{field: value})
+    assert MInferencePolicy(adaptive_budget=0.1).budgets(1000) == (100, 100)
+    assert MInferencePolicy(vertical_size=5, slash_size=7, sink_tokens=30).budgets(20) == (20, 20)
+
+
+def test_hyperparameter_validation_through_the_config(qwen3_ckpt):
+    with pytest.raises(ValueError, match="slash_size"):
+        LLM(str(qwen3_ckpt), overrides=CPU + ["policy=minference", "policy.slash_size=-3"])
+
+
+def _qkv(n_q, s, h, kvh, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n_q, h, d, generator=gen), torch.randn(s, kvh, d, generator=gen),
+            torch.randn(s, kvh, d, generator=gen))
+
+
+def test_compute_prefill_full_budget_is_dense():
+    q, k, v = _qkv(48, 80, 4, 2, 16, seed=1)
+    policy = MInferencePolicy(vertical_size=10 ** 6, slash_size=10 ** 6, last_q=16)
+    out = policy.compute_prefill(q.to(DEV), k.to(DEV), v.to(DEV), 0, 0.25)
+    dense, _ = flash_attn_with_lse_reference(q, k, v, 0.25, causal=True)
+    assert _rel_err(out.cpu(), dense) < 1e-5
+    assert policy.last_density == pytest.approx(1.0)
+
+
+class _Manager:
+    """The two views of OffloadKVStore that compute_chunked_prefill reads."""
+
+    def __init__(self, blocks: list[int], chunk: int):
+        self.blocks, self.chunk = blocks, chunk
+
+    def prefix_blocks(self, seq):
+        return self.blocks
+
+    def num_chunks(self, seq):
+        return -(-len(self.blocks) // self.chunk)
+
+
+def _chunked_prefill(policy, q, k, v, c0: int, bs: int, scale: float, slots: int = 2):
+    """Run compute_chunked_prefill for the chunk at positions c0.. with the prefix in a real host pool."""
+    S, kvh, d = k.shape
+    nblk = c0 // bs
+    host = HostPool(1, nblk + 1, bs, kvh, d, k.dtype, pin_memory=False)
+    host.ensure_capacity(nblk + 1)
+    engine = OffloadEngine(host, slots, S, 1, DEV)
+    engine.write_prefill_buffer(0, k[:c0].to(DEV), v[:c0].to(DEV))
+    table = list(range(nblk))[::-1]  # host block ids out of position order
+    for i, blk in enumerate(table):
+        engine.offload_prefill_buffer_async(0, blk, bs, i * bs)
+    engine.transfer_stats["h2d_blocks"] = 0
+    seq = SimpleNamespace(num_computed_tokens=c0)
+    n = q.shape[0]
+    out = policy.compute_chunked_prefill(q.to(DEV), k[c0:].to(DEV), v[c0:].to(DEV), 0, scale, engine,
+                                         _Manager(table, 32), c0 // 32, seq, n)
+    assert engine.transfer_stats["h2d_blocks"] == nblk  # one pass: every prefix block loaded once
+    return out.cpu()
+
+
+@pytest.mark.parametrize("c0,n", [(0, 40), (64, 32), (96, 45)])
+def test_chunked_prefill_full_budget_is_dense(c0, n):
+    q, k, v = _qkv(n, c0 + n, 4, 2, 16, seed=c0 + n)
+    policy = MInferencePolicy(vertical_size=10 ** 6, slash_size=10 ** 6, last_q=8)
+    out = _chunked_prefill(policy, q, k, v, c0, 16, 0.25)
+    dense, _ = flash_attn_with_lse_reference(q, k, v, 0.25, causal=True)
+    assert _rel_err(out, dense) < 1e-5
+    assert policy.last_density == pytest.approx(1.0)
+
+
+def _planted(S: int, n: int, column: int, offset: int, d: int = 64, h: int = 2, seed: int = 0):
+    """Keys are random unit vectors u_j, except key `column` = w; query p = 6 (u_{p-offset} + w): the column
+    and the diagonal carry nearly all of every row's mass (rows p < offset only the column)."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.nn.functional.normalize(torch.randn(S, d, generator=gen), dim=-1)
+    w = torch.nn.functional.normalize(torch.randn(d, generator=gen), dim=-1)
+    k = u.clone()
+    k[column] = w
+    pos = torch.arange(S - n, S)
+    target = u[(pos - offset).clamp(min=0)] * (pos >= offset)[:, None]
+    q = 6.0 * (target + w)
+    q = q[:, None, :].expand(n, h, d).contiguous()
+    v = torch.randn(S, 1, d, generator=gen)
+    return q, k[:, None, :].contiguous(), v
+
+
+def test_planted_pattern_is_found_and_density_is_low():
+    S, column, offset = 256, 77, 41
+    q, k, v = _planted(S, S, column, offset)
+    policy = MInferencePolicy(last_q=32, vertical_size=4, slash_size=6, sink_tokens=2, recent_diagonals=3)
+    vertical, slash = policy.estimate_pattern(q.to(DEV), k.to(DEV), 1.0)
+    assert (vertical == column).any(dim=1).all() and (slash == offset).any(dim=1).all()
+    out = policy.compute_prefill(q.to(DEV), k.to(DEV), v.to(DEV), 0, 1.0).cpu()
+    dense, _ = flash_attn_with_lse_reference(q, k, v, 1.0, causal=True)
+    assert policy.last_density < 0.1
+    assert _rel_err(out, dense) < 0.02
+    # without the planted column the result is far off: the test above is not trivially satisfied
+    policy = MInferencePolicy(last_q=32, vertical_size=2, slash_size=6, sink_tokens=2, recent_diagonals=3)
+    assert _rel_err(policy.compute_prefill(q.to(DEV), k.to(DEV), v.to(DEV), 0, 1.0).cpu(), dense) > 0.1
+
+
+def test_planted_pattern_through_the_offloaded_chunks():
+    S, n, column, offset = 256, 64, 20, 130  # column in the oldest block; the diagonal crosses 5 blocks
+    q, k, v = _planted(S, n, column, offset, seed=1)
+    policy = MInferencePolicy(last_q=32, vertical_size=8, slash_size=8, sink_tokens=2, recent_diagonals=3)
+    out = _chunked_prefill(policy, q, k, v, S - n, 16, 1.0)
+    dense, _ = flash_attn_with_lse_reference(q, k, v, 1.0, causal=True)
+    assert policy.last_density < 0.25
+    assert _rel_err(out, dense) < 0.02
+
+
+def test_small_budget_density_below_one():
+    q, k, v = _qkv(200, 200, 2, 1, 16, seed=5)
+    policy = MInferencePolicy(vertical_size=10, slash_size=10, sink_tokens=4, recent_diagonals=4)
+    policy.compute_prefill(q.to(DEV), k.to(DEV), v.to(DEV), 0, 0.25)
+    assert 0.0 < policy.last_density < 0.2
+    adaptive = MInferencePolicy(adaptive_budget=0.5)
+    adaptive.compute_prefill(q.to(DEV), k.to(DEV), v.to(DEV), 0, 0.25)
+    assert policy.last_density < adaptive.last_density < 1.0
+
+
+# ------------------------------------------------------------------------------------------------ engine
+@pytest.mark.parametrize("offload", [
+    ["offload=cpu", "offload.block_size=16", "offload.prefill_chunk_size=32"],
+    ["offload=none", "offload.block_size=16"],
+])
+def test_engine_full_budget_greedy_equals_full(qwen3_ckpt, offload):
+    prompt = random_prompt(90, seed=11)
+    expected = LLM(str(qwen3_ckpt), overrides=CPU + offload + ["policy=full"]).generate([prompt], GREEDY)
+    llm = LLM(str(qwen3_ckpt), overrides=CPU + offload + FULL_BUDGET)
+    assert llm.engine.policy.name == "minference"
+    out = llm.generate([prompt], GREEDY)
+    assert out[0].token_ids == expected[0].token_ids
+    assert llm.engine.policy.last_density == pytest.approx(1.0)
+
+
+def test_engine_small_budget_runs_sparse(qwen3_ckpt):
+    llm = LLM(str(qwen3_ckpt), overrides=CPU + ["offload=cpu", "offload.block_size=16",
+                                                "offload.prefill_chunk_size=32", "policy=minference",
+                                                "policy.vertical_size=8", "policy.slash_size=8",
+                                                "policy.sink_tokens=4", "policy.recent_diagonals=4"])
+    out = llm.generate([random_prompt(90, seed=12)], GREEDY)[0]
+    assert len(out.token_ids) == GREEDY.max_tokens
+    assert llm.engine.policy.last_density < 0.8
+
+
+# ------------------------------------------------------------------------------------------------ GPU only
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_kernel_bf16_realistic():
+    sq = sk = 4096
+    h, kvh, d = 32, 8, 128
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(sq, h, d, generator=gen).to(DEV, torch.bfloat16)
+    k = torch.randn(sk, kvh, d, generator=gen).to(DEV, torch.bfloat16)
+    v = torch.randn(sk, kvh, d, generator=gen).to(DEV, torch.bfloat16)
+    vertical = torch.cat([torch.arange(30).expand(h, -1), 30 + torch.stack(
+        [torch.randperm(sk - 30, generator=gen)[:970] for _ in range(h)])], 1).sort(1).values
+    slash = torch.cat([torch.arange(100).expand(h, -1), 100 + torch.stack(
+        [torch.randperm(sk - 100, generator=gen)[:500] for _ in range(h)])], 1).sort(1).values
+    vertical, slash = vertical.to(DEV, torch.int32), slash.to(DEV, torch.int32)
+    scale = 1 / math.sqrt(d)
+    o, lse = vertical_slash_attention(q, k, v, vertical, slash, scale, 0)
+    ro, rlse = vertical_slash_attention_reference(q, k, v, vertical, slash, scale, 0)
+    assert not o.isnan().any() and not lse.isnan().any()
+    assert _rel_err(o, ro) < 1e-2
+    assert (lse - rlse).abs().max().item() < 1e-2

@@ -1,0 +1,86 @@
+"""offload=cpu gives the same greedy tokens as offload=none and HF, across layouts; capacity errors and aborts."""
+from __future__ import annotations
+
+import pytest
+
+from sparsekv import LLM, SamplingParams
+from tests.conftest import hf_greedy, random_prompt
+
+CPU = ["device=cpu", "dtype=float32"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+# prompts spanning many blocks, with partial last blocks, one shorter than a block
+PROMPTS = [random_prompt(n, seed=n) for n in (75, 33, 9, 48)]
+
+
+def offload(*extra: str) -> list[str]:
+    return CPU + ["offload=cpu", "offload.host_pool_gib=0.05", *extra]
+
+
+@pytest.fixture(scope="module")
+def resident_tokens(qwen3_ckpt) -> list[list[int]]:
+    llm = LLM(str(qwen3_ckpt), overrides=CPU + ["offload.block_size=16"])
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("layout", [
+    ["offload.block_size=16", "offload.num_gpu_blocks=2", "offload.prefill_chunk_size=16"],
+    ["offload.block_size=16", "offload.num_gpu_blocks=3", "offload.prefill_chunk_size=48"],
+    ["offload.block_size=32", "offload.num_gpu_blocks=4", "offload.prefill_chunk_size=32"],
+    ["offload.block_size=16", "offload.num_gpu_blocks=1", "offload.prefill_mode=layerwise"],
+])
+def test_offloaded_batch_equals_resident(qwen3_ckpt, resident_tokens, layout):
+    llm = LLM(str(qwen3_ckpt), overrides=offload(*layout))
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == resident_tokens
+    stats = llm.engine.kv_store.transfer_stats
+    assert stats["h2d_blocks"] > 0 and stats["d2h_blocks"] > 0
+
+
+def test_offloaded_equals_hf(llama_ckpt):
+    prompt = random_prompt(70, seed=11)
+    expected, _ = hf_greedy(llama_ckpt, prompt, 24)
+    llm = LLM(str(llama_ckpt), overrides=offload("offload.block_size=16", "offload.num_gpu_blocks=2",
+                                                   "offload.prefill_chunk_size=32"))
+    assert llm.generate([prompt], GREEDY)[0].token_ids == expected
+
+
+def test_decode_loads_every_full_block_once_per_layer(qwen3_ckpt):
+    llm = LLM(str(qwen3_ckpt), overrides=offload("offload.block_size=16", "offload.prefill_chunk_size=64"))
+    prompt = random_prompt(64, seed=2)  # 4 full blocks, one prefill chunk: no prefill loads
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    before = dict(llm.engine.kv_store.transfer_stats)
+    assert before["h2d_blocks"] == 0 and before["d2h_blocks"] == 4 * 3  # 4 blocks x 3 layers offloaded
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    # second request: its prefill loads nothing; its one decode step loads the 4 full blocks of each layer
+    assert llm.engine.kv_store.transfer_stats["h2d_blocks"] - before["h2d_blocks"] == 4 * 3
+
+
+def test_prompt_larger_than_host_pool_fails_before_compute(qwen3_ckpt, monkeypatch):
+    llm = LLM(str(qwen3_ckpt), overrides=CPU + ["offload=cpu", "offload.block_size=16",
+                                                 "offload.host_pool_gib=0.0001"])
+    monkeypatch.setattr(llm.engine.runner, "run", lambda batch: pytest.fail("computed before the error"))
+    with pytest.raises(ValueError, match=r"needs \d+\.\d+ GiB of KV cache but only \d+\.\d+ GiB"):
+        llm.generate([random_prompt(1500)], GREEDY)
+    assert not llm.engine.scheduler.has_unfinished()
+
+
+def test_abort_returns_all_blocks(qwen3_ckpt):
+    llm = LLM(str(qwen3_ckpt), overrides=offload("offload.block_size=16"))
+    engine = llm.engine
+    free_before = engine.block_manager.num_free_blocks
+    seq = engine.add_request(random_prompt(50), GREEDY)
+    engine.step()  # prefill: blocks allocated
+    assert engine.block_manager.num_free_blocks < free_before
+    engine.abort(seq)
+    assert engine.block_manager.num_free_blocks == free_before
+    assert not engine.scheduler.has_unfinished() and seq.finish_reason == "abort"
+    assert not engine.kv_store.decode_rows
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["offload.num_gpu_blocks=0"], "num_gpu_blocks=0"),
+    (["offload.prefill_chunk_size=24"], "prefill_chunk_size=24 must be a positive multiple"),
+    (["offload.block_size=0"], "block_size=0"),
+])
+def test_bad_layout_is_refused(bad, message):
+    with pytest.raises(ValueError, match=message):
+        LLM("tiny", overrides=CPU + ["offload=cpu", "offload.block_size=16", *bad])
