@@ -66,6 +66,22 @@ def num_device_kv_blocks(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, d
     return max(1, min(wanted, int(budget // block_bytes)))
 
 
+def check_scheduler_config(cfg: DictConfig, spec: ModelSpec) -> int:
+    """Validate the scheduler keys; returns max_model_len."""
+    scheduler = cfg.scheduler
+    for key in ("max_num_seqs", "max_num_batched_tokens"):
+        if scheduler[key] < 1:
+            raise ValueError(f"scheduler.{key}={scheduler[key]} must be at least 1")
+    max_model_len = scheduler.max_model_len or spec.max_position_embeddings
+    if max_model_len < 2:
+        raise ValueError(f"scheduler.max_model_len={max_model_len} must be at least 2")
+    if max_model_len > spec.max_position_embeddings:
+        log.warning("scheduler.max_model_len=%d exceeds the model's max_position_embeddings=%d: positions past "
+                    "the trained range give unreliable text (fine for speed benchmarks)", max_model_len,
+                    spec.max_position_embeddings)
+    return max_model_len
+
+
 def check_offload_config(cfg: DictConfig) -> None:
     offload = cfg.offload
     if offload.block_size < 1:
@@ -116,7 +132,7 @@ def build_engine(cfg: DictConfig) -> LLMEngine:
     policy = build_policy(cfg.policy)
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
-    max_model_len = cfg.scheduler.max_model_len or spec.max_position_embeddings
+    max_model_len = check_scheduler_config(cfg, spec)
     check_offload_config(cfg)
     graph_cfg = cfg.get("graph")
     check_graph_config(graph_cfg)

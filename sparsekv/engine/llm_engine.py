@@ -74,7 +74,11 @@ class LLMEngine:
                 raise ValueError(f"model {self.config.model.name} has no tokenizer: pass token-id lists, or a "
                                  "checkpoint directory with tokenizer files")
             return self.tokenizer.encode(prompt)
-        token_ids = [int(t) for t in prompt]
+        if not isinstance(prompt, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise TypeError(f"a prompt is a string or a list of int token ids; got {type(prompt).__name__} "
+                            f"{str(prompt)[:60]}")
+        token_ids = list(prompt)
         if not token_ids:
             raise ValueError("prompt is empty: pass a non-empty string or list of token ids")
         bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
@@ -139,8 +143,12 @@ class LLMEngine:
                  progress=None) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not prompts:
+            raise ValueError("prompt is empty: pass at least one prompt (a string or a list of token ids)")
         params = sampling_params if sampling_params is not None else SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if not all(isinstance(p, SamplingParams) for p in params_list):
+            raise TypeError("sampling_params must be a SamplingParams or a list of them")
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         token_lists = [self.tokenize(p) for p in prompts]

@@ -53,18 +53,16 @@ def build_model(model_cfg, spec: ModelSpec, cls: type, device: torch.device, dty
 
 @torch.no_grad()
 def init_dummy(model: nn.Module, seed: int, std: float) -> None:
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    """Seeded random weights drawn on the weights' device (the same seed gives the same weights on one device)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()
-        else:  # draw on the CPU in slices so the same seed gives the same weights on any device
-            flat = param.view(-1)
-            step = 1 << 24
-            for start in range(0, flat.numel(), step):
-                end = min(start + step, flat.numel())
-                flat[start:end].copy_(torch.randn(end - start, generator=generator) * std)
+        else:
+            param.normal_(0.0, std, generator=generator)
 
 
 def checkpoint_files(path: Path) -> list[Path]:

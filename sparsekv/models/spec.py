@@ -46,6 +46,9 @@ def spec_from_model_config(model_cfg) -> ModelSpec:
     return ModelSpec(**values)
 
 
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
 def spec_from_hf_config(path: str | Path) -> ModelSpec:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
@@ -57,6 +60,10 @@ def spec_from_hf_config(path: str | Path) -> ModelSpec:
     architectures = raw.get("architectures") or []
     if not architectures:
         raise ValueError(f"{config_file} names no `architectures`; cannot tell which model class to build")
+    missing = [key for key in REQUIRED_KEYS if key not in raw]
+    if missing:
+        raise ValueError(f"{config_file} (architecture {architectures[0]}) lacks {', '.join(missing)}: sparsekv "
+                         "reads Llama/Qwen-style config keys; a plugin must provide other architectures")
     num_heads = raw["num_attention_heads"]
     rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
     rope_theta = raw.get("rope_theta")
