@@ -90,23 +90,16 @@ bench() {  # bench NAME [overrides...]: one task=bench run into $OUT/bench/NAME
 read -ra QWEN <<< "${BENCH_MODEL_ARGS:-model=qwen3_4b model.load_format=dummy}"
 QWEN+=("bench.decode_steps=$DECODE_STEPS")
 
-section_bench() {
-    # ---- GPU-resident KV (offload=none), full attention
-    bench qwen3_4b-none-8k   "${QWEN[@]}" offload=none bench.context=8192
-    bench qwen3_4b-none-32k  "${QWEN[@]}" offload=none bench.context=32768
-
-    # ---- PLACEHOLDER (offload owners): KV in host memory, full attention. The PCIe floor (KV of the context
-    # / measured H2D) is reported automatically when offload.mode=cpu; expose `transfer_stats` (a dict of byte
-    # counters, e.g. h2d_bytes) on the KV store to get the bytes-actually-loaded floor too.
-    # bench qwen3_4b-cpu-32k   "${QWEN[@]}" offload=cpu offload.num_gpu_blocks=4 bench.context=32768
-    # bench qwen3_4b-cpu-128k  "${QWEN[@]}" offload=cpu offload.num_gpu_blocks=4 bench.context=131072
-
-    # ---- PLACEHOLDER (policy owners): sparse policies, offloaded, at 32K and 128K
-    # bench qwen3_4b-cpu-quest-32k   "${QWEN[@]}" offload=cpu policy=quest bench.context=32768
-    # bench qwen3_4b-cpu-quest-128k  "${QWEN[@]}" offload=cpu policy=quest bench.context=131072
-    # bench qwen3_4b-cpu-xattn-128k  "${QWEN[@]}" offload=cpu policy=xattn_bsa bench.context=131072
-    # bench qwen3_4b-cpu-minf-128k   "${QWEN[@]}" offload=cpu policy=minference bench.context=131072
-    :
+section_bench() {  # most needed first: a run cut short keeps what it finished
+    bench none-32k       "${QWEN[@]}" offload=none bench.context=32768
+    bench cpu-32k        "${QWEN[@]}" offload=cpu bench.context=32768
+    bench cpu-128k       "${QWEN[@]}" offload=cpu bench.context=131072
+    bench cpu-quest-128k "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0 bench.context=131072
+    bench cpu-xattn-128k "${QWEN[@]}" offload=cpu policy=xattn_bsa bench.context=131072
+    bench cpu-minf-128k  "${QWEN[@]}" offload=cpu policy=minference bench.context=131072
+    bench none-8k        "${QWEN[@]}" offload=none bench.context=8192
+    # GPU memory at 512K: Qwen3-4B layer dimensions, 4 layers (a 36-layer 512K prefill takes minutes)
+    bench cpu-512k-4layer "${QWEN[@]}" model.num_hidden_layers=4 offload=cpu bench.context=524288
 }
 
 section_summary() {

@@ -17,9 +17,9 @@ AutoModelForCausalLM.from_config with the transformers config equivalent to spar
 weights (std model.dummy_init_std), built directly on the device. HF's weights are not sparsekv's weights in
 the dummy case; the timings depend on the dimensions only.
 
-Timing: prefill = time to first token (the prompt's forward with logits of the last position only, plus the
-argmax), decode = one forward of one new token per sequence per step, each synchronised (CUDA) before the
-clock is read; the median step is `decode_ms_per_token`, as in the bench record. On CUDA, `gpu_peak_gib` is
+Timing, after a warm-up pass identical to the timed one (bench.warmup): prefill = time to first token (the
+prompt's forward with logits of the last position only, plus the argmax), decode = one forward of one new
+token per sequence per step, each synchronised (CUDA) before the clock is read; the median step is `decode_ms_per_token`, as in the bench record. On CUDA, `gpu_peak_gib` is
 the peak device memory HF allocated on top of what the process held before HF's model was built (HF's
 weights + KV cache + activations; other objects in the process, like a sparsekv engine, are not counted).
 """
@@ -266,12 +266,14 @@ def run_hf_baseline(cfg, prompt_ids: Sequence, decode_steps: int, placement: str
         bench = cfg.get("bench")
         warmup_seconds = None
         if bench is None or bench.get("warmup", True):
-            warm_len = max(1, min(context, int(bench.get("warmup_tokens", 256) if bench is not None else 256)))
+            # The warm-up repeats the timed run, same prompt length and steps: PyTorch's SDPA (cuDNN backend on
+            # Hopper) prepares its kernels per sequence length, and on an H200 a first pass at new lengths decoded
+            # 2-3x slower (60 vs 22 ms/token, qwen3_0_6b at 4K) even after a short warm-up of 256 tokens + 16 steps.
             start = time.perf_counter()
-            timed(ids[:, :warm_len], min(decode_steps, 2))
+            timed(ids, decode_steps)
             warmup_seconds = time.perf_counter() - start
+        gc.collect()  # no collection of the warm-up's garbage inside the timed steps
         if device.type == "cuda":
-            gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()

@@ -12,6 +12,8 @@ MODEL_CLASSES = {
 POLICY_CLASSES = [
     "sparsekv.policies.full:FullAttentionPolicy",
     "sparsekv.policies.minference:MInferencePolicy",
+    "sparsekv.policies.quest:QuestPolicy",
+    "sparsekv.policies.xattn_bsa:XAttentionPolicy",
 ]
 
 

@@ -115,7 +115,7 @@ def build_kv_store(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device:
                         "(use offload=cpu to load only the selected blocks)", decode_policy.name)
         num_blocks = num_device_kv_blocks(cfg, spec, dtype, device, max_model_len)
         return PagedKVStore(spec.num_hidden_layers, num_blocks, cfg.offload.block_size, spec.num_key_value_heads,
-                            spec.head_dim, dtype, device, prefill_policy)
+                            spec.head_dim, dtype, device, prefill_policy, max_model_len)
     offload = cfg.offload
     chunk = prefill_chunk_tokens(cfg, max_model_len)
     initial_prefill_buffer = min(chunk, cfg.scheduler.max_num_batched_tokens)

@@ -381,7 +381,7 @@ def run_offloaded(policy: SparsePolicy, inputs: AttentionInputs, values: torch.T
         last = end == lay.prompt_len
         tic = time.perf_counter()
         for layer in range(L):
-            q_c, k_c, v_c = dev(inputs.q[layer, start:end]), dev(inputs.k[layer, start:end]), dev(v_all[layer, start:end])
+            q_c, k_c, v_c = (dev(x[layer, start:end]) for x in (inputs.q, inputs.k, v_all))
             engine.write_prefill_buffer(layer, k_c, v_c)
             first = start // bs
             for i, row in enumerate(range(0, n, bs)):
@@ -600,13 +600,14 @@ def phase_metrics(phase: str, inputs: AttentionInputs, run: PhaseRun, probe: Pha
             rows = slice(needle_rows_from - first, end - first)
             dense_probe = dense_attention(q[rows], k, probe_values[layer, :end].to(inputs.device),
                                           inputs.softmax_scale)
-            a, b, h, c = needle_scores(probe.outputs[layer][rows], dense_probe, num_needles, 1.0 / max(1, -(-end // bs)))
+            uniform = 1.0 / max(1, -(-end // bs))  # a needle-attending head beats a uniform block share
+            a, b, h, c = needle_scores(probe.outputs[layer][rows], dense_probe, num_needles, uniform)
             kept, dense_needle, hits, counted = kept + a, dense_needle + b, hits + h, counted + c
 
     mean = (lambda xs: float(statistics.fmean(xs)) if xs else None)
     reported = mean([d for d in run.densities if d is not None])
     if resident:
-        dense = not _is_overridden(policy, "compute_prefill")
+        dense = not _is_overridden(policy, "compute_prefill") or (reported is not None and reported >= 1 - 1e-9)
         block_recall = block_density = 1.0 if dense else None
         density = reported if reported is not None else block_density
         recall = block_recall

@@ -20,7 +20,7 @@ RECORD_KEYS = {
     "decode_tok_s_mean", "weight_bytes", "kv_bytes_per_token", "prefill_flops", "prefill_tflops",
     "prefill_floor_s", "prefill_ratio", "decode_context", "decode_bytes_per_step", "decode_gbps",
     "decode_hbm_floor_ms", "decode_pcie_floor_ms", "decode_floor_ms", "decode_ratio", "host_peak_rss_gib",
-    "gpu_peak_gib", "floors",
+    "gpu_peak_gib", "gpu_build_peak_gib", "floors",
 }
 FLOOR_KEYS = {"device", "gpu_name", "torch_version", "cuda_version", "date", "matmul_dtype", "matmul_tflops",
               "hbm_gbps", "h2d_gbps", "d2h_gbps", "h2d_pageable_gbps", "measure_seconds"}
@@ -204,7 +204,7 @@ def test_gpu_measured_ceilings_are_plausible():
 def test_gpu_bench_tiny_reports_floors_and_ratios(tmp_path):
     _, record = run_bench(tmp_path, "device=cuda", "bench.context=2048", "bench.decode_steps=8")
     assert record["prompt_tokens"] == 2048 and record["decode_steps"] == 8
-    assert record["gpu_peak_gib"] > 0 and record["gpu_name"]
+    assert record["gpu_peak_gib"] > 0 and record["gpu_build_peak_gib"] > 0 and record["gpu_name"]
     for key in ("prefill_floor_s", "decode_hbm_floor_ms", "decode_floor_ms"):
         assert record[key] > 0, key
     assert record["decode_pcie_floor_ms"] is None  # offload=none

@@ -41,7 +41,11 @@ def test_every_yaml_under_conf_composes(group, name):
     cfg = compose_config([f"{group}={name}"])
     assert OmegaConf.select(cfg, group) is not None
     OmegaConf.to_object(cfg)
-    if "name" in cfg[group]:
+    if group == "policy":  # a preset (quest_2k) keeps its policy's name and sets hyperparameters
+        policies = registry().policies
+        assert cfg.policy.name in policies, f"conf/policy/{name}.yaml selects unregistered {cfg.policy.name!r}"
+        assert isinstance(OmegaConf.to_object(cfg.policy), policies[cfg.policy.name])
+    elif "name" in cfg[group]:
         assert cfg[group].name == name, f"conf/{group}/{name}.yaml sets name={cfg[group].name!r}"
 
 

@@ -18,9 +18,10 @@ Triton kernel, one program per (block of BLOCK_M query rows, head), online softm
   1. slash tiles: the launcher turns the selected offsets into the list of "block diagonals" t whose
      [BLOCK_M, BLOCK_N] key tiles contain at least one selected offset. With BLOCK_M a multiple of BLOCK_N the
      offsets a tile covers depend only on t = (q_offset // BLOCK_N + (BLOCK_M // BLOCK_N) * m_block) - n_block,
-     so one sorted t-list per head serves every query block. Inside a tile the keys not on a selected diagonal
-     are masked by a lookup in a dense per-offset byte mask; tiles whose every offset is selected (the recent
-     band) skip that lookup.
+     so sorted t-lists per head serve every query block. Two lists, two loops without branches: tiles whose
+     every offset is selected (the recent band) need only the causal mask; in the others the keys not on a
+     selected diagonal are masked by a lookup in a dense per-offset byte mask. The next list entry is loaded
+     one iteration ahead so that the K/V loads can be software-pipelined.
   2. vertical columns: the selected columns are gathered BLOCK_N at a time by index (causally visible ones
      only: the launcher counts them per query block), masking keys that lie on a selected diagonal of the row
      (already counted in loop 1).
@@ -38,14 +39,16 @@ __all__ = [
     "vertical_slash_attention",
     "vertical_slash_attention_reference",
     "vertical_slash_pair_count",
+    "visible_pair_count",
 ]
 
 LOG2E = 1.4426950408889634
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M must be a multiple of BLOCK_N.
-GPU_CONFIG_16BIT = {64: (128, 64, 4, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M must be a multiple of BLOCK_N. 16-bit D=128 picked by timing on
+# H200 (sm_90 like H100), Triton 3.6, S=32K, H=32, KVH=8: 64x64 beat 128x64 (8 warps, 2-3 stages) by 0-10%.
+GPU_CONFIG_16BIT = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 32, 4, 2)}
 GPU_CONFIG_FP32 = {64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (32, 16, 4, 1)}
-INTERPRET_CONFIG = (16, 16, 4, 1)  # small blocks keep the CPU interpreter fast
+INTERPRET_CONFIG = (32, 16, 4, 1)  # small tiles keep the CPU interpreter fast; BLOCK_M = 2 BLOCK_N covers RATIO > 1
 REFERENCE_CHUNK_ELEMENTS = 1 << 24  # [H, rows, Sk] scores the reference materialises at once
 _SENTINEL = 1 << 30
 
@@ -66,17 +69,56 @@ def _online_softmax_step(acc, m_i, l_i, s, keep, v):
 
 
 @jit
+def _kv_mask(row_ok, dim_ok, EVEN_D: tl.constexpr):
+    # Without a mask along the head dim (BLOCK_D == D) loads and stores stay vectorised.
+    if EVEN_D:
+        mask = row_ok[:, None]
+    else:
+        mask = row_ok[:, None] & dim_ok[None, :]
+    return mask
+
+
+@jit
+def _slash_tiles(
+    acc, m_i, l_i, q, pos, offs_n, offs_d, dim_ok, k_base, v_base, smask, tlist, t_lo, t_hi, tq,
+    Sk, d_lo, d_hi, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+    BLOCK_N: tl.constexpr, LOOKUP: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    # key blocks n_block = tq - t for the entries t_lo..t_hi of the sorted t-list. The next entry is loaded
+    # one iteration ahead, so the K/V addresses are loop-carried and the compiler can pipeline their loads.
+    t = tl.load(tlist + t_lo, mask=t_lo < t_hi, other=0)
+    for it in range(t_lo, t_hi):
+        t_next = tl.load(tlist + it + 1, mask=it + 1 < t_hi, other=0)
+        cols = (tq - t) * BLOCK_N + offs_n  # [BLOCK_N]
+        col_ok = cols < Sk
+        kv_mask = _kv_mask(col_ok, dim_ok, EVEN_D)
+        k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        diag = pos[:, None] - cols[None, :]  # offset of each (row, key)
+        keep = col_ok[None, :] & (diag >= 0)
+        if LOOKUP:  # partial tile: keep the keys on a selected diagonal only
+            on_slash = tl.load(smask + (diag - d_lo), mask=keep & (diag >= d_lo) & (diag < d_hi), other=0)
+            keep = keep & (on_slash != 0)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, keep, v)
+        t = t_next
+    return acc, m_i, l_i
+
+
+@jit
 def _vs_fwd_kernel(
     Q, K, V, O, LSE,
-    VIDX, VCNT, SMASK, TLIST, TFULL, TLO, THI,
+    VIDX, SMASK, TLIST_FULL, TLIST_PART, RANGES,
     stride_qm, stride_qh, stride_qd,
     stride_kn, stride_kh, stride_kd,
     stride_vn, stride_vh, stride_vd,
     stride_om, stride_oh, stride_od,
     stride_lh, stride_lm,
-    stride_vih, stride_smh, stride_tlh, stride_cnth,
+    stride_vih, stride_smh, stride_tlh, stride_rh, stride_rm,
     Sq, Sk, D, q_offset, d_lo, d_hi, tq0, qk_scale,
-    GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RATIO: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -91,7 +133,7 @@ def _vs_fwd_kernel(
 
     q_ptrs = Q + head.to(tl.int64) * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm \
         + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q = tl.load(q_ptrs, mask=_kv_mask(row_ok, dim_ok, EVEN_D), other=0.0)  # [BLOCK_M, BLOCK_D]
     k_base = K + kv_head.to(tl.int64) * stride_kh
     v_base = V + kv_head.to(tl.int64) * stride_vh
     smask = SMASK + head.to(tl.int64) * stride_smh
@@ -100,41 +142,32 @@ def _vs_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # ---- 1. slash tiles: key blocks n_block = tq - t for the t in this query block's range of the t-list
-    cnt_off = head.to(tl.int64) * stride_cnth + pid_m
-    t_lo = tl.load(TLO + cnt_off)
-    t_hi = tl.load(THI + cnt_off)
+    # per (head, query block): [full lo, full hi, partial lo, partial hi, visible vertical count]
+    ranges = RANGES + head.to(tl.int64) * stride_rh + pid_m * stride_rm
     tq = tq0 + RATIO * pid_m
-    tlist = TLIST + head.to(tl.int64) * stride_tlh
-    tfull = TFULL + head.to(tl.int64) * stride_tlh
-    for it in range(t_lo, t_hi):
-        t = tl.load(tlist + it)
-        full = tl.load(tfull + it)
-        cols = (tq - t) * BLOCK_N + offs_n  # [BLOCK_N]
-        col_ok = cols < Sk
-        kv_mask = col_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-        diag = pos[:, None] - cols[None, :]  # offset of each (row, key)
-        keep = col_ok[None, :] & (diag >= 0)
-        if full == 0:
-            on_slash = tl.load(smask + (diag - d_lo), mask=keep & (diag >= d_lo) & (diag < d_hi), other=0)
-            keep = keep & (on_slash != 0)
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, keep, v)
+    # ---- 1a. slash tiles whose every offset is selected (the recent band): causal mask only
+    acc, m_i, l_i = _slash_tiles(
+        acc, m_i, l_i, q, pos, offs_n, offs_d, dim_ok, k_base, v_base, smask,
+        TLIST_FULL + head.to(tl.int64) * stride_tlh, tl.load(ranges), tl.load(ranges + 1), tq,
+        Sk, d_lo, d_hi, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, BLOCK_N, False, EVEN_D)
+    # ---- 1b. slash tiles with some offsets selected: per-key lookup in the offset mask
+    acc, m_i, l_i = _slash_tiles(
+        acc, m_i, l_i, q, pos, offs_n, offs_d, dim_ok, k_base, v_base, smask,
+        TLIST_PART + head.to(tl.int64) * stride_tlh, tl.load(ranges + 2), tl.load(ranges + 3), tq,
+        Sk, d_lo, d_hi, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, BLOCK_N, True, EVEN_D)
 
     # ---- 2. vertical columns visible to this query block, BLOCK_N at a time, minus those on a slash
-    v_cnt = tl.load(VCNT + cnt_off)
+    v_cnt = tl.load(ranges + 4)
     vidx = VIDX + head.to(tl.int64) * stride_vih
+    # (indices loaded one group ahead, as above)
+    idx = tl.load(vidx + offs_n, mask=offs_n < v_cnt, other=-1)  # [BLOCK_N] key columns
+    prev = tl.load(vidx + offs_n - 1, mask=(offs_n < v_cnt) & (offs_n > 0), other=-1)
     for start in range(0, v_cnt, BLOCK_N):
-        e = start + offs_n
-        e_ok = e < v_cnt
-        idx = tl.load(vidx + e, mask=e_ok, other=-1)  # [BLOCK_N] key columns
-        prev = tl.load(vidx + e - 1, mask=e_ok & (e > 0), other=-1)
-        col_ok = e_ok & (idx != prev) & (idx >= 0) & (idx < Sk)
-        kv_mask = col_ok[:, None] & dim_ok[None, :]
+        e_next = start + BLOCK_N + offs_n
+        idx_next = tl.load(vidx + e_next, mask=e_next < v_cnt, other=-1)
+        prev_next = tl.load(vidx + e_next - 1, mask=e_next < v_cnt, other=-1)
+        col_ok = (start + offs_n < v_cnt) & (idx != prev) & (idx >= 0) & (idx < Sk)
+        kv_mask = _kv_mask(col_ok, dim_ok, EVEN_D)
         k = tl.load(k_base + idx[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd,
                     mask=kv_mask, other=0.0)
         v = tl.load(v_base + idx[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
@@ -145,6 +178,8 @@ def _vs_fwd_kernel(
         on_slash = tl.load(smask + (diag - d_lo), mask=keep & (diag >= d_lo) & (diag < d_hi), other=0)
         keep = keep & (on_slash == 0)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, keep, v)
+        idx = idx_next
+        prev = prev_next
 
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
@@ -152,7 +187,7 @@ def _vs_fwd_kernel(
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     o_ptrs = O + head.to(tl.int64) * stride_oh + offs_m[:, None].to(tl.int64) * stride_om \
         + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=_kv_mask(row_ok, dim_ok, EVEN_D))
     tl.store(LSE + head.to(tl.int64) * stride_lh + offs_m * stride_lm, lse, mask=row_ok)
 
 
@@ -343,42 +378,41 @@ def _vertical_slash_triton(q, k, v, vertical_idx, slash_offsets, scale, q_offset
     hi_i = torch.maximum(lo_i, (hi - d_lo).clamp(0, d_hi - d_lo))
     count = cs[:, hi_i] - cs[:, lo_i]  # [H, NT] selected offsets in each tile's window
     needed = count > 0
-    full = (count == width[None, :]).to(torch.int32)
-    t_rel = (t - t_min).to(torch.int32)
-    keyed = torch.where(needed, t_rel[None, :], torch.full_like(t_rel, _SENTINEL)[None, :])
-    tlist, order = torch.sort(keyed, dim=1)
-    tlist = tlist.contiguous()
-    tfull = full.gather(1, order).contiguous()
+    full = count == width[None, :]
+    t_rel = (t - t_min).to(torch.int32)[None, :]
+    sentinel = torch.full_like(t_rel, _SENTINEL)
+    tlists = torch.stack([torch.where(needed & full, t_rel, sentinel),
+                          torch.where(needed & ~full, t_rel, sentinel)]).sort(dim=2).values.contiguous()
 
-    # per query block: its range of t (key blocks 0..n_hi visible) and its visible vertical columns
+    # per query block: its range of t in each list (key blocks 0..n_hi visible) and its visible columns
     mb = torch.arange(num_m, device=dev)
     p_last = torch.clamp(q_offset + (mb + 1) * block_m - 1, max=q_offset + Sq - 1)
     key_last = torch.clamp(p_last, max=Sk - 1)  # last key any row of the block may see
     tq = (qb - t_min) + ratio * mb
     n_hi = key_last // block_n
-    bounds = torch.stack([tq - n_hi, tq], dim=0).to(torch.int32)  # [2, NM]
-    t_lo = torch.searchsorted(tlist, bounds[0][None, :].expand(H, -1).contiguous(), right=False)
-    t_hi = torch.searchsorted(tlist, bounds[1][None, :].expand(H, -1).contiguous(), right=True)
-    t_lo = t_lo.to(torch.int32).contiguous()
-    t_hi = t_hi.to(torch.int32).contiguous()
-
+    t_first = (tq - n_hi).to(torch.int32)[None, :].expand(H, -1).contiguous()
+    t_last = tq.to(torch.int32)[None, :].expand(H, -1).contiguous()
+    ranges = torch.zeros((H, num_m, 5), dtype=torch.int32, device=dev)
+    for i in range(2):
+        ranges[:, :, 2 * i] = torch.searchsorted(tlists[i], t_first, right=False)
+        ranges[:, :, 2 * i + 1] = torch.searchsorted(tlists[i], t_last, right=True)
     if vertical_idx.shape[1] > 0:
         vidx = vertical_idx.to(torch.int32).contiguous()
-        v_cnt = torch.searchsorted(vidx, key_last.to(torch.int32)[None, :].expand(H, -1).contiguous(), right=True)
-        v_cnt = v_cnt.to(torch.int32).contiguous()
+        ranges[:, :, 4] = torch.searchsorted(vidx, key_last.to(torch.int32)[None, :].expand(H, -1).contiguous(),
+                                             right=True)
     else:
         vidx = torch.full((H, 1), _SENTINEL, dtype=torch.int32, device=dev)
-        v_cnt = torch.zeros((H, num_m), dtype=torch.int32, device=dev)
 
+    block_d = max(16, next_power_of_2(D))
     o = alloc_output((Sq, H, D), q.dtype, dev)
     lse = alloc_output((H, Sq), torch.float32, dev)
     _vs_fwd_kernel[(num_m, H)](
         q, k, v, o, lse,
-        vidx, v_cnt, smask, tlist, tfull, t_lo, t_hi,
+        vidx, smask, tlists[0], tlists[1], ranges,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
-        vidx.stride(0), smask.stride(0), tlist.stride(0), t_lo.stride(0),
+        vidx.stride(0), smask.stride(0), tlists.stride(1), ranges.stride(0), ranges.stride(1),
         Sq, Sk, D, q_offset, d_lo, d_hi, qb - t_min, scale * LOG2E,
-        GROUP=H // KVH, BLOCK_D=max(16, next_power_of_2(D)),
+        GROUP=H // KVH, BLOCK_D=block_d, EVEN_D=block_d == D,
         BLOCK_M=block_m, BLOCK_N=block_n, RATIO=ratio,
         num_warps=warps, num_stages=stages,
     )

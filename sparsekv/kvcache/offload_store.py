@@ -1,6 +1,8 @@
 """offload=cpu: KV blocks live in pinned host memory; attention runs through the policy's ring pipelines."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from sparsekv.engine.context import Context
@@ -47,6 +49,13 @@ class OffloadKVStore(KVStore):
     def capacity_hint(self) -> str:
         return (f"the host pool holds {self.num_blocks} blocks of {self.block_size} tokens; raise "
                 "offload.host_pool_gib, free host memory, or shorten the prompt")
+
+    def reserve(self, num_tokens: int) -> float:
+        """Pin host memory for `num_tokens` tokens of KV now rather than while prefilling; returns seconds spent.
+        Pinning runs at a few GB/s, so a first long request otherwise pays it inside its prefill."""
+        start = time.perf_counter()
+        self.host.ensure_capacity(min(self.num_blocks, -(-num_tokens // self.block_size)))
+        return time.perf_counter() - start
 
     # ---- views the policies use
     def prefix_blocks(self, seq: Sequence) -> list[int]:

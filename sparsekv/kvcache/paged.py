@@ -7,6 +7,7 @@ from sparsekv.engine.context import Context
 import logging
 
 from sparsekv.kernels import paged_decode_attention, store_kv
+from sparsekv.kernels.paged_attention import choose_num_splits
 from sparsekv.kvcache.base import KVStore
 
 log = logging.getLogger(__name__)
@@ -17,8 +18,14 @@ class PagedKVStore(KVStore):
     paged attention (block-selecting decode policies pay off only when blocks must cross PCIe: offload=cpu)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, prefill_policy):
+                 dtype: torch.dtype, device: torch.device, prefill_policy, max_model_len: int | None = None):
         self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        # With max_model_len, the paged kernel's split plan for decode is fixed by it and by the batch size rounded
+        # up to a power of two, not by the step's context lengths: eager steps and CUDA-graph replays (which pad
+        # batches to 1, 2, 4, 8, 16, 32, 48, ... and need a plan fixed at capture) then split every sequence's keys
+        # at the same positions and give bitwise-equal attention, so graph.mode never changes the tokens.
+        self.plan_len = -(-max_model_len // block_size) * block_size if max_model_len else None
         self.num_blocks = num_blocks
         # One block past the num_blocks the block manager hands out: CUDA-graph decode (graph.mode=cudagraph) writes
         # the keys of the padding rows of a batch there; nothing reads it.
@@ -34,8 +41,9 @@ class PagedKVStore(KVStore):
         k_cache, v_cache = self.k_cache[layer_id], self.v_cache[layer_id]
         store_kv(k, v, k_cache, v_cache, context.slot_mapping)
         if not context.is_prefill:
+            max_len, splits = self.decode_plan(q.shape[0]) or (context.max_context_len, None)
             out, _ = paged_decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens,
-                                            scale, max_context_len=context.max_context_len)
+                                            scale, max_context_len=max_len, num_splits=splits)
             return out
         out = torch.empty_like(q)
         for chunk in context.chunks:
@@ -46,6 +54,13 @@ class PagedKVStore(KVStore):
                 keys, values = torch.cat([k_prefix, keys]), torch.cat([v_prefix, values])
             out[rows] = self.prefill_policy.compute_prefill(q[rows], keys, values, layer_id, scale)
         return out
+
+    def decode_plan(self, batch: int) -> tuple[int, int] | None:
+        """(max_context_len, num_splits) for a decode step of `batch` sequences; None without max_model_len."""
+        if self.plan_len is None:
+            return None
+        padded = 1 << max(0, batch - 1).bit_length()  # constant over each CUDA-graph batch bucket
+        return self.plan_len, choose_num_splits(padded, self.num_kv_heads, self.plan_len, self.k_cache.device)
 
     def gather(self, layer_id: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous K/V [num_tokens, KVH, D] of the first num_tokens tokens of a sequence."""

@@ -79,6 +79,9 @@ class MInferencePolicy(SparsePolicy):
     supports_prefill: ClassVar[bool] = True
     supports_decode: ClassVar[bool] = False
     requires_block_selection: ClassVar[bool] = False
+    # When the budgets cover every key the chunk sees (short prompts with the default budgets), the selection
+    # is all keys: run the dense pipeline of the base class instead, which gives the same result faster.
+    dense_when_all_kept: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         def whole(field: str, minimum: int) -> None:
@@ -128,6 +131,9 @@ class MInferencePolicy(SparsePolicy):
         S = k.shape[0]
         if n == 0:
             return torch.empty_like(q)
+        if self.dense_when_all_kept and self.budgets(S) == (S, S):
+            self._set_density(1, 1)
+            return super().compute_prefill(q, k, v, layer_id, softmax_scale)
         vertical_idx, slash_offsets = self.estimate_pattern(q, k, softmax_scale)
         out, _ = vertical_slash_attention(q, k, v, vertical_idx, slash_offsets, softmax_scale, S - n)
         self._set_density(vertical_slash_pair_count(n, S, S - n, vertical_idx, slash_offsets).sum(),
@@ -176,6 +182,10 @@ class MInferencePolicy(SparsePolicy):
         c0 = len(blocks) * bs  # prefix tokens: the chunk's queries sit at c0 .. c0+n-1
         T = c0 + n
         V, NS = self.budgets(T)
+        if self.dense_when_all_kept and (V, NS) == (T, T):
+            self._set_density(1, 1)
+            return super().compute_chunked_prefill(q, k, v, layer_id, softmax_scale, offload_engine,
+                                                   kvcache_manager, current_chunk_idx, seq, num_tokens)
         L = min(self.last_q, n)
         r0 = c0 + n - L  # absolute position of the first last-q row
         ql = q[-L:]

@@ -66,8 +66,12 @@ def filler_sentences(filler: str = FILLER) -> list[str]:
 
 def _compose(sentences: list[str], count: int, depth: float, needle: str, question: str) -> tuple[str, int, int, int]:
     """(prompt, needle char start, needle char end, haystack char end) with `count` filler sentences."""
-    index = int(round(depth * count))
     hay = [sentences[i % len(sentences)] for i in range(count)]
+    ends = [0]  # characters before sentence i (and its separating space): the needle goes where depth falls
+    for sentence in hay:
+        ends.append(ends[-1] + len(sentence) + 1)
+    target = depth * max(0, ends[-1] - 1)
+    index = min(range(count + 1), key=lambda i: (abs(ends[i] - target), i))
     before, after = " ".join(hay[:index]), " ".join(hay[index:])
     text = (before + " " if before else "")
     start = len(text)
@@ -107,7 +111,14 @@ def build_haystack(encode: Callable[[str], list[int]], context_tokens: int, dept
         count = lo
     prompt, start, end, context_end = _compose(sentences, count, depth, needle, question)
     token_ids = encode(prompt)
-    tokens = (lambda text: len(encode(text.rstrip())))  # a trailing space belongs to the next word's token
+    def tokens(text: str) -> int:
+        """Tokens of the prompt before character len(text) (a trailing space that the tokenizer merges into the
+        next word's token is left to that token)."""
+        ids = encode(text)
+        if ids == token_ids[:len(ids)]:
+            return len(ids)
+        return len(encode(text.rstrip()))
+
     return Haystack(prompt, token_ids, key, value, depth, tokens(prompt[:start]), tokens(prompt[:end]), tokens(""),
                     tokens(prompt[:context_end]), count)
 

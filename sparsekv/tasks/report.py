@@ -13,8 +13,10 @@ Written to report.out_dir (default: the scanned directory):
                dots: floors.h2d_gbps, kv_transfer.decode_per_step.h2d_bytes, ...)
   report.md    a Markdown table of the main figures, failed rows with their error, the plots, notes
   *.png        decode ms/token vs context (with the PCIe floor where recorded), prefill tok/s vs context,
-               GPU peak memory vs context, quality vs density (when records carry `density` and a quality
-               figure: recall / needle hits). A plot with no data is skipped with a note in report.md.
+               GPU peak memory vs context (bench records only, when the sweep holds any), quality vs density
+               (when records carry a top-level `density` and a quality figure: recall, needle_hit,
+               needle_recall, accuracy, as task=quality writes). A plot with no data is skipped with a note in
+               report.md.
 """
 from __future__ import annotations
 
@@ -28,14 +30,14 @@ from pathlib import Path
 from typing import Any, Iterable
 
 # identifying columns, in order; every numeric figure follows them in report.csv
-ID_COLUMNS = ["job", "record", "status", "error", "system", "task", "name", "model", "policy", "offload",
-              "num_gpu_blocks", "block_size", "context", "batch", "device", "dtype"]
+ID_COLUMNS = ["job", "record", "status", "error", "system", "task", "name", "model", "policy", "policy_args",
+              "offload", "num_gpu_blocks", "block_size", "context", "batch", "device", "dtype"]
 # figure keys already shown as identifying columns
 _ID_FIGURES = {"context", "batch_size", "status", "error", "name", "model", "policy", "offload", "device", "dtype",
                "system", "placement"}
 # keys that draw one series per value in the plots (only those that differ between rows appear in the legend)
-SERIES_KEYS = ["system", "task", "model", "policy", "offload", "num_gpu_blocks", "block_size", "batch", "dtype",
-               "device"]
+SERIES_KEYS = ["system", "task", "model", "policy", "policy_args", "offload", "num_gpu_blocks", "block_size",
+               "batch", "dtype", "device"]
 SYSTEM_ORDER = {"sparsekv": 0, "hf": 1, "hf-offloaded": 2}
 # Markdown table: (header, column, format)
 MD_COLUMNS = [
@@ -47,8 +49,13 @@ MD_COLUMNS = [
     ("decode floor ms", "decode_floor_ms", ".2f"), ("PCIe floor ms", "decode_pcie_floor_ms", ".2f"),
     ("decode ratio", "decode_ratio", ".2f"), ("GPU peak GiB", "gpu_peak_gib", ".2f"),
 ]
+MD_TRAILING = [("policy args", "policy_args", None)]  # after the quality columns, before the error
 DENSITY_KEYS = ("density",)
 QUALITY_PATTERN = re.compile(r"(recall|needle|accuracy|passkey)", re.IGNORECASE)
+# drawn against density when present (quality.json's top level: the primary phase's means; needle.json: accuracy)
+QUALITY_PLOT_KEYS = ("recall", "needle_hit", "needle_recall", "accuracy")
+# tasks whose records measure speed; when a sweep holds any, the speed plots show only them
+SPEED_TASKS = ("bench",)
 ERROR_MD_CHARS = 240
 
 
@@ -93,6 +100,14 @@ def _int_or_none(value: Any) -> int | None:
     return int(value) if _is_number(value) else None
 
 
+def policy_args(policy_cfg: Any) -> str | None:
+    """The policy's settings besides its name, as compact sorted JSON (quest_2k vs quest_4k: both "quest")."""
+    if not isinstance(policy_cfg, dict):
+        return None
+    args = {k: v for k, v in policy_cfg.items() if k != "name"}
+    return json.dumps(args, sort_keys=True, separators=(",", ":"), default=str) if args else None
+
+
 def flatten_record(record: dict, job: str = ".", record_name: str = "") -> list[dict[str, Any]]:
     """The report rows of one record: sparsekv's row, then one row per HF baseline system it carries."""
     config = record.get("config") if isinstance(record.get("config"), dict) else {}
@@ -111,6 +126,7 @@ def flatten_record(record: dict, job: str = ".", record_name: str = "") -> list[
         "task": task, "name": record.get("name") if isinstance(record.get("name"), str) else None,
         "model": _first(record.get("model"), _dig(config, "model.name")),
         "policy": _first(record.get("policy"), _dig(config, "policy.name")),
+        "policy_args": policy_args(_dig(config, "policy")),
         "offload": offload,
         "num_gpu_blocks": _int_or_none(_dig(config, "offload.num_gpu_blocks")) if offload == "cpu" else None,
         "block_size": _int_or_none(_dig(config, "offload.block_size")),
@@ -127,7 +143,8 @@ def flatten_record(record: dict, job: str = ".", record_name: str = "") -> list[
         if not isinstance(figures, dict):
             continue
         hf = {**{k: row[k] for k in ID_COLUMNS}, "system": system, "status": figures.get("status") or "ok",
-              "error": figures.get("error"), "policy": None, "num_gpu_blocks": None, "block_size": None,
+              "error": figures.get("error"), "policy": None, "policy_args": None, "num_gpu_blocks": None,
+              "block_size": None,
               "offload": "cpu" if figures.get("placement") == "offloaded" else "none",
               "name": f"{row['model']} {system}",
               "context": _first(_int_or_none(figures.get("context")), row["context"]),
@@ -198,7 +215,7 @@ def _cell(value: Any, spec: str | None) -> str:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     columns = list(MD_COLUMNS)
     quality = [k for k in columns_of(rows) if _is_density_key(k) or _is_quality_key(k)]
-    columns += [(k, k, ".3g") for k in quality]
+    columns += [(k, k, ".3g") for k in quality] + MD_TRAILING
     shown = [c for c in columns if c[0] in ("job", "status", "system") or any(r.get(c[1]) is not None for r in rows)]
     has_error = any(r.get("error") for r in rows)
     header = [c[0] for c in shown] + (["error"] if has_error else [])
@@ -257,6 +274,8 @@ def series_labels(rows: list[dict[str, Any]]) -> dict[tuple, str]:
     # a key names a series when it takes more than one value (None, e.g. an HF row's block size, is no value)
     varying = [i for i, name in enumerate(SERIES_KEYS) if len({k[i] for k in keys} - {None}) > 1
                or (name == "system" and len({k[i] for k in keys}) > 1)]
+    args_at = SERIES_KEYS.index("policy_args")
+    differing = _differing_policy_args(keys) if args_at in varying else {}
     labels = {}
     for key in keys:
         parts = []
@@ -265,10 +284,28 @@ def series_labels(rows: list[dict[str, Any]]) -> dict[tuple, str]:
             if value is None:
                 continue
             name = SERIES_KEYS[i]
-            parts.append(str(value) if name in ("system", "policy", "model", "task") else f"{name}={value}")
+            if name == "policy_args":
+                args = json.loads(value)
+                parts += [f"{k}={args[k]}" for k in differing.get(key[SERIES_KEYS.index("policy")], ()) if k in args]
+            else:
+                parts.append(str(value) if name in ("system", "policy", "model", "task") else f"{name}={value}")
         fallback = key[SERIES_KEYS.index("policy")] or key[SERIES_KEYS.index("system")]
         labels[key] = ", ".join(parts) or str(fallback)
     return labels
+
+
+def _differing_policy_args(keys: list[tuple]) -> dict[str, list[str]]:
+    """Per policy name, the settings whose values differ between the series (what tells quest_2k from quest_4k)."""
+    policy_at, args_at = SERIES_KEYS.index("policy"), SERIES_KEYS.index("policy_args")
+    by_policy: dict[str, list[dict]] = {}
+    for key in keys:
+        if key[args_at] is not None:
+            by_policy.setdefault(key[policy_at], []).append(json.loads(key[args_at]))
+    out = {}
+    for policy, dicts in by_policy.items():
+        names = sorted({k for d in dicts for k in d})
+        out[policy] = [k for k in names if len({json.dumps(d.get(k), sort_keys=True) for d in dicts}) > 1]
+    return out
 
 
 def _points(rows: list[dict[str, Any]], x_key: str, y_key: str) -> list[tuple[float, float]]:
@@ -363,45 +400,65 @@ def plot_vs_context(rows: list[dict[str, Any]], y_key: str, y_label: str, title:
 
 
 def _is_density_key(key: str) -> bool:
-    return key.split(".")[-1] in DENSITY_KEYS or key.split(".")[-1].endswith("_density")
+    """A top-level density figure (nested ones, like quality.json's summary.<phase>.density, belong to a phase)."""
+    return "." not in key and (key in DENSITY_KEYS or key.endswith("_density"))
 
 
 def _is_quality_key(key: str) -> bool:
-    return bool(QUALITY_PATTERN.search(key.split(".")[-1]))
+    return "." not in key and bool(QUALITY_PATTERN.search(key))
+
+
+def quality_metrics(columns: list[str]) -> list[str]:
+    """The quality figures to plot against density: the preferred ones present (QUALITY_PLOT_KEYS), else every
+    top-level recall / needle / accuracy figure."""
+    present = [k for k in columns if _is_quality_key(k)]
+    preferred = [k for k in QUALITY_PLOT_KEYS if k in present]
+    return preferred or present
 
 
 def plot_quality(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """Quality figure vs density (fraction of the KV attended), one PNG per quality key present."""
+    """quality_vs_density.png: one panel per quality figure (recall, needle hits, ...) against the density
+    (fraction of the KV attended), one line per series (policy, ...)."""
     rows = [r for r in rows if r.get("status") == "ok"]
     columns = columns_of(rows)
     density_keys = [k for k in columns if _is_density_key(k)]
-    quality_keys = [k for k in columns if _is_quality_key(k)]
-    if not density_keys or not quality_keys:
+    if not density_keys:
         return []
     density = density_keys[0]
-    paths = []
-    for q_key in quality_keys:
-        plotted = [r for r in rows if _points([r], density, q_key)]
-        if not plotted:
-            continue
-        fig, ax = _new_axes()
-        labels = series_labels(plotted)
+    panels = [(k, [r for r in rows if _points([r], density, k)]) for k in quality_metrics(columns)]
+    panels = [(k, plotted) for k, plotted in panels if plotted]
+    if not panels:
+        return []
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    fig = Figure(figsize=(4.2 * len(panels) + 2.5, 4.4), dpi=120)
+    labels = series_labels([r for _, plotted in panels for r in plotted])
+    colors = {key: f"C{i % 10}" for i, key in enumerate(labels)}
+    for i, (q_key, plotted) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
         xs = []
         for key, label in labels.items():
             pts = _points([r for r in plotted if _series_key(r) == key], density, q_key)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-            xs += [p[0] for p in pts]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[key],
+                        label=label if i == len(panels) - 1 else None)
+                xs += [p[0] for p in pts]
         ax.set_xlabel(f"{density} (fraction of the KV attended)")
         if use_log_scale(xs):
-            from matplotlib.ticker import FuncFormatter
-
             ax.set_xscale("log")
             ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
-        unit = " (fraction)" if all(0 <= (r.get(q_key) or 0) <= 1 for r in plotted) else ""
-        ax.set_ylabel(f"{q_key}{unit}")
-        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", q_key)
-        paths.append(_finish(fig, ax, f"quality vs density: {q_key}", out_dir / f"quality_{safe}_vs_density.png"))
-    return paths
+        fraction = all(-1e-6 <= r[q_key] <= 1 + 1e-6 for r in plotted)
+        ax.set_ylabel(f"{q_key}" + (" (fraction)" if fraction else ""))
+        if fraction:
+            ax.set_ylim(-0.02, 1.02)
+        ax.set_title(f"{q_key} vs {density}")
+        ax.grid(True, which="major", alpha=0.3)
+    fig.axes[-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+    fig.tight_layout()
+    path = out_dir / "quality_vs_density.png"
+    fig.savefig(path, bbox_inches="tight")
+    return [path]
 
 
 def draw_plots(rows: list[dict[str, Any]], out_dir: Path) -> tuple[list[Path], list[str]]:
@@ -420,8 +477,9 @@ def draw_plots(rows: list[dict[str, Any]], out_dir: Path) -> tuple[list[Path], l
         ("gpu_peak_gib_vs_context.png", "gpu_peak_gib", "GPU peak memory (GiB)", "GPU peak memory vs context", [],
          False),
     ]
+    speed_rows = [r for r in rows if r.get("task") in SPEED_TASKS] or rows
     for name, key, label, title, floors, log_y in specs:
-        path = plot_vs_context(rows, key, label, title, out_dir / name, floors, allow_log_y=log_y)
+        path = plot_vs_context(speed_rows, key, label, title, out_dir / name, floors, allow_log_y=log_y)
         if path is None:
             notes.append(f"{title}: skipped, no successful record has both `context` and `{key}`")
         else:
@@ -452,7 +510,7 @@ def build_report(directory: str | Path, out_dir: str | Path | None = None, plots
     out = Path(out_dir).expanduser() if out_dir else directory
     out.mkdir(parents=True, exist_ok=True)
     csv_path = write_csv(rows, out / "report.csv")
-    png_paths, plot_notes = draw_plots(rows, out) if plots else ([], ["plots skipped: report.plots=false"])
+    png_paths, plot_notes = draw_plots(rows, out) if plots else ([], ["plots skipped (report.plots=false, or --no-plots)"])
     failed = [r for r in rows if r["status"] != "ok"]
     n_records = len({(r["job"], r["record"]) for r in rows})
 

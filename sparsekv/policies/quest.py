@@ -1,0 +1,148 @@
+"""Quest: query-aware selection of the host blocks a decode step loads.
+
+Metadata. While a block's keys are still on the GPU (on_prefill_offload / on_decode_offload), the policy records
+per layer, per KV head and per channel the minimum and maximum key of the block: two device tables
+[L, blocks, KVH, D] indexed by cpu block id (sparsekv.policies.block_metadata.BlockMetadata), grown when a larger
+block id arrives. A partly filled prompt block is recorded over its valid rows and re-recorded when decode fills
+it. Memory: 2 * KVH * D elements per block and layer, i.e. 2 / block_size of the block's keys.
+
+Score. For a query q and a block with bounds (kmin, kmax), no key k of the block can have q.k above the
+per-channel upper bound  sum_i max(q_i * kmax_i, q_i * kmin_i)  (each channel takes the bound that its query sign
+favours; computed as q+ . kmax + q- . kmin with q+ = max(q, 0), q- = min(q, 0), the same value). Per query head the
+bounds of the candidate blocks are turned into attention shares (softmax of bound / sqrt(D) over the blocks), so
+every head weighs alike; a KV head needs a block as much as the most interested query head of its GQA group (max
+over the group), and since the ring loads whole blocks for every head, the KV heads' needs are summed into one
+score per block.
+
+Selection. Keep the `topk_blocks` best blocks, or token_budget // block_size blocks when `token_budget` is set
+(token_budget wins when both are; with neither set the budget is DEFAULT_TOKEN_BUDGET tokens). The first block
+(attention sink) and the newest full block are always kept, so at least 2 blocks load whatever the budget. The
+returned ids are ascending. Layers below `dense_layers` and sequences with at most `threshold_blocks` full blocks
+load everything. One host sync per (layer, sequence): the .tolist() of the chosen indices.
+
+Decode only: prefill runs full attention (the factory pairs the phases), while the hooks still record the metadata
+of every prompt block.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Optional
+
+import torch
+
+from sparsekv.policies.base import PolicyContext, SparsePolicy
+from sparsekv.policies.block_metadata import BlockMetadata
+
+if TYPE_CHECKING:
+    from sparsekv.kvcache.offload_engine import OffloadEngine
+
+DEFAULT_TOKEN_BUDGET = 4096
+
+
+def _check_int(name: str, value, minimum: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        allowed = f"an integer >= {minimum}" + (" or null" if optional else "")
+        raise ValueError(f"policy.{name}={value!r}: must be {allowed}")
+
+
+@dataclass
+class QuestPolicy(SparsePolicy):
+    """Query-aware block selection for decode from per-block key min/max (Quest)."""
+    name: str = "quest"
+    token_budget: Optional[int] = None  # tokens of host blocks loaded per step (null + topk_blocks null: 4096)
+    topk_blocks: Optional[int] = None  # blocks loaded per step (token_budget wins when both are set)
+    threshold_blocks: int = 0  # select only when the sequence has more full blocks than this
+    dense_layers: int = 2  # the first layers load every block
+
+    supports_prefill: ClassVar[bool] = False
+    supports_decode: ClassVar[bool] = True
+    requires_block_selection: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        _check_int("token_budget", self.token_budget, 1, optional=True)
+        _check_int("topk_blocks", self.topk_blocks, 1, optional=True)
+        _check_int("threshold_blocks", self.threshold_blocks, 0)
+        _check_int("dense_layers", self.dense_layers, 0)
+        self._kmax: BlockMetadata | None = None  # [L, blocks, KVH, D]
+        self._kmin: BlockMetadata | None = None
+        self._ids_key: list[int] | None = None  # the last candidate list and its device copy
+        self._ids: torch.Tensor | None = None
+
+    def budget_blocks(self, block_size: int) -> int:
+        """Blocks loaded per (layer, step) when selecting, before the sink/newest minimum of 2."""
+        if self.token_budget is not None or self.topk_blocks is None:
+            budget = DEFAULT_TOKEN_BUDGET if self.token_budget is None else self.token_budget
+            return budget // block_size
+        return self.topk_blocks
+
+    # ---- metadata hooks (keys still on the GPU)
+    def initialize(self, num_layers: int, num_kv_heads: int, head_dim: int, num_cpu_blocks: int,
+                   dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_kv_heads, head_dim)
+        self._kmax = BlockMetadata(num_layers, shape, dtype, device, num_cpu_blocks)
+        self._kmin = BlockMetadata(num_layers, shape, dtype, device, num_cpu_blocks)
+        self._ids_key = self._ids = None
+
+    def on_prefill_offload(self, cpu_block_id: int, layer_id: int, k_cache: torch.Tensor,
+                           num_valid_tokens: int) -> None:
+        self._record(cpu_block_id, layer_id, k_cache, num_valid_tokens)
+
+    def on_decode_offload(self, cpu_block_id: int, layer_id: int, k_cache: torch.Tensor,
+                          num_valid_tokens: int) -> None:
+        self._record(cpu_block_id, layer_id, k_cache, num_valid_tokens)
+
+    def _record(self, cpu_block_id: int, layer_id: int, k_cache: torch.Tensor, n: int) -> None:
+        if self._kmax is None or self._kmin is None:
+            raise RuntimeError("QuestPolicy.initialize() must run before blocks are offloaded")
+        keys = k_cache[:n]  # [n, KVH, D]
+        self._kmax.write(layer_id, cpu_block_id, keys.amax(dim=0))
+        self._kmin.write(layer_id, cpu_block_id, keys.amin(dim=0))
+
+    # ---- selection
+    def _device_ids(self, blocks: list[int], device: torch.device) -> torch.Tensor:
+        """Device copy of the candidate ids, reused across the layers of one step (no host sync)."""
+        if self._ids is None or self._ids_key != blocks:
+            self._ids = torch.tensor(blocks, dtype=torch.int64).to(device, non_blocking=True)
+            self._ids_key = list(blocks)
+        return self._ids
+
+    def upper_bounds(self, query: torch.Tensor, block_ids: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """query [Nq, H, D], block_ids [n] int64 on the device -> [n, Nq, KVH, G] fp32: per block and query head,
+        sum_i max(q_i * kmax_i, q_i * kmin_i) >= q . k for every key k of the block."""
+        if self._kmax is None or self._kmin is None:
+            raise RuntimeError("QuestPolicy.initialize() must run before blocks are selected")
+        kmax = self._kmax.gather(layer_id, block_ids).float()  # [n, KVH, D]
+        kmin = self._kmin.gather(layer_id, block_ids).float()
+        nq, heads, dim = query.shape
+        kv_heads = kmax.shape[1]
+        q = query.float().view(nq, kv_heads, heads // kv_heads, dim)  # [Nq, KVH, G, D]
+        return (torch.einsum("qkgd,nkd->nqkg", q.clamp(min=0), kmax)
+                + torch.einsum("qkgd,nkd->nqkg", q.clamp(max=0), kmin))
+
+    def block_scores(self, query: torch.Tensor, block_ids: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """query [Nq, H, D], block_ids [n] int64 on the device -> [n] fp32: each block's estimated attention share,
+        summed over KV heads (and query tokens)."""
+        bound = self.upper_bounds(query, block_ids, layer_id)  # [n, Nq, KVH, G]
+        share = torch.softmax(bound * query.shape[-1] ** -0.5, dim=0)  # per query head, over the blocks
+        return share.amax(dim=3).sum(dim=(1, 2))  # max over the GQA group, sum over KV heads -> [n]
+
+    def select_blocks(self, available_blocks: list[int], offload_engine: "OffloadEngine",
+                      ctx: PolicyContext) -> list[int]:
+        n = len(available_blocks)
+        if ctx.layer_id < self.dense_layers or n <= self.threshold_blocks:
+            return available_blocks
+        keep = max(self.budget_blocks(ctx.block_size), 2)
+        if n <= keep:
+            return available_blocks
+        ids = self._device_ids(available_blocks, ctx.query.device)
+        scores = self.block_scores(ctx.query, ids, ctx.layer_id)  # [n]
+        scores[:1].fill_(float("inf"))  # attention sink (fill_ on a view: no host-to-device copy)
+        scores[-1:].fill_(float("inf"))  # newest full block
+        chosen = torch.topk(scores, keep, sorted=False).indices.tolist()  # the one host sync
+        return [available_blocks[i] for i in sorted(chosen)]
+
+    def reset(self) -> None:
+        # The tables stay allocated for the next sequence: a block's rows are rewritten before it is ever read.
+        self._ids_key = self._ids = None

@@ -1,0 +1,370 @@
+"""XAttention block-sparse prefill: antidiagonal scoring, threshold selection, majority vote across heads.
+
+Scoring (XAttention). Within every stride x stride tile of the attention matrix, the sum along the antidiagonal
+touches each query row and each key column of the tile once, so a strong vertical line (a key many queries read)
+or slash line (a fixed offset) shows up in it. Reshaping queries with reversed offsets and keys with forward
+offsets along the stride turns all antidiagonal sums into one matmul:
+    q_r[i] = concat_t q[i*stride + stride-1-t],   k_r[j] = concat_t k[j*stride + t]      (t = 0..stride-1)
+    score[i, j] = q_r[i] . k_r[j] / sqrt(D) / stride      (the mean of the tile's antidiagonal logits)
+A causal softmax over j per strided row, summed into (query block, key block) cells of `block_size` tokens,
+estimates each key block's attention mass for each query block. Per query block (and KV head: the masses of the
+query heads of a GQA group are summed) the key blocks are kept in descending mass until the kept mass reaches
+`threshold` of the row. One set of blocks must then serve every head (the offload ring loads whole blocks), so a
+block is kept when at least `vote_fraction` of the KV heads keep it (majority voting). The first (sink) block
+and the diagonal block are always kept.
+
+offload=none (compute_prefill; the keys are all on the device): the scoring runs on the real keys at
+`block_size` granularity. Attention is then computed exactly over the kept blocks, one call per group of
+query_group_size // block_size consecutive query blocks (a Python loop of one call per 128-token query block
+costs more in launches than dense attention saves; with query_group_size = block_size every query block gets
+exactly its own set): the group attends to the union of its query blocks' kept blocks before it, plus its own
+blocks causally. The contiguous run of kept blocks that reaches the group is attended causally on a view of the
+keys (no copy), the other kept blocks are gathered and attended without a mask, and the two partials merge by
+log-sum-exp. When that covers every visible block the dense path runs.
+
+offload=cpu (compute_chunked_prefill from the base pipeline; select_blocks(prefix host blocks)): the prefix keys
+live on the host and only the chosen blocks may cross PCIe, so the decision uses a key summary kept on the GPU.
+Summary: for every host block and layer, the mean of each run of `summary_stride` (default: `stride`) consecutive
+keys, [block_size / summary_stride, KVH, D] in the key dtype, recorded by on_prefill_offload / on_decode_offload
+while the keys are on the GPU (a device table indexed by cpu block id, grown on demand). That is 1/summary_stride
+of the block's keys, 1/(2*summary_stride) of its KV: for Qwen3-4B (KVH 8, D 128, bf16) with 1024-token host
+blocks and stride 8, 256 KiB per block and layer against 4 MiB of KV (6.25%), 9 MiB per block over 36 layers.
+Why means: if the queries of a stride group are replaced by their mean q_bar, the antidiagonal score of a tile
+becomes q_bar . (mean of the tile's keys) / sqrt(D), so the per-group key mean is exactly the key side of the
+scoring under that approximation; a single strong key is diluted by 1/stride, just as in the antidiagonal sum.
+The chunk's queries are averaged over stride groups the same way and scored against the summaries of the prefix
+blocks (softmax over all prefix summaries), the masses summed per (query block, host block) with query blocks of
+one host block each; threshold and vote as above, then the union over the chunk's query blocks (the ring loads
+one set for the whole chunk), plus block 0 and the newest prefix block. The chunk's own keys are attended
+densely by the pipeline and are not part of the estimate, so the threshold is taken over the prefix's mass
+(it errs toward keeping blocks). `block_size` does not apply here: the granularity is the host block.
+
+Decode is dense (supports_decode=False: the factory pairs it with `full`). `last_density` is the last
+selection's kept fraction: kept prefix blocks / prefix blocks (offload=cpu), computed (query block, key block)
+pairs / causally visible pairs (offload=none); kept_blocks / visible_blocks accumulate the same counts.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Optional
+
+import torch
+
+from sparsekv.kernels import flash_attn_with_lse, merge_attention_outputs
+from sparsekv.policies.base import PolicyContext, SparsePolicy
+from sparsekv.policies.block_metadata import BlockMetadata
+
+if TYPE_CHECKING:
+    from sparsekv.kvcache.offload_engine import OffloadEngine
+
+SCORE_ELEMENTS = 1 << 25  # fp32 strided scores materialised at once
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def threshold_keep(mass: torch.Tensor, threshold: float, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """mass [..., R, C] >= 0 -> bool [..., R, C]: per row, the columns in descending mass until the kept mass reaches
+    `threshold` of the row's total (the column that crosses it included); only `visible` [R, C] columns count."""
+    if visible is not None:
+        mass = mass.masked_fill(~visible, 0.0)
+    if threshold >= 1.0:
+        keep = torch.ones_like(mass, dtype=torch.bool)
+    else:
+        ordered, order = mass.sort(dim=-1, descending=True)
+        before = ordered.cumsum(dim=-1) - ordered  # mass kept before each column joins
+        keep_sorted = before < threshold * mass.sum(dim=-1, keepdim=True)
+        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    return keep & visible if visible is not None else keep
+
+
+def _group_means(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [n, ...] -> fp32 [ceil(n / width), ...]: the mean of each run of `width` rows (the last run may be short)."""
+    n = x.shape[0]
+    groups = _cdiv(n, width)
+    x = x.float()
+    if groups * width == n:
+        return x.view(groups, width, *x.shape[1:]).mean(dim=1)
+    x = torch.cat([x, x.new_zeros(groups * width - n, *x.shape[1:])])
+    counts = torch.full((groups,), float(width), device=x.device)
+    counts[-1:].fill_(n - (groups - 1) * width)
+    return x.view(groups, width, *x.shape[1:]).sum(dim=1) / counts.view(groups, *([1] * (x.dim() - 1)))
+
+
+@dataclass
+class XAttentionPolicy(SparsePolicy):
+    """XAttention antidiagonal block selection for prefill (block-sparse attention)."""
+    name: str = "xattn_bsa"
+    threshold: float = 0.95  # cumulative attention mass kept per query block, in (0, 1]
+    stride: int = 8  # antidiagonal stride of the scoring
+    block_size: int = 128  # offload=none: tokens per query/key block (a multiple of stride)
+    vote_fraction: float = 0.5  # a block is kept when at least this fraction of the KV heads keep it
+    summary_stride: Optional[int] = None  # offload=cpu: keys averaged per summary vector (null: stride)
+    query_group_size: int = 2048  # offload=none: queries per attention call (block_size: exact per-block sets)
+
+    supports_prefill: ClassVar[bool] = True
+    supports_decode: ClassVar[bool] = False
+    requires_block_selection: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("stride", 1), ("block_size", 1), ("query_group_size", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"policy.{name}={value!r}: must be an integer >= {minimum}")
+        if self.summary_stride is not None and (isinstance(self.summary_stride, bool)
+                                                or not isinstance(self.summary_stride, int) or self.summary_stride < 1):
+            raise ValueError(f"policy.summary_stride={self.summary_stride!r}: must be an integer >= 1 or null")
+        if self.block_size % self.stride:
+            raise ValueError(f"policy.block_size={self.block_size} must be a multiple of policy.stride={self.stride}")
+        for name in ("threshold", "vote_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
+                    or not 0.0 < value <= 1.0:
+                raise ValueError(f"policy.{name}={value!r}: must be a number in (0, 1]")
+        self.last_density: float | None = None
+        self.kept_blocks = 0  # totals over every selection since construction (reports)
+        self.visible_blocks = 0
+        self._summary: BlockMetadata | None = None  # [L, blocks, groups, KVH, D] key means
+        self._groups: BlockMetadata | None = None  # [L, blocks] valid summary groups per block
+        self._layout: tuple[int, int, int, torch.dtype, torch.device] | None = None
+        self._max_blocks: int | None = None  # the host pool's block count (caps the tables' doubling)
+
+    # ---------------------------------------------------------------------------------------- reporting
+    @property
+    def mean_density(self) -> float | None:
+        return self.kept_blocks / self.visible_blocks if self.visible_blocks else None
+
+    def _note_density(self, kept: int, visible: int) -> None:
+        self.last_density = kept / visible if visible else 1.0
+        self.kept_blocks += kept
+        self.visible_blocks += visible
+
+    # ---------------------------------------------------------------------------------------- shared
+    def _vote(self, keep: torch.Tensor) -> torch.Tensor:
+        """keep [KVH, ...] bool -> [...]: kept by at least vote_fraction of the KV heads."""
+        need = max(1, math.ceil(self.vote_fraction * keep.shape[0] - 1e-9))
+        return keep.sum(dim=0) >= need
+
+    # ---------------------------------------------------------------------------------------- offload=none
+    def block_mass(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Antidiagonal estimate of the attention mass per (KV head, query block, key block).
+
+        q [n, H, D] are the last n positions of k [S, KVH, D]; blocks are `block_size` tokens from position 0.
+        -> [KVH, nqb, nkb] fp32 with nkb = ceil(S / B), nqb = nkb - (S - n) // B (the blocks holding the queries);
+        each entry sums the softmax mass of the GQA group's query heads over the block's strided rows.
+        """
+        n, heads, dim = q.shape
+        seq, kv_heads, _ = k.shape
+        group, bs, stride = heads // kv_heads, self.block_size, self.stride
+        q_start = seq - n
+        nkb = _cdiv(seq, bs)
+        qb0 = q_start // bs
+        nqb = nkb - qb0
+        per_block = bs // stride  # strided rows/columns per block
+        # keys padded to whole blocks, forward offsets concatenated: [KVH, nkb * per_block, stride * D]
+        kp = k.new_zeros(nkb * bs, kv_heads, dim)
+        kp[:seq] = k
+        kr = kp.view(nkb * per_block, stride, kv_heads, dim).permute(2, 0, 1, 3).reshape(kv_heads, -1, stride * dim)
+        # queries placed in their blocks, reversed offsets, scaled: [KVH, G, nqb * per_block, stride * D]
+        qp = q.new_zeros(nqb * bs, heads, dim)
+        qp[q_start - qb0 * bs:q_start - qb0 * bs + n] = q * (dim ** -0.5 / stride)
+        qr = qp.view(nqb * per_block, stride, heads, dim).flip(1).permute(2, 0, 1, 3)
+        qr = qr.reshape(kv_heads, group, nqb * per_block, stride * dim)
+        num_rows = nqb * per_block
+        rows_abs = qb0 * per_block + torch.arange(num_rows, device=q.device)  # absolute strided row
+        row_ok = ((rows_abs + 1) * stride > q_start) & (rows_abs * stride < seq)  # holds a real query
+        cols = torch.arange(nkb * per_block, device=q.device)
+        mass = torch.zeros(kv_heads, nqb, nkb, dtype=torch.float32, device=q.device)
+        step = max(1, SCORE_ELEMENTS // max(1, heads * per_block * cols.numel())) * per_block
+        for r0 in range(0, num_rows, step):
+            r1 = min(r0 + step, num_rows)
+            rows, c1 = r1 - r0, qb0 * per_block + r1  # columns past the slice's last row are invisible to it
+            scores = torch.bmm(qr[:, :, r0:r1].reshape(kv_heads, group * rows, -1),
+                               kr[:, :c1].transpose(1, 2)).view(kv_heads, group, rows, c1)
+            scores.masked_fill_(cols[None, :c1] > rows_abs[r0:r1, None], float("-inf"))  # causal (strided)
+            p = torch.softmax(scores, dim=-1, dtype=torch.float32)
+            p = p.view(kv_heads, group, rows, c1 // per_block, per_block).sum(dim=(1, 4))  # [KVH, rows, blocks]
+            p = p * row_ok[r0:r1, None]
+            mass[:, r0 // per_block:r1 // per_block, :c1 // per_block] = p.view(
+                kv_heads, rows // per_block, per_block, -1).sum(dim=2)
+        return mass
+
+    def select_prefill_blocks(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """offload=none selection: (keep [nqb, nkb] bool on the device, index of the first query block)."""
+        seq, bs = k.shape[0], self.block_size
+        nkb = _cdiv(seq, bs)
+        qb0 = (seq - q.shape[0]) // bs
+        qb = torch.arange(qb0, nkb, device=q.device)[:, None]  # absolute query block per row
+        kb = torch.arange(nkb, device=q.device)[None, :]
+        visible = kb <= qb
+        forced = visible & ((kb == 0) | (kb == qb))
+        if self.threshold >= 1.0:
+            return visible, qb0
+        keep = threshold_keep(self.block_mass(q, k), self.threshold, visible)  # [KVH, nqb, nkb]
+        return (self._vote(keep) & visible) | forced, qb0
+
+    def attention_plan(self, keep: torch.Tensor, qb0: int) -> list[tuple[int, int, int, list[int]]]:
+        """Group the query blocks by query_group_size // block_size; one attention call per group.
+
+        keep [nqb, nkb] (select_prefill_blocks) -> [(first query block, end query block, run, others)]: the group's
+        queries attend causally to the keys from block `run` on (the kept blocks that touch the group, and the
+        group's own blocks) and without a mask to the `others` (kept by some query block of the group, before
+        `run`). Copies the selection to the host: the one sync per (layer, chunk).
+        """
+        nqb, nkb = keep.shape
+        per_group = max(1, self.query_group_size // self.block_size)
+        groups = _cdiv(nqb, per_group)
+        if groups * per_group != nqb:
+            keep = torch.cat([keep, keep.new_zeros(groups * per_group - nqb, nkb)])
+        union = keep.view(groups, per_group, nkb).any(dim=1).tolist()  # [groups][nkb]
+        plan = []
+        for g, row in enumerate(union):
+            first = qb0 + g * per_group
+            run = first
+            while run > 0 and row[run - 1]:
+                run -= 1
+            plan.append((first, min(first + per_group, qb0 + nqb), run, [j for j in range(run) if row[j]]))
+        return plan
+
+    def compute_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                        softmax_scale: float) -> torch.Tensor:
+        """q [n, H, D] are the last n positions of k/v [S, KVH, D] -> [n, H, D], block-sparse."""
+        n, seq, bs = q.shape[0], k.shape[0], self.block_size
+        nkb = _cdiv(seq, bs)
+        qb0 = (seq - n) // bs
+        visible = sum(qb + 1 for qb in range(qb0, nkb))
+        if nkb <= 2 or self.threshold >= 1.0:  # every visible block is the sink or a diagonal / all kept
+            self._note_density(visible, visible)
+            return super().compute_prefill(q, k, v, layer_id, softmax_scale)
+        keep, _ = self.select_prefill_blocks(q, k)
+        plan = self.attention_plan(keep, qb0)
+        computed = sum(len(others) + qb - run + 1 for first, end, run, others in plan for qb in range(first, end))
+        self._note_density(computed, visible)
+        if computed == visible:
+            return super().compute_prefill(q, k, v, layer_id, softmax_scale)
+        return self._block_sparse_attention(q, k, v, softmax_scale, plan)
+
+    def _block_sparse_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+                                plan: list[tuple[int, int, int, list[int]]]) -> torch.Tensor:
+        n, seq, bs = q.shape[0], k.shape[0], self.block_size
+        q_start = seq - n
+        full = seq // bs
+        k_blocks = k[:full * bs].unflatten(0, (full, bs))  # [full, B, KVH, D]
+        v_blocks = v[:full * bs].unflatten(0, (full, bs))
+        flat = [j for *_, others in plan for j in others]
+        flat_ids = torch.tensor(flat, dtype=torch.int64).to(q.device, non_blocking=True) if flat else None
+        out = torch.empty_like(q)
+        offset = 0
+        for first, end, run, others in plan:
+            lo, hi = max(q_start, first * bs), min(seq, end * bs)
+            rows = slice(lo - q_start, hi - q_start)
+            # the run of kept blocks up to the queries: a view of the keys, bottom-right causal
+            o, lse = flash_attn_with_lse(q[rows], k[run * bs:hi], v[run * bs:hi], softmax_scale, causal=True)
+            if others:  # the other kept blocks, gathered, all before the queries: no mask
+                ids = flat_ids[offset:offset + len(others)]
+                offset += len(others)
+                k_sel = k_blocks.index_select(0, ids).flatten(0, 1)  # [len(others) * B, KVH, D]
+                v_sel = v_blocks.index_select(0, ids).flatten(0, 1)
+                o_sel, lse_sel = flash_attn_with_lse(q[rows], k_sel, v_sel, softmax_scale, causal=False)
+                o, lse = merge_attention_outputs(o_sel, lse_sel, o, lse)
+            out[rows] = o
+        return out
+
+    # ---------------------------------------------------------------------------------------- offload=cpu
+    def initialize(self, num_layers: int, num_kv_heads: int, head_dim: int, num_cpu_blocks: int,
+                   dtype: torch.dtype, device: torch.device) -> None:
+        # the group count per block is known from the first offloaded block (initialize gets no block size)
+        self._layout = (num_layers, num_kv_heads, head_dim, dtype, torch.device(device))
+        self._max_blocks = num_cpu_blocks
+        self._summary = None
+        self._groups = BlockMetadata(num_layers, (), torch.int32, device, num_cpu_blocks)
+
+    def on_prefill_offload(self, cpu_block_id: int, layer_id: int, k_cache: torch.Tensor,
+                           num_valid_tokens: int) -> None:
+        self._record(cpu_block_id, layer_id, k_cache, num_valid_tokens)
+
+    def on_decode_offload(self, cpu_block_id: int, layer_id: int, k_cache: torch.Tensor,
+                          num_valid_tokens: int) -> None:
+        self._record(cpu_block_id, layer_id, k_cache, num_valid_tokens)
+
+    @property
+    def summary_group(self) -> int:
+        return self.summary_stride or self.stride
+
+    def summary_bytes_per_block(self) -> int | None:
+        """Device bytes of the key summary per host block, all layers (None before the first block)."""
+        return self._summary.bytes_per_block() if self._summary is not None else None
+
+    def _record(self, cpu_block_id: int, layer_id: int, k_cache: torch.Tensor, n: int) -> None:
+        if self._layout is None or self._groups is None:
+            raise RuntimeError("XAttentionPolicy.initialize() must run before blocks are offloaded")
+        width = self.summary_group
+        groups = _cdiv(n, width)
+        means = _group_means(k_cache[:n], width)  # [groups, KVH, D]
+        self._ensure_groups(groups)
+        assert self._summary is not None
+        self._summary.ensure(cpu_block_id)
+        self._summary.data[layer_id, cpu_block_id, :groups] = means.to(self._summary.dtype)
+        self._groups.ensure(cpu_block_id)
+        self._groups.data[layer_id, cpu_block_id:cpu_block_id + 1].fill_(groups)  # a device fill, no host copy
+
+    def _ensure_groups(self, groups: int) -> None:
+        """Allocate the summary table, or widen its group dimension (a block longer than any seen so far)."""
+        assert self._layout is not None
+        if self._summary is not None and self._summary.item_shape[0] >= groups:
+            return
+        num_layers, kv_heads, dim, dtype, device = self._layout
+        table = BlockMetadata(num_layers, (groups, kv_heads, dim), dtype, device, self._max_blocks)
+        if self._summary is not None and self._summary.capacity:
+            old = self._summary
+            table.ensure(old.capacity - 1)
+            table.data[:, :old.capacity, :old.item_shape[0]] = old.data
+        self._summary = table
+
+    def prefix_block_mass(self, query: torch.Tensor, block_ids: torch.Tensor, layer_id: int,
+                          block_size: int) -> torch.Tensor:
+        """Estimated mass of the chunk's queries [n, H, D] (block-aligned, after the prefix) on each prefix host
+        block, from the key summaries -> [KVH, nqb, nb] fp32 (query blocks of block_size rows)."""
+        assert self._summary is not None and self._groups is not None
+        n, heads, dim = query.shape
+        summary = self._summary.gather(layer_id, block_ids)  # [nb, groups, KVH, D]
+        nb, groups, kv_heads, _ = summary.shape
+        group = heads // kv_heads
+        valid = torch.arange(groups, device=query.device)[None, :] < self._groups.gather(layer_id, block_ids)[:, None]
+        cols = nb * groups
+        keys_t = summary.permute(2, 3, 0, 1).reshape(kv_heads, dim, cols)  # [KVH, D, nb * groups], key dtype
+        width = self.stride
+        rows = _cdiv(n, width)
+        q_mean = (_group_means(query, width) * dim ** -0.5).to(summary.dtype)  # [rows, H, D], scaled
+        q_mean = q_mean.view(rows, kv_heads, group, dim).permute(1, 2, 0, 3)  # [KVH, G, rows, D]
+        q_block = torch.div(torch.arange(rows, device=query.device) * width, block_size, rounding_mode="floor")
+        nqb = _cdiv(n, block_size)
+        col_ok = valid.flatten()  # [nb * groups]
+        mass = torch.zeros(kv_heads, nqb, nb, dtype=torch.float32, device=query.device)
+        step = max(1, SCORE_ELEMENTS // max(1, heads * cols))
+        for r0 in range(0, rows, step):
+            r1 = min(r0 + step, rows)
+            scores = torch.bmm(q_mean[:, :, r0:r1].reshape(kv_heads, group * (r1 - r0), dim), keys_t)
+            scores = scores.view(kv_heads, group, r1 - r0, cols).masked_fill_(~col_ok, float("-inf"))
+            p = torch.softmax(scores, dim=-1, dtype=torch.float32)  # [KVH, G, rows, nb * groups]
+            p = p.view(kv_heads, group, r1 - r0, nb, groups).sum(dim=(1, 4))  # per host block -> [KVH, rows, nb]
+            mass.index_add_(1, q_block[r0:r1], p)
+        return mass
+
+    def select_blocks(self, available_blocks: list[int], offload_engine: "OffloadEngine",
+                      ctx: PolicyContext) -> list[int]:
+        nb = len(available_blocks)
+        if nb <= 2 or self.threshold >= 1.0 or self._summary is None:
+            self._note_density(nb, nb)
+            return available_blocks
+        ids = torch.tensor(available_blocks, dtype=torch.int64).to(ctx.query.device, non_blocking=True)
+        mass = self.prefix_block_mass(ctx.query, ids, ctx.layer_id, ctx.block_size)  # [KVH, nqb, nb]
+        chosen = self._vote(threshold_keep(mass, self.threshold)).any(dim=0)  # union over query blocks -> [nb]
+        chosen[:1].fill_(True)  # attention sink (fill_ on a view: no host-to-device copy)
+        chosen[-1:].fill_(True)  # newest prefix block
+        flags = chosen.tolist()  # the one host sync per (layer, chunk)
+        selected = [block for block, keep in zip(available_blocks, flags) if keep]
+        self._note_density(len(selected), nb)
+        return selected
