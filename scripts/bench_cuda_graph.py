@@ -4,7 +4,7 @@
    offload mode (the graph runner is attached and detached, so both modes see the same weights and KV layout).
 2. Segment replay, per-layer graphs vs one shared graph with the weights as inputs (each layer's weights copied
    into the captured layer before its replay), for the post-attention segment of every layer: the measurement
-   behind the per-layer design of graph.mode=segmented (sparsekv/engine/cuda_graph.py).
+   behind the per-layer design of graph.mode=segmented (sparsekv/engine/segmented_graph.py).
 
     python scripts/bench_cuda_graph.py [--model qwen3_4b] [--steps 32] [--json out.json]
 """

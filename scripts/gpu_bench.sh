@@ -1,34 +1,27 @@
 #!/usr/bin/env bash
-# GPU host: environment report, GPU-marked tests, the issue benchmarks, and a Markdown summary.
+# GPU host: environment report, GPU-marked tests, the issue benchmarks, a policy sweep with its report.
 #
 # Run from the repository root, after carrying the wheels sparsekv needs beyond torch/triton:
 #     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-#     OUT=/some/dir scripts/gpu_bench.sh [all|info|tests|bench|summary]     (default: all)
-# Everything is written under $OUT:
-#     $OUT/info.log                  nvidia-smi, versions, measured ceilings
-#     $OUT/gpu_tests.log             python3 -m pytest -q -m gpu tests/
-#     $OUT/bench/<name>/bench.json   one record per run (task=bench), run.log beside it, hydra/ Hydra's files
-#     $OUT/bench_summary.md          python3 -m sparsekv.tasks.bench summarize $OUT/bench
-#     $OUT/status.log                one line per step: name, exit status, seconds
+#     OUT=/some/dir scripts/gpu_bench.sh SECTION...      sections: info tests bench graphs sweep sweep_hf
+# Each section below fits one 10-minute device call (H200, 2026-11-22 timings); a session's 30 minutes of device
+# time hold about four calls:  1) info tests bench   2) graphs   3) sweep   4) sweep_hf.
+# Everything is written under $OUT, packed so that at most 8 files come back:
+#     info.log (nvidia-smi, versions, ceilings), gpu_tests.log, status.log (name, exit status, seconds per step),
+#     bench_summary.md (Markdown table of every bench record), bench.tgz (each run's bench.json and run.log),
+#     sweep-policies.tgz / sweep-full-hf.tgz (each sweep's job records, for the report built afterwards)
 # A failing test or benchmark is logged and the script goes on; it exits 0 unless the environment is broken.
-#
-# Time: the GPU host gives a session about 30 minutes in all and one command at most 10; each run pays the model
-# build (dummy Qwen3-4B weights: ~30 s, drawn on the CPU), the ceilings (~3 s) and one short warm-up. Measured
-# on an H200 (2026-11-22): `all` took 140-150 s (tests ~50 s, each offload=none run ~40 s; an offload=cpu run at
-# 32K took ~50 s). If one call cannot fit everything, run the sections as separate calls: `tests`, then `bench`
-# (which also writes the summary).
-# Per-step limits (seconds), overridable: TEST_TIMEOUT (default 240), BENCH_TIMEOUT (default 150);
-# DECODE_STEPS (default 32); BENCH_MODEL_ARGS (default "model=qwen3_4b model.load_format=dummy").
+# Per-step limits (seconds), overridable: TEST_TIMEOUT (default 150), BENCH_TIMEOUT (default 100);
+# DECODE_STEPS (default 16); BENCH_MODEL_ARGS (default "model=qwen3_4b model.load_format=dummy").
 set -u
 set -o pipefail
 export PYTHONUNBUFFERED=1
 
 : "${OUT:?set OUT to the folder the logs go to}"
 mkdir -p "$OUT/bench"
-SECTION="${1:-all}"
-TEST_TIMEOUT="${TEST_TIMEOUT:-240}"
-BENCH_TIMEOUT="${BENCH_TIMEOUT:-150}"
-DECODE_STEPS="${DECODE_STEPS:-32}"
+TEST_TIMEOUT="${TEST_TIMEOUT:-150}"
+BENCH_TIMEOUT="${BENCH_TIMEOUT:-100}"
+DECODE_STEPS="${DECODE_STEPS:-16}"
 
 # sparsekv's pure-Python dependencies (hydra-core, omegaconf, antlr4, pluggy) come as wheels in .whl/
 if ! python3 -c "import hydra, omegaconf, pluggy" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
@@ -90,16 +83,51 @@ bench() {  # bench NAME [overrides...]: one task=bench run into $OUT/bench/NAME
 read -ra QWEN <<< "${BENCH_MODEL_ARGS:-model=qwen3_4b model.load_format=dummy}"
 QWEN+=("bench.decode_steps=$DECODE_STEPS")
 
-section_bench() {  # most needed first: a run cut short keeps what it finished
-    bench none-32k       "${QWEN[@]}" offload=none bench.context=32768
-    bench cpu-32k        "${QWEN[@]}" offload=cpu bench.context=32768
-    bench cpu-128k       "${QWEN[@]}" offload=cpu bench.context=131072
-    bench cpu-quest-128k "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0 bench.context=131072
-    bench cpu-xattn-128k "${QWEN[@]}" offload=cpu policy=xattn_bsa bench.context=131072
-    bench cpu-minf-128k  "${QWEN[@]}" offload=cpu policy=minference bench.context=131072
-    bench none-8k        "${QWEN[@]}" offload=none bench.context=8192
-    # GPU memory at 512K: Qwen3-4B layer dimensions, 4 layers (a 36-layer 512K prefill takes minutes)
-    bench cpu-512k-4layer "${QWEN[@]}" model.num_hidden_layers=4 offload=cpu bench.context=524288
+section_bench() {  # issues 2, 3, 4: most needed first, so a call cut short keeps what it finished (~6 min)
+    bench none-8k          "${QWEN[@]}" offload=none bench.context=8192
+    bench none-32k-hf      "${QWEN[@]}" offload=none bench.context=32768 bench.baseline=true
+    bench cpu-32k          "${QWEN[@]}" offload=cpu bench.context=32768
+    bench cpu-128k         "${QWEN[@]}" offload=cpu bench.context=131072
+    bench none-128k        "${QWEN[@]}" offload=none bench.context=131072
+    bench cpu-quest-128k   "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0 bench.context=131072
+    bench cpu-quest2-128k  "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 bench.context=131072
+    bench cpu-xattn-128k   "${QWEN[@]}" offload=cpu policy=xattn_bsa bench.context=131072
+    bench none-minf-128k   "${QWEN[@]}" offload=none policy=minference bench.context=131072
+    bench cpu-32k-4layer   "${QWEN[@]}" model.num_hidden_layers=4 offload=cpu bench.context=32768
+    bench cpu-512k-4layer  "${QWEN[@]}" model.num_hidden_layers=4 offload=cpu bench.context=524288
+}
+
+section_graphs() {  # issue 5: eager vs graphs (~4 min)
+    bench none-4k-eager    "${QWEN[@]}" offload=none graph=eager bench.context=4096
+    bench none-4k-graph    "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096
+    for b in 1 8 32; do
+        bench "none-4k-graph-b$b" "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096 bench.batch_size=$b scheduler.max_num_seqs=32
+    done
+    for ctx in 8192 32768; do
+        bench "cpu-$((ctx / 1024))k-eager"     "${QWEN[@]}" offload=cpu graph=eager bench.context=$ctx
+        bench "cpu-$((ctx / 1024))k-segmented" "${QWEN[@]}" offload=cpu graph=segmented bench.context=$ctx
+    done
+    timeout 120 python3 scripts/bench_cuda_graph.py --json "$OUT/bench/cuda_graph.json" 2>&1 | tail -40
+}
+
+sweep() {  # sweep NAME overrides...: one Hydra multirun of task=bench into $OUT/NAME, packed as $OUT/NAME.tgz
+    local name="$1"; shift
+    local dir="$OUT/$name" start=$SECONDS rc
+    timeout --signal=INT --kill-after=30 "${SWEEP_TIMEOUT:-500}" python3 -m sparsekv -m task=bench "${QWEN[@]}" \
+        bench.progress=false hydra.sweep.dir="$dir" "$@" 2>&1 | grep -v '^\s*$' | tail -80
+    rc=$?
+    status "$name" "$rc" "$((SECONDS - start))"
+    tar czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "$dir"
+}
+
+# Issue 6: records for the committed report (build it here afterwards: unpack both archives into one folder and run
+# `python -m sparsekv task=report report.dir=<folder> report.out_dir=docs/report`).
+section_sweep() {     # the sparse policies, offloaded, 8K / 32K / 128K (~5 min)
+    sweep sweep-policies offload=cpu policy=quest,xattn_bsa,minference bench.context=8192,32768,131072
+}
+
+section_sweep_hf() {  # full attention with HF transformers beside it (GPU cache and offloaded cache) (~5 min)
+    sweep sweep-full-hf offload=cpu policy=full bench.context=8192,32768,131072 bench.baseline=true
 }
 
 section_summary() {
@@ -108,13 +136,14 @@ section_summary() {
     tar czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench"
 }
 
-case "$SECTION" in
-    all)     section_info; section_tests; section_bench; section_summary ;;
-    info)    section_info ;;
-    tests)   section_tests ;;
-    bench)   section_bench; section_summary ;;
-    summary) section_summary ;;
-    *)       echo "usage: OUT=dir $0 [all|info|tests|bench|summary]" >&2; exit 2 ;;
-esac
+[ $# -gt 0 ] || set -- info tests bench
+for SECTION in "$@"; do
+    case "$SECTION" in
+        info|tests|bench|graphs|sweep|sweep_hf) "section_$SECTION" ;;
+        summary) ;;
+        *) echo "usage: OUT=dir $0 [info|tests|bench|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
+    esac
+done
+[ -d "$OUT/bench" ] && section_summary
 echo "== done ($SECTION) in ${SECONDS}s; logs under $OUT"
 exit 0

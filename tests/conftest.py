@@ -55,6 +55,15 @@ def make_checkpoint(path: Path, arch: str = "qwen3", *, tie: bool = True, dtype=
     return path
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small tensors on a loaded 2-core machine: extra threads only add contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def qwen3_ckpt(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", tie=True)

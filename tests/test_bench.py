@@ -11,7 +11,8 @@ from sparsekv import floors
 from sparsekv.llm import compose_config
 from sparsekv.models.spec import spec_from_model_config
 from sparsekv.tasks import get_task
-from sparsekv.tasks.bench import bench_config, summarize
+from sparsekv.tasks.bench import bench_config
+from sparsekv.tasks.bench_summary import summarize
 
 RECORD_KEYS = {
     "config", "name", "model", "offload", "policy", "device", "gpu_name", "dtype", "batch_size", "context",

@@ -15,12 +15,7 @@ from sparsekv.tokenizer import ByteTokenizer, HFTokenizer
 from conftest import save_tokenizer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

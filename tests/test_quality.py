@@ -17,13 +17,7 @@ from sparsekv.tasks import get_task
 SMALL = dict(context=512, block_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, prefill_chunk=128)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small tensors: threads only add contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

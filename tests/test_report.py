@@ -13,8 +13,9 @@ import torch
 
 from sparsekv.llm import compose_config
 from sparsekv.tasks import get_task
-from sparsekv.tasks.report import (build_report, cli, flatten_record, format_tokens, load_rows, log2_ticks,
-                                   series_labels, use_log_scale)
+from sparsekv.tasks.report import build_report, cli
+from sparsekv.tasks.report_plots import format_tokens, log2_ticks, series_labels, use_log_scale
+from sparsekv.tasks.report_records import flatten_record, load_rows
 from tests.test_cli import cli_env
 
 CPU = ["device=cpu", "dtype=float32"]

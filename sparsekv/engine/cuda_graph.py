@@ -8,19 +8,7 @@ holds the batch. Padding rows write their keys to the KV store's scratch slot an
 (context length 0). The paged decode kernel's split plan depends on `max_context_len`, so the graph passes the
 constant width * block_size: no host sync and the same kernels at every replay.
 
-segmented (offload=cpu): attention streams host KV blocks through the OffloadEngine's GPU ring, under host
-control (block selection, copy streams, events), so it stays eager. Everything around it is captured: per batch
-size one graph for the embedding (+ rotary cos/sin), then for every layer one pre-attention graph (input norm,
-qkv projection, q/k norm, rotary) and one post-attention graph (o projection, residual, post norm, MLP,
-residual), and one for the final norm. A step replays embed, then per layer pre -> eager attention -> post,
-then the final norm. The hidden state lives in one static buffer that every layer's graphs read and update in
-place, so no copies run between the segments beyond the attention output.
-
-Per-layer graphs (2 x num_layers per batch size) rather than one graph per segment with the weights as inputs:
-a graph bakes in the addresses of its weights, so sharing one graph across layers would mean copying each
-layer's weights into static buffers before every replay - twice the HBM traffic of the weight reads that
-bound decode (Qwen3-4B: ~220 MB per layer, ~75 us per layer at 3 TB/s, ~2.7 ms per step). Per-layer graphs cost
-only graph objects and the tiny activations of decode. scripts/bench_cuda_graph.py times both.
+segmented (offload=cpu): per-layer graphs around eager attention, in sparsekv/engine/segmented_graph.py.
 
 All graphs share one memory pool and are captured after the KV pools are allocated, before the first decode;
 `engine.graph_stats` records the mode, capture time and memory. `emulate=True` (CPU tests) "replays" by
@@ -128,7 +116,7 @@ def _copy_into(dst, src) -> None:
 
 
 @contextlib.contextmanager
-def _step_context(context: Context):
+def step_context(context: Context):
     previous = context_module._CONTEXT
     context_module.set_context(context)
     try:
@@ -287,7 +275,7 @@ class CudaGraphRunner(DecodeGraphRunner):
         self.graphs[bs] = self.capturer.capture(functools.partial(self._forward, ids, positions, context))
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
-        with _step_context(context):
+        with step_context(context):
             return self.model(ids, positions)  # [bs, hidden]
 
     def can_run(self, seqs) -> bool:
@@ -323,74 +311,6 @@ class CudaGraphRunner(DecodeGraphRunner):
         return hidden[:n]
 
 
-class SegmentedGraphRunner(DecodeGraphRunner):
-    """graph.mode=segmented: per layer a pre- and a post-attention graph, attention eager between them."""
-    mode = GraphMode.segmented
-    REQUIRED = ("embed", "norm", "layers")
-    REQUIRED_LAYER = ("pre_attention", "attention", "post_attention")
-
-    def __init__(self, model, kv_store, device: torch.device, batch_sizes: list[int], emulate: bool = False):
-        super().__init__(model, kv_store, device, batch_sizes, emulate)
-        missing = [name for name in self.REQUIRED if not hasattr(model, name)]
-        missing += [f"layers[i].{name}" for name in self.REQUIRED_LAYER
-                    if hasattr(model, "layers") and not all(hasattr(layer, name) for layer in model.layers)]
-        if missing:
-            raise ValueError(f"graph.mode=segmented needs a model split around attention; {type(model).__name__} "
-                             f"lacks {', '.join(missing)} (see sparsekv/models/llama.py); use graph=eager")
-        self.graphs: dict[int, tuple] = {}
-
-    def _allocate(self) -> None:
-        mb, dev = self.max_batch_size, self.device
-        self.inputs = torch.zeros(2 * mb, dtype=torch.int64, device=dev)  # [2 * bs]: input ids, positions
-        with _step_context(None):
-            hidden, cos, sin = self.model.embed(self.inputs[:1], self.inputs[1:2])
-            q, _, _ = self.model.layers[0].pre_attention(hidden, cos, sin)
-        self.hidden = torch.zeros(mb, *hidden.shape[1:], dtype=hidden.dtype, device=dev)  # [bs, hidden]
-        self.attn_out = torch.zeros(mb, *q.shape[1:], dtype=q.dtype, device=dev)  # [bs, H, D]
-
-    def _static_buffers(self) -> list[torch.Tensor]:
-        return [self.inputs, self.hidden, self.attn_out]
-
-    def _capture(self, bs: int) -> None:
-        ids, positions = self.inputs[:2 * bs].view(2, bs)
-        hidden, attn_out = self.hidden[:bs], self.attn_out[:bs]
-        capture = self.capturer.capture
-        embed, (cos, sin) = capture(functools.partial(self._embed, ids, positions, hidden))
-        layers = []
-        for layer in self.model.layers:
-            pre, qkv = capture(functools.partial(layer.pre_attention, hidden, cos, sin))
-            post, _ = capture(functools.partial(self._post, layer, hidden, attn_out))
-            layers.append((layer, pre, qkv, post))
-        final = capture(functools.partial(self.model.norm, hidden))
-        self.graphs[bs] = (embed, layers, final)
-
-    def _embed(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor):
-        h, cos, sin = self.model.embed(ids, positions)
-        hidden.copy_(h)
-        return cos, sin
-
-    @staticmethod
-    def _post(layer, hidden: torch.Tensor, attn_out: torch.Tensor) -> None:
-        hidden.copy_(layer.post_attention(hidden, attn_out))  # every layer updates the one static hidden state
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
-        n = input_ids.shape[0]
-        bs = self.bucket(n)
-        static = self.inputs[:2 * bs].view(2, bs)
-        static[0, :n].copy_(input_ids)  # padding rows keep earlier (valid) ids and positions; rows never mix
-        static[1, :n].copy_(positions)
-        embed, layers, (final, normed) = self.graphs[bs]
-        embed()
-        attn_out = self.attn_out
-        for layer, pre, (q, k, v), post in layers:
-            pre()
-            attn_out[:n].copy_(layer.attention(q[:n], k[:n], v[:n]))  # eager: the KV store of the step's Context
-            post()
-        final()
-        self.replayed_steps += 1
-        return normed[:n]
-
-
 # ---- wiring
 def attach_graph_runner(engine, mode, graph_cfg=None, *, emulate: bool = False) -> dict[str, Any]:
     """Capture decode graphs for `engine` (its KV pools exist, no decode has run yet), hand them to its model
@@ -410,6 +330,8 @@ def attach_graph_runner(engine, mode, graph_cfg=None, *, emulate: bool = False) 
             runner = CudaGraphRunner(engine.model, engine.kv_store, engine.device, sizes, engine.max_model_len,
                                      emulate)
         else:
+            from sparsekv.engine.segmented_graph import SegmentedGraphRunner  # imports this module
+
             runner = SegmentedGraphRunner(engine.model, engine.kv_store, engine.device, sizes, emulate)
         stats.update(runner.capture())
         engine.runner.graph_runner = runner

@@ -97,8 +97,23 @@ def attention_backend(
 
 
 def use_triton(device: torch.device | str) -> bool:
-    """Whether the Triton kernels (merge, paged decode) should run for ``device``."""
-    return attention_backend(device) != "torch"
+    """Whether the Triton kernels (merge, paged decode, the fused elementwise ops) should run for ``device``:
+    triton is importable and the backend is not the torch reference (flash_attn/sdpa attention still means the
+    other kernels are Triton's)."""
+    return HAS_TRITON and attention_backend(device) != "torch"
+
+
+ENV_FUSED = "SPARSEKV_FUSED_ELEMENTWISE"
+
+
+def use_fused_elementwise(device: torch.device | str) -> bool:
+    """Whether the fused RMSNorm / rotary / SiLU kernels run. They have passed only the interpreter so far, not a
+    GPU compile, so on CUDA they stay off unless SPARSEKV_FUSED_ELEMENTWISE=1; off-GPU they follow use_triton."""
+    if not use_triton(device):
+        return False
+    if torch.device(device).type == "cuda":
+        return os.environ.get(ENV_FUSED, "0").strip().lower() in ("1", "true", "yes", "on")
+    return True
 
 
 def alloc_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

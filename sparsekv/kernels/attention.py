@@ -135,7 +135,8 @@ def _flash_fwd_kernel(
     tl.store(LSE + head.to(tl.int64) * stride_lh + offs_m * stride_lm, lse, mask=row_ok)
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Shape, dtype and device checks shared by every attention launcher: q [Sq, H, D], k/v [Sk, KVH, D]."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
             f"expected q [Sq, H, D], k/v [Sk, KVH, D]; got q {tuple(q.shape)}, "
@@ -161,7 +162,7 @@ def flash_attn_with_lse_reference(
     softmax_scale: float | None = None, causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch fp32 reference: returns o [Sq, H, D] (q.dtype), lse [H, Sq] fp32."""
-    _check_inputs(q, k, v)
+    check_qkv(q, k, v)
     Sq, H, D = q.shape
     Sk, KVH, _ = k.shape
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
@@ -244,7 +245,7 @@ def flash_attn_with_lse(
 
     lse is fp32 natural-log log-sum-exp of the scaled scores (-inf for rows with no key).
     """
-    _check_inputs(q, k, v)
+    check_qkv(q, k, v)
     Sq, H, D = q.shape
     Sk = k.shape[0]
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)

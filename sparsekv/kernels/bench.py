@@ -1,8 +1,9 @@
-"""GPU micro-benchmarks of the attention kernels: ``python -m sparsekv.kernels.bench``.
+"""GPU micro-benchmarks of the kernels: ``python -m sparsekv.kernels.bench [--quick] [--elementwise]``.
 
 Times every applicable attention backend (triton, sdpa, flash_attn) on prefill/chunk shapes and
 the paged decode kernel over context lengths and split counts, so that the CUDA default in
-``_dispatch.attention_backend`` and the module constants can be chosen by measurement.
+``_dispatch.attention_backend`` and the module constants can be chosen by measurement; and the fused
+elementwise kernels (RMSNorm, q/k norm + rotary, SiLU-and-mul) against the torch ops they replace.
 """
 
 from __future__ import annotations
@@ -75,11 +76,57 @@ def bench_paged(lens: list[int], h: int = 32, kvh: int = 8, d: int = 128, block_
     return ms
 
 
+def bench_elementwise(tokens: int, hidden: int = 2560, h: int = 32, kvh: int = 8, d: int = 128, inter: int = 9728,
+                      dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> dict[str, tuple[float, float]]:
+    """The fused elementwise kernels against their torch references (the model's unfused ops) at Qwen3-4B shapes
+    for `tokens` rows: {op: (fused_ms, reference_ms)}. The rotary reference includes building the cos/sin tables,
+    which the torch path of the model does once per forward rather than per layer."""
+    from sparsekv.layers.rotary import rope_inv_freq
+
+    from .activation import silu_and_mul, silu_and_mul_reference
+    from .rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+    from .rotary import apply_rotary, apply_rotary_reference
+
+    eps = 1e-6
+    x, r = (torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(2))
+    w = torch.randn(hidden, device=device, dtype=dtype)
+    qkv = torch.randn(tokens, (h + 2 * kvh) * d, device=device, dtype=dtype)
+    q, k = qkv[:, :h * d].view(tokens, h, d), qkv[:, h * d:(h + kvh) * d].view(tokens, kvh, d)
+    positions = torch.arange(tokens, device=device) + 1000
+    inv_freq = rope_inv_freq(d, 1e6, None)[0].to(device)
+    qw, kw = torch.randn(d, device=device, dtype=dtype), torch.randn(d, device=device, dtype=dtype)
+    gate_up = torch.randn(tokens, 2 * inter, device=device, dtype=dtype)
+    size = x.element_size()
+    cases = {  # op: (fused, reference, bytes the fused kernel moves)
+        "rms_norm": (lambda: rms_norm(x, w, eps), lambda: rms_norm_reference(x, w, eps), 2 * x.nbytes),
+        "add_rms_norm": (lambda: add_rms_norm(x, r, w, eps), lambda: add_rms_norm_reference(x, r, w, eps),
+                         4 * x.nbytes),
+        "qk_norm_rotary": (lambda: apply_rotary(q, k, positions, inv_freq, 1.0, qw, kw, eps),
+                           lambda: apply_rotary_reference(q, k, positions, inv_freq, 1.0, qw, kw, eps),
+                           2 * tokens * (h + kvh) * d * size),
+        "silu_and_mul": (lambda: silu_and_mul(gate_up), lambda: silu_and_mul_reference(gate_up),
+                         3 * tokens * inter * size),
+    }
+    res = {}
+    for name, (fused, reference, nbytes) in cases.items():
+        fused_ms, ref_ms = _bench_ms(fused), _bench_ms(reference)
+        res[name] = (fused_ms, ref_ms)
+        print(f"elem  T={tokens:6d} {name:15s} fused {fused_ms * 1e3:9.1f} us ({nbytes / fused_ms / 1e6:6.0f} GB/s)  "
+              f"torch {ref_ms * 1e3:9.1f} us  {ref_ms / fused_ms:5.1f}x", flush=True)
+    return res
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--elementwise", action="store_true",
+                        help="only the fused elementwise kernels (RMSNorm, q/k norm + rotary, SiLU-and-mul)")
     args = parser.parse_args()
     torch.manual_seed(0)
+    for tokens in (1, 8, 32768) if args.quick else (1, 8, 64, 1024, 32768):
+        bench_elementwise(tokens)
+    if args.elementwise:
+        return
     for d in (128,) if args.quick else (64, 128, 256):
         bench_attention(4096, 4096, False, d=d)
         bench_attention(4096, 4096, True, d=d)

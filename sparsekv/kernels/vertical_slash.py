@@ -34,6 +34,7 @@ import math
 
 import torch
 from ._dispatch import HAS_TRITON, alloc_output, cdiv, jit, next_power_of_2, tl, triton_interpret, use_triton
+from .attention import check_qkv
 
 __all__ = [
     "vertical_slash_attention",
@@ -193,22 +194,8 @@ def _vs_fwd_kernel(
 
 # ------------------------------------------------------------------------------------------- validation
 def _check_inputs(q, k, v, vertical_idx, slash_offsets, q_offset) -> None:
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(
-            f"expected q [Sq, H, D], k/v [Sk, KVH, D]; got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"head dim mismatch: q {tuple(q.shape)} vs k {tuple(k.shape)}")
-    H, KVH = q.shape[1], k.shape[1]
-    if KVH == 0 or H % KVH != 0:
-        raise ValueError(
-            f"q heads H={H} (q {tuple(q.shape)}) must be a multiple of kv heads KVH={KVH} "
-            f"(k {tuple(k.shape)})")
-    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
-        raise ValueError(
-            f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_qkv(q, k, v)
+    H = q.shape[1]
     for name, idx in (("vertical_idx", vertical_idx), ("slash_offsets", slash_offsets)):
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != H:
             shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__

@@ -106,7 +106,13 @@ class OffloadKVStore(KVStore):
     def _prefill(self, layer: int, q, k, v, scale: float, context: Context) -> torch.Tensor:
         engine, bs = self.engine, self.block_size
         engine.write_prefill_buffer(layer, k, v)
-        for chunk in context.chunks:  # offload first so the copies overlap the attention below
+        out = torch.empty_like(q)
+        for chunk in context.chunks:  # attention first: its loads need not queue behind this chunk's offload
+            rows = slice(chunk.start, chunk.end)
+            out[rows] = self.prefill_policy.compute_chunked_prefill(
+                q[rows], k[rows], v[rows], layer, scale, engine, self, chunk.num_cached // self.chunk_tokens,
+                chunk.seq, chunk.num_tokens)
+        for chunk in context.chunks:  # the D2H copies overlap the rest of the layer
             seq, first = chunk.seq, chunk.num_cached // bs
             for i, start in enumerate(range(chunk.start, chunk.end, bs)):
                 engine.offload_prefill_buffer_async(layer, seq.block_table[first + i], min(bs, chunk.end - start),
@@ -114,12 +120,6 @@ class OffloadKVStore(KVStore):
             tail = (chunk.num_cached + chunk.num_tokens) % bs
             if tail and chunk.num_cached + chunk.num_tokens == len(seq):
                 engine.copy_prefill_tail_to_decode(layer, self.decode_rows[seq.seq_id][1], chunk.end - tail, tail)
-        out = torch.empty_like(q)
-        for chunk in context.chunks:
-            rows = slice(chunk.start, chunk.end)
-            out[rows] = self.prefill_policy.compute_chunked_prefill(
-                q[rows], k[rows], v[rows], layer, scale, engine, self, chunk.num_cached // self.chunk_tokens,
-                chunk.seq, chunk.num_tokens)
         return out
 
     def _decode(self, layer: int, q, k, v, scale: float, context: Context) -> torch.Tensor:

@@ -1,11 +1,11 @@
 """offload=none: a paged KV cache resident on the device, nano-vllm style block tables."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from sparsekv.engine.context import Context
-import logging
-
 from sparsekv.kernels import paged_decode_attention, store_kv
 from sparsekv.kernels.paged_attention import choose_num_splits
 from sparsekv.kvcache.base import KVStore

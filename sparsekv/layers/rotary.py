@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+
+from sparsekv.kernels._dispatch import use_fused_elementwise
+from sparsekv.kernels.rotary import (  # noqa: F401  (rotate_half: re-exported)
+    rotary_cos_sin_reference, rotary_embed_reference, rotate_half,
+)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
@@ -32,9 +37,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: default, llama3, linear")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+class Rope(NamedTuple):
+    """What every layer's rotary needs for one forward: the positions and frequencies, and on the torch path the
+    cos/sin tables [N, D] (built once per forward). The Triton path leaves them None: its fused q/k norm + rotary
+    kernel computes cos/sin from the positions (sparsekv/kernels/rotary.py)."""
+    positions: torch.Tensor  # [N] integer
+    inv_freq: torch.Tensor  # [D/2] fp32
+    attention_scaling: float
+    cos: torch.Tensor | None = None  # [N, D] in the activation dtype
+    sin: torch.Tensor | None = None
 
 
 class RotaryEmbedding(nn.Module):
@@ -43,12 +54,16 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = rope_inv_freq(head_dim, theta, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """positions [N] -> the step's Rope; cos/sin tables only where the fused kernel does not run."""
+        if use_fused_elementwise(positions.device):
+            return Rope(positions, self.inv_freq, self.attention_scaling)
+        return Rope(positions, self.inv_freq, self.attention_scaling, *self.cos_sin(positions, dtype))
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [N, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+        return rotary_cos_sin_reference(positions, self.inv_freq, self.attention_scaling, dtype)  # [N, D] each
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x [N, heads, D], cos/sin [N, D]
-        return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+        return rotary_embed_reference(x, cos, sin)

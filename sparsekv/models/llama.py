@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from sparsekv.kernels.activation import silu_and_mul
+from sparsekv.kernels.rotary import apply_rotary
 from sparsekv.layers.attention import Attention
 from sparsekv.layers.norm import RMSNorm
-from sparsekv.layers.rotary import RotaryEmbedding
+from sparsekv.layers.rotary import Rope, RotaryEmbedding
 from sparsekv.models.spec import ModelSpec
 
 
@@ -24,25 +25,30 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if qk_norm else None
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def project_qkv(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv(self, hidden: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [N, hidden] (normed) -> q [N, H, D], k/v [N, KVH, D] after q/k norm and rotary."""
         n = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)  # [N, H, D]
         k = k.view(n, self.num_kv_heads, self.head_dim)  # [N, KVH, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)
+        if rope.cos is None:  # Triton: q/k norm and rotary in one kernel, cos/sin from the positions
+            qk_norm = self.q_norm is not None
+            q, k = apply_rotary(q, k, rope.positions, rope.inv_freq, rope.attention_scaling,
+                                self.q_norm.weight if qk_norm else None, self.k_norm.weight if qk_norm else None,
+                                self.q_norm.eps if qk_norm else 1e-6)
+            return q, k, v
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        q, k = RotaryEmbedding.apply(q, rope.cos, rope.sin), RotaryEmbedding.apply(k, rope.cos, rope.sin)
         return q, k, v
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:
         """Attention output [N, H, D] -> [N, hidden]."""
         return self.o_proj(out.reshape(out.shape[0], self.q_size))
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.project_qkv(hidden, cos, sin)
+    def forward(self, hidden: torch.Tensor, rope: Rope) -> torch.Tensor:
+        q, k, v = self.project_qkv(hidden, rope)
         return self.project_out(self.attn(q, k, v))  # attn: [N, H, D]
 
 
@@ -54,8 +60,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # silu(gate) * up, one kernel on Triton
 
 
 class DecoderLayer(nn.Module):
@@ -68,21 +73,22 @@ class DecoderLayer(nn.Module):
 
     # forward = post_attention(hidden, attention(*pre_attention(hidden))): decode with graph.mode=segmented
     # captures the two halves as CUDA graphs and runs the attention between them eagerly.
-    def pre_attention(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pre_attention(self, hidden: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input norm, qkv projection, q/k norm, rotary: hidden [N, hidden] -> q [N, H, D], k/v [N, KVH, D]."""
-        return self.self_attn.project_qkv(self.input_layernorm(hidden), cos, sin)
+        return self.self_attn.project_qkv(self.input_layernorm(hidden), rope)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.self_attn.attn(q, k, v)  # the KV store of the step's Context: [N, H, D]
 
     def post_attention(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """o projection, residual, post norm, MLP, residual: -> the layer's output [N, hidden]."""
-        hidden = hidden + self.self_attn.project_out(attn_out)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        """o projection, residual, post norm, MLP, residual: -> the layer's output [N, hidden]. Reads `hidden`
+        without writing it (the segmented graph runner copies the result into its static buffer)."""
+        # residual add + post norm in one kernel on Triton: normed = norm(o + hidden), hidden = o + hidden
+        normed, hidden = self.post_attention_layernorm(self.self_attn.project_out(attn_out), hidden)
+        return hidden + self.mlp(normed)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.post_attention(hidden, self.attention(*self.pre_attention(hidden, cos, sin)))
+    def forward(self, hidden: torch.Tensor, rope: Rope) -> torch.Tensor:
+        return self.post_attention(hidden, self.attention(*self.pre_attention(hidden, rope)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -109,18 +115,17 @@ class LlamaForCausalLM(nn.Module):
             return [spec.num_attention_heads * spec.head_dim, kv, kv]
         return [spec.intermediate_size, spec.intermediate_size]
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """input_ids, positions [N] -> hidden [N, hidden] and the rotary cos/sin [N, D] every layer uses."""
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Rope]:
+        """input_ids, positions [N] -> hidden [N, hidden] and the Rope every layer uses (on the torch path it
+        holds the cos/sin tables [N, D], built once per forward)."""
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        return hidden, cos, sin
+        return hidden, self.rotary(positions, hidden.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions [N] -> hidden [N, hidden]
-        hidden, cos, sin = self.embed(input_ids, positions)
+        hidden, rope = self.embed(input_ids, positions)
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
+            hidden = layer(hidden, rope)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

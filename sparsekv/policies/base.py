@@ -55,7 +55,9 @@ class SparsePolicy:
 
     def on_decode_offload(self, cpu_block_id: int, layer_id: int, k_cache: torch.Tensor,
                           num_valid_tokens: int) -> None:
-        """A filled decode block is leaving for the host; keys still on the GPU."""
+        """A filled decode block is leaving for the host; keys still on the GPU. Default: the same as a prefill
+        block (override only when decode blocks need different treatment)."""
+        self.on_prefill_offload(cpu_block_id, layer_id, k_cache, num_valid_tokens)
 
     def reset(self) -> None:
         """Forget per-sequence state."""

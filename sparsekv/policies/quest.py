@@ -89,10 +89,6 @@ class QuestPolicy(SparsePolicy):
                            num_valid_tokens: int) -> None:
         self._record(cpu_block_id, layer_id, k_cache, num_valid_tokens)
 
-    def on_decode_offload(self, cpu_block_id: int, layer_id: int, k_cache: torch.Tensor,
-                          num_valid_tokens: int) -> None:
-        self._record(cpu_block_id, layer_id, k_cache, num_valid_tokens)
-
     def _record(self, cpu_block_id: int, layer_id: int, k_cache: torch.Tensor, n: int) -> None:
         if self._kmax is None or self._kmin is None:
             raise RuntimeError("QuestPolicy.initialize() must run before blocks are offloaded")

@@ -285,10 +285,6 @@ class XAttentionPolicy(SparsePolicy):
                            num_valid_tokens: int) -> None:
         self._record(cpu_block_id, layer_id, k_cache, num_valid_tokens)
 
-    def on_decode_offload(self, cpu_block_id: int, layer_id: int, k_cache: torch.Tensor,
-                          num_valid_tokens: int) -> None:
-        self._record(cpu_block_id, layer_id, k_cache, num_valid_tokens)
-
     @property
     def summary_group(self) -> int:
         return self.summary_stride or self.stride

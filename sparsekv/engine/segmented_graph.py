@@ -1,0 +1,94 @@
+"""graph.mode=segmented: decode graphs around eager attention (see sparsekv/engine/cuda_graph.py for the
+capture, the batch-size ladder and the wiring).
+
+segmented (offload=cpu): attention streams host KV blocks through the OffloadEngine's GPU ring, under host
+control (block selection, copy streams, events), so it stays eager. Everything around it is captured: per batch
+size one graph for the embedding (+ the rotary cos/sin tables on the torch path), then for every layer one
+pre-attention graph (input norm, qkv projection, q/k norm, rotary) and one post-attention graph (o projection,
+residual, post norm, MLP, residual), and one for the final norm. A step replays embed, then per layer pre -> eager attention -> post,
+then the final norm. The hidden state lives in one static buffer that every layer's graphs read and update in
+place, so no copies run between the segments beyond the attention output.
+
+Per-layer graphs (2 x num_layers per batch size) rather than one graph per segment with the weights as inputs:
+a graph bakes in the addresses of its weights, so sharing one graph across layers would mean copying each
+layer's weights into static buffers before every replay - twice the HBM traffic of the weight reads that
+bound decode (Qwen3-4B: ~220 MB per layer, ~75 us per layer at 3 TB/s, ~2.7 ms per step). Per-layer graphs cost
+only graph objects and the tiny activations of decode. scripts/bench_cuda_graph.py times both.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from sparsekv.config import GraphMode
+from sparsekv.engine.context import Context
+from sparsekv.engine.cuda_graph import DecodeGraphRunner, step_context
+
+
+class SegmentedGraphRunner(DecodeGraphRunner):
+    """graph.mode=segmented: per layer a pre- and a post-attention graph, attention eager between them."""
+    mode = GraphMode.segmented
+    REQUIRED = ("embed", "norm", "layers")
+    REQUIRED_LAYER = ("pre_attention", "attention", "post_attention")
+
+    def __init__(self, model, kv_store, device: torch.device, batch_sizes: list[int], emulate: bool = False):
+        super().__init__(model, kv_store, device, batch_sizes, emulate)
+        missing = [name for name in self.REQUIRED if not hasattr(model, name)]
+        missing += [f"layers[i].{name}" for name in self.REQUIRED_LAYER
+                    if hasattr(model, "layers") and not all(hasattr(layer, name) for layer in model.layers)]
+        if missing:
+            raise ValueError(f"graph.mode=segmented needs a model split around attention; {type(model).__name__} "
+                             f"lacks {', '.join(missing)} (see sparsekv/models/llama.py); use graph=eager")
+        self.graphs: dict[int, tuple] = {}
+
+    def _allocate(self) -> None:
+        mb, dev = self.max_batch_size, self.device
+        self.inputs = torch.zeros(2 * mb, dtype=torch.int64, device=dev)  # [2 * bs]: input ids, positions
+        with step_context(None):
+            hidden, rope = self.model.embed(self.inputs[:1], self.inputs[1:2])
+            q, _, _ = self.model.layers[0].pre_attention(hidden, rope)
+        self.hidden = torch.zeros(mb, *hidden.shape[1:], dtype=hidden.dtype, device=dev)  # [bs, hidden]
+        self.attn_out = torch.zeros(mb, *q.shape[1:], dtype=q.dtype, device=dev)  # [bs, H, D]
+
+    def _static_buffers(self) -> list[torch.Tensor]:
+        return [self.inputs, self.hidden, self.attn_out]
+
+    def _capture(self, bs: int) -> None:
+        ids, positions = self.inputs[:2 * bs].view(2, bs)
+        hidden, attn_out = self.hidden[:bs], self.attn_out[:bs]
+        capture = self.capturer.capture
+        embed, rope = capture(functools.partial(self._embed, ids, positions, hidden))
+        layers = []
+        for layer in self.model.layers:
+            pre, qkv = capture(functools.partial(layer.pre_attention, hidden, rope))
+            post, _ = capture(functools.partial(self._post, layer, hidden, attn_out))
+            layers.append((layer, pre, qkv, post))
+        final = capture(functools.partial(self.model.norm, hidden))
+        self.graphs[bs] = (embed, layers, final)
+
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor):
+        h, rope = self.model.embed(ids, positions)  # rope: positions (the static view), inv_freq, cos/sin or None
+        hidden.copy_(h)
+        return rope
+
+    @staticmethod
+    def _post(layer, hidden: torch.Tensor, attn_out: torch.Tensor) -> None:
+        hidden.copy_(layer.post_attention(hidden, attn_out))  # every layer updates the one static hidden state
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
+        n = input_ids.shape[0]
+        bs = self.bucket(n)
+        static = self.inputs[:2 * bs].view(2, bs)
+        static[0, :n].copy_(input_ids)  # padding rows keep earlier (valid) ids and positions; rows never mix
+        static[1, :n].copy_(positions)
+        embed, layers, (final, normed) = self.graphs[bs]
+        embed()
+        attn_out = self.attn_out
+        for layer, pre, (q, k, v), post in layers:
+            pre()
+            attn_out[:n].copy_(layer.attention(q[:n], k[:n], v[:n]))  # eager: the KV store of the step's Context
+            post()
+        final()
+        self.replayed_steps += 1
+        return normed[:n]

@@ -1,0 +1,186 @@
+"""Fused (optional per-head RMSNorm) + rotary position embedding for q [N, H, D] and k [N, KVH, D].
+
+Semantics (the torch references below, which the model's torch path runs; HF's rotate-half layout):
+
+    cos, sin = cos/sin(cat(f, f)) * attention_scaling, cast to the activation dtype,  f = positions.float() * inv_freq
+    x        = rms_norm(x, norm_weight)                 (Qwen3's q_norm / k_norm; skipped without a weight)
+    out      = x * cos + rotate_half(x) * sin           each product and the sum rounded to x's dtype
+
+The kernel computes cos/sin in-kernel from the positions (fp32, like the reference), so no [N, D] tables are
+built per step. One launch covers q and k: program (t, b) handles token t and a block of BLOCK_H heads, the
+first blocks of q, then those of k. Outputs are new contiguous tensors of fixed shapes; no host syncs: safe
+inside CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._dispatch import alloc_output, cdiv, jit, next_power_of_2, tl, use_fused_elementwise
+from .rmsnorm import KERNEL_DTYPES, rms_norm_reference
+
+__all__ = ["apply_rotary", "apply_rotary_reference", "rotary_cos_sin_reference", "rotary_embed_reference",
+           "rotate_half"]
+
+MAX_TILE = 1024  # elements of one [BLOCK_H, BLOCK_HALF] half-tile
+NUM_WARPS = 4
+
+
+# ---------------------------------------------------------------------------------------------- references
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary_cos_sin_reference(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float,
+                             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [N], inv_freq [D/2] -> cos, sin [N, D] in `dtype` (fp32 math, scaled, then cast)."""
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # [N, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
+    return (emb.cos() * attention_scaling).to(dtype), (emb.sin() * attention_scaling).to(dtype)
+
+
+def rotary_embed_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D], cos/sin [N, D] -> x * cos + rotate_half(x) * sin."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def apply_rotary_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                           attention_scaling: float, q_norm_weight: torch.Tensor | None = None,
+                           k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure torch: per-head RMSNorm (where a weight is given), then rotary, with cos/sin in q's dtype."""
+    cos, sin = rotary_cos_sin_reference(positions, inv_freq, attention_scaling, q.dtype)
+    if q_norm_weight is not None:
+        q = rms_norm_reference(q, q_norm_weight, eps)
+    if k_norm_weight is not None:
+        k = rms_norm_reference(k, k_norm_weight, eps)
+    return rotary_embed_reference(q, cos, sin), rotary_embed_reference(k, cos, sin)
+
+
+# ---------------------------------------------------------------------------------------------- kernel
+@jit
+def _norm_rope_tile(
+    X, OUT, W, row, head0, num_heads, stride_xn, stride_xh, stride_on, stride_oh,
+    cos, sin, offs_d, d_ok, eps, D, HALF,
+    HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Heads head0 .. head0 + BLOCK_H of token `row`: x [BLOCK_H, D] as halves x1, x2 [BLOCK_H, BLOCK_HALF]."""
+    act = X.dtype.element_ty
+    odt = OUT.dtype.element_ty
+    offs_h = head0 + tl.arange(0, BLOCK_H)
+    ok = (offs_h < num_heads)[:, None] & d_ok[None, :]
+    x_ptr = X + row * stride_xn + offs_h[:, None] * stride_xh + offs_d[None, :]
+    x1 = tl.load(x_ptr, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + HALF, mask=ok, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]  # [BLOCK_H, 1]
+        w1 = tl.load(W + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(W + HALF + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        # normalise in fp32, round to the activation dtype, scale in the output dtype
+        x1 = (w1 * (x1 * inv).to(act).to(tl.float32)).to(odt).to(tl.float32)
+        x2 = (w2 * (x2 * inv).to(act).to(tl.float32)).to(odt).to(tl.float32)
+    c = cos[None, :]
+    s = sin[None, :]
+    # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); each product and the sum rounded like torch's
+    o1 = (x1 * c).to(odt).to(tl.float32) + (-x2 * s).to(odt).to(tl.float32)
+    o2 = (x2 * c).to(odt).to(tl.float32) + (x1 * s).to(odt).to(tl.float32)
+    o_ptr = OUT + row * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptr, o1.to(odt), mask=ok)
+    tl.store(o_ptr + HALF, o2.to(odt), mask=ok)
+
+
+@jit
+def _rotary_kernel(
+    Q, K, QO, KO, QW, KW, POS, INV_FREQ,
+    stride_qn, stride_qh, stride_kn, stride_kh,
+    stride_qon, stride_qoh, stride_kon, stride_koh, stride_pos,
+    H, KVH, Q_BLOCKS, scaling, eps, D, HALF,
+    HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    act = Q.dtype.element_ty
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_ok = offs_d < HALF
+    pos = tl.load(POS + row * stride_pos).to(tl.float32)
+    freqs = pos * tl.load(INV_FREQ + offs_d, mask=d_ok, other=0.0).to(tl.float32)  # [BLOCK_HALF]
+    cos = (tl.cos(freqs) * scaling).to(act).to(tl.float32)  # cast to the activation dtype like the reference
+    sin = (tl.sin(freqs) * scaling).to(act).to(tl.float32)
+    if blk < Q_BLOCKS:
+        _norm_rope_tile(Q, QO, QW, row, blk * BLOCK_H, H, stride_qn, stride_qh, stride_qon, stride_qoh,
+                        cos, sin, offs_d, d_ok, eps, D, HALF, HAS_NORM=HAS_Q_NORM, BLOCK_H=BLOCK_H)
+    else:
+        _norm_rope_tile(K, KO, KW, row, (blk - Q_BLOCKS) * BLOCK_H, KVH, stride_kn, stride_kh, stride_kon,
+                        stride_koh, cos, sin, offs_d, d_ok, eps, D, HALF, HAS_NORM=HAS_K_NORM, BLOCK_H=BLOCK_H)
+
+
+# ---------------------------------------------------------------------------------------------- launcher
+def _check(q, k, positions, inv_freq, q_norm_weight, k_norm_weight) -> None:
+    shapes = (f"q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)}, "
+              f"inv_freq {tuple(inv_freq.shape)}")
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"apply_rotary expects q [N, H, D] and k [N, KVH, D]; got {shapes}")
+    n, _, d = q.shape
+    if d % 2:
+        raise ValueError(f"apply_rotary needs an even head dim D; got {shapes}")
+    if tuple(positions.shape) != (n,) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
+        raise ValueError(f"apply_rotary expects integer positions [N] = [{n}]; got {shapes}, {positions.dtype}")
+    if tuple(inv_freq.shape) != (d // 2,):
+        raise ValueError(f"apply_rotary expects inv_freq [D/2] = [{d // 2}]; got {shapes}")
+    if q.dtype != k.dtype or not q.dtype.is_floating_point:
+        raise ValueError(f"apply_rotary expects q and k of one float dtype; got q {q.dtype}, k {k.dtype} ({shapes})")
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w is not None and (tuple(w.shape) != (d,) or not w.dtype.is_floating_point):
+            raise ValueError(f"apply_rotary expects a float {name} [D] = [{d}]; got {tuple(w.shape)} {w.dtype} "
+                             f"({shapes})")
+    devices = {t.device for t in (q, k, positions, inv_freq, q_norm_weight, k_norm_weight) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"apply_rotary: tensors on several devices {sorted(map(str, devices))} ({shapes})")
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                 attention_scaling: float, q_norm_weight: torch.Tensor | None = None,
+                 k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, H, D], k [N, KVH, D] (any strides; the model's are views of the fused qkv projection), positions [N]
+    (any integer dtype and stride), inv_freq [D/2] -> new contiguous (q, k) after the optional per-head RMSNorm
+    and rotary. Triton where :func:`use_fused_elementwise` says so, else :func:`apply_rotary_reference`."""
+    _check(q, k, positions, inv_freq, q_norm_weight, k_norm_weight)
+    if not use_fused_elementwise(q.device):
+        return apply_rotary_reference(q, k, positions, inv_freq, attention_scaling, q_norm_weight, k_norm_weight,
+                                      eps)
+    if q.dtype not in KERNEL_DTYPES or any(w is not None and w.dtype not in KERNEL_DTYPES
+                                           for w in (q_norm_weight, k_norm_weight)):
+        raise ValueError(f"the Triton apply_rotary supports {KERNEL_DTYPES}; got q {tuple(q.shape)} {q.dtype}")
+    n, h, d = q.shape
+    kvh = k.shape[1]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    q_dtype = q.dtype if q_norm_weight is None else torch.promote_types(q.dtype, q_norm_weight.dtype)
+    k_dtype = k.dtype if k_norm_weight is None else torch.promote_types(k.dtype, k_norm_weight.dtype)
+    q_out = alloc_output((n, h, d), q_dtype, q.device)
+    k_out = alloc_output((n, kvh, d), k_dtype, k.device)
+    if n == 0 or d == 0 or h + kvh == 0:
+        return q_out, k_out
+    half = d // 2
+    block_half = next_power_of_2(half)
+    block_h = max(1, min(_heads_per_program(h, kvh), MAX_TILE // block_half))
+    q_blocks = cdiv(h, block_h)
+    grid = (n, q_blocks + cdiv(kvh, block_h))
+    _rotary_kernel[grid](
+        q, k, q_out, k_out,
+        q_norm_weight if q_norm_weight is not None else q, k_norm_weight if k_norm_weight is not None else k,
+        positions, inv_freq,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), positions.stride(0),
+        h, kvh, q_blocks, float(attention_scaling), float(eps), d, half,
+        HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None,
+        BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=NUM_WARPS,
+    )
+    return q_out, k_out
+
+
+def _heads_per_program(h: int, kvh: int) -> int:
+    """The KV head count rounded up to a power of two: k takes one block, q whole blocks of a GQA group."""
+    return next_power_of_2(kvh if kvh > 0 else h)
