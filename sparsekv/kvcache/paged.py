@@ -35,6 +35,7 @@ class PagedKVStore(KVStore):
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * self.k_cache.element_size()
         self.prefill_policy = prefill_policy
+        prefill_policy.initialize(num_layers, num_kv_heads, head_dim, num_blocks, dtype, device)
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                context: Context) -> torch.Tensor:
