@@ -3,9 +3,9 @@
 #
 # Run from the repository root, after carrying the wheels sparsekv needs beyond torch/triton:
 #     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-#     OUT=/some/dir scripts/gpu_bench.sh SECTION...      sections: info tests bench graphs sweep sweep_hf
+#     OUT=/some/dir scripts/gpu_bench.sh SECTION...      sections: info tests bench fused graphs sweep sweep_hf
 # Each section below fits one 10-minute device call (H200, 2026-11-22 timings); a session's 30 minutes of device
-# time hold about four calls:  1) info tests bench   2) graphs   3) sweep   4) sweep_hf.
+# time hold about four calls:  1) info fused tests   2) bench   3) graphs sweep_hf   4) sweep.
 # Everything is written under $OUT, packed so that at most 8 files come back:
 #     info.log (nvidia-smi, versions, ceilings), gpu_tests.log, status.log (name, exit status, seconds per step),
 #     bench_summary.md (Markdown table of every bench record), bench.tgz (each run's bench.json and run.log),
@@ -97,6 +97,17 @@ section_bench() {  # issues 2, 3, 4: most needed first, so a call cut short keep
     bench cpu-512k-4layer  "${QWEN[@]}" model.num_hidden_layers=4 offload=cpu bench.context=524288
 }
 
+section_fused() {  # validate and time the fused RMSNorm/rotary/SiLU kernels (off on CUDA until this passes) (~3 min)
+    SPARSEKV_FUSED_ELEMENTWISE=1 timeout 150 python3 -m pytest -q -m gpu tests/test_fused_kernels.py \
+        tests/test_cuda_graph.py tests/test_hf_parity.py 2>&1 | tee "$OUT/fused_tests.log" | tail -15
+    SPARSEKV_FUSED_ELEMENTWISE=1 timeout 120 python3 -m sparsekv.kernels.bench --elementwise 2>&1 | tail -30
+    export SPARSEKV_FUSED_ELEMENTWISE=1
+    bench fused-none-8k   "${QWEN[@]}" offload=none bench.context=8192
+    bench fused-none-32k  "${QWEN[@]}" offload=none bench.context=32768
+    bench fused-cpu-8k    "${QWEN[@]}" offload=cpu bench.context=8192
+    unset SPARSEKV_FUSED_ELEMENTWISE
+}
+
 section_graphs() {  # issue 5: eager vs graphs (~4 min)
     bench none-4k-eager    "${QWEN[@]}" offload=none graph=eager bench.context=4096
     bench none-4k-graph    "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096
@@ -139,9 +150,9 @@ section_summary() {
 [ $# -gt 0 ] || set -- info tests bench
 for SECTION in "$@"; do
     case "$SECTION" in
-        info|tests|bench|graphs|sweep|sweep_hf) "section_$SECTION" ;;
+        info|tests|bench|fused|graphs|sweep|sweep_hf) "section_$SECTION" ;;
         summary) ;;
-        *) echo "usage: OUT=dir $0 [info|tests|bench|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
+        *) echo "usage: OUT=dir $0 [info|tests|bench|fused|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
     esac
 done
 [ -d "$OUT/bench" ] && section_summary
