@@ -24,13 +24,11 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
+from sparsekv.tasks.common import enum_value, run_identity
+
 from sparsekv.tasks.bench_summary import print_table, summarize
 
 GIB = 1 << 30
-
-
-def _name(value: Any) -> Any:
-    return getattr(value, "value", value)
 
 
 def _ratio(seconds: float | None, floor_seconds: float | None) -> float | None:
@@ -56,7 +54,7 @@ def bench_config(cfg: DictConfig, spec) -> DictConfig:
             cfg.scheduler.max_model_len = needed
         if cfg.scheduler.max_num_seqs < bench.batch_size:
             cfg.scheduler.max_num_seqs = bench.batch_size
-        if bench.fit_kv_cache and _name(cfg.offload.mode) == "none" and not cfg.offload.num_kv_blocks:
+        if bench.fit_kv_cache and enum_value(cfg.offload.mode) == "none" and not cfg.offload.num_kv_blocks:
             block = cfg.offload.block_size
             cfg.offload.num_kv_blocks = bench.batch_size * (-(-needed // block) + 1)
     return cfg
@@ -193,14 +191,9 @@ def run(cfg: DictConfig) -> dict:
     decode_median_s = statistics.median(step_s) if step_s else None
     decode_mean_s = statistics.mean(step_s) if step_s else None
     figures: dict[str, Any] = {
-        "name": bench.name or f"{cfg.model.name} {_name(cfg.offload.mode)} {cfg.policy.name}",
-        "model": cfg.model.name,
-        "offload": _name(cfg.offload.mode),
-        "policy": cfg.policy.name,
-        "device": str(engine.device),
+        **run_identity(cfg, engine, bench.name),
         "gpu_name": floors.get("gpu_name") if floors else (
             torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None),
-        "dtype": str(engine.dtype).replace("torch.", ""),
         "batch_size": batch,
         "context": context,
         "prompt_tokens": stats.prompt_tokens,

@@ -29,3 +29,20 @@ def write_record(cfg: DictConfig, name: str, figures: dict[str, Any]) -> Path:
     path = output_dir(cfg) / f"{name}.json"
     path.write_text(json.dumps(record, indent=2, default=str))
     return path
+
+
+def enum_value(value: Any) -> Any:
+    """An enum config value as its plain value (OffloadMode.cpu -> "cpu")."""
+    return getattr(value, "value", value)
+
+
+def run_identity(cfg: DictConfig, engine, name: str | None) -> dict[str, Any]:
+    """The fields every task record starts with: what ran, where."""
+    return {
+        "name": name or f"{cfg.model.name} {enum_value(cfg.offload.mode)} {cfg.policy.name}",
+        "model": cfg.model.name,
+        "offload": enum_value(cfg.offload.mode),
+        "policy": cfg.policy.name,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+    }

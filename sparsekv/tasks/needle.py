@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, open_dict
 
+from sparsekv.tasks.common import enum_value, run_identity
+
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 QUESTION = ("What is the special magic number for {key} mentioned in the provided text? "
@@ -151,10 +153,6 @@ def check_needle_config(nd) -> None:
             raise ValueError(f"needle.{key}={nd[key]} must be at least 1")
 
 
-def _name(value: Any) -> Any:
-    return getattr(value, "value", value)
-
-
 def run(cfg: DictConfig) -> dict:
     from sparsekv.factory import resolve_device
     from sparsekv.llm import LLM
@@ -217,12 +215,7 @@ def run(cfg: DictConfig) -> dict:
              for c in contexts for d in depths]
     stats = engine.stats
     figures: dict[str, Any] = {
-        "name": nd.name or f"{cfg.model.name} {_name(cfg.offload.mode)} {cfg.policy.name}",
-        "model": cfg.model.name,
-        "offload": _name(cfg.offload.mode),
-        "policy": cfg.policy.name,
-        "device": str(engine.device),
-        "dtype": str(engine.dtype).replace("torch.", ""),
+        **run_identity(cfg, engine, nd.name),
         "block_size": cfg.offload.block_size,
         "context": contexts[0] if len(contexts) == 1 else None,
         "contexts": contexts,

@@ -25,11 +25,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, open_dict
 
+from sparsekv.tasks.common import enum_value
+
 from sparsekv import quality as ql
-
-
-def _name(value: Any) -> Any:
-    return getattr(value, "value", value)
 
 
 def settings(cfg: DictConfig) -> dict[str, Any]:
@@ -45,7 +43,7 @@ def settings(cfg: DictConfig) -> dict[str, Any]:
     slots = int(q.num_gpu_blocks or cfg.offload.num_gpu_blocks)
     if slots < 1:
         raise ValueError(f"quality.num_gpu_blocks={slots} must be at least 1")
-    phase = _name(q.phase)
+    phase = enum_value(q.phase)
     phases = {"decode": ["decode"], "prefill": ["prefill"], "both": ["decode", "prefill"]}[phase]
     if "prefill" in phases and q.resident:
         phases.append("resident")
@@ -202,7 +200,7 @@ def run(cfg: DictConfig) -> dict:
         "name": name,
         "model": cfg.model.name,
         "policy": cfg.policy.name,
-        "offload": _name(cfg.offload.mode),
+        "offload": enum_value(cfg.offload.mode),
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
         "block_size": s["block_size"],
