@@ -55,6 +55,21 @@ def make_checkpoint(path: Path, arch: str = "qwen3", *, tie: bool = True, dtype=
     return path
 
 
+@pytest.fixture
+def triton_kernels(monkeypatch):
+    """Run the Triton kernels (interpreted off-GPU; on CUDA the fused elementwise ones too, which are opt-in there)
+    and poison every output buffer the launchers allocate, so an element a kernel forgets to write fails."""
+    from sparsekv.kernels import _dispatch
+
+    monkeypatch.setattr(_dispatch, "POISON_OUTPUTS", True)
+    if torch.cuda.is_available():
+        monkeypatch.delenv(_dispatch.ENV_BACKEND, raising=False)
+        monkeypatch.setenv(_dispatch.ENV_FUSED, "1")
+    else:
+        monkeypatch.setenv(_dispatch.ENV_BACKEND, "triton")
+    assert _dispatch.use_triton("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Small tensors on a loaded 2-core machine: extra threads only add contention."""

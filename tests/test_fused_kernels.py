@@ -25,15 +25,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 TOL = 1e-5  # fp32 relative error
 
 
-@pytest.fixture(autouse=True)
-def _poison_outputs(monkeypatch):
-    monkeypatch.setattr(_dispatch, "POISON_OUTPUTS", True)
-    if DEV.type == "cuda":
-        monkeypatch.delenv(_dispatch.ENV_BACKEND, raising=False)
-        monkeypatch.setenv(_dispatch.ENV_FUSED, "1")  # off by default on CUDA until validated there
-    else:  # off-GPU the Triton kernels run (interpreted) only when asked for
-        monkeypatch.setenv(_dispatch.ENV_BACKEND, "triton")
-    assert _dispatch.use_triton(DEV)
+pytestmark = pytest.mark.usefixtures("triton_kernels")
 
 
 def _gen(seed: int) -> torch.Generator:

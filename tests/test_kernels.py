@@ -1,22 +1,18 @@
 """Tests of sparsekv.kernels: Triton kernels against their pure-torch references.
 
-On CPU the Triton kernels run under the interpreter: CI exports TRITON_INTERPRET=1 for the
-whole pytest run (we also default it here, before sparsekv.kernels is imported). The interpreter
-mishandles bf16 tl.dot, so CPU tests use fp32; bf16 is covered by the GPU tests.
+On CPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set by conftest before triton is
+imported; the `triton_kernels` fixture asks for them). The interpreter mishandles bf16 tl.dot, so CPU tests use
+fp32; bf16 is covered by the GPU tests.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from sparsekv.kernels import (  # noqa: E402
+from sparsekv.kernels import (
     _dispatch,
     attention_backend,
     flash_attn_with_lse,
@@ -32,13 +28,7 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NEG_INF = float("-inf")
 
 
-@pytest.fixture(autouse=True)
-def _poison_outputs(monkeypatch):
-    monkeypatch.setattr(_dispatch, "POISON_OUTPUTS", True)
-    if DEV.type == "cuda":
-        monkeypatch.delenv(_dispatch.ENV_BACKEND, raising=False)
-    else:  # off-GPU the Triton kernels run (interpreted) only when asked for
-        monkeypatch.setenv(_dispatch.ENV_BACKEND, "triton")
+pytestmark = pytest.mark.usefixtures("triton_kernels")
 
 
 def _tol(dtype: torch.dtype) -> float:

@@ -1,34 +1,30 @@
 """MInference (vertical-slash) policy and its kernel.
 
-On CPU the Triton kernel runs under the interpreter (CI exports TRITON_INTERPRET=1; we also default it here,
-before sparsekv.kernels is imported; off-GPU the kernels run only when SPARSEKV_ATTN_BACKEND=triton, which every
-test here sets, so the policy and engine tests go through the interpreted kernels too). The interpreter
+On CPU the Triton kernel runs under the interpreter (TRITON_INTERPRET=1, set by conftest; the `triton_kernels`
+fixture asks for the Triton kernels in every test here, so the policy and engine tests go through the interpreted
+kernels too). The interpreter
 mishandles bf16 tl.dot, so CPU tests use fp32; bf16 at realistic size is the GPU test at the end.
 """
 from __future__ import annotations
 
 import math
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from sparsekv import LLM, SamplingParams  # noqa: E402
-from sparsekv.kernels import (  # noqa: E402
+from sparsekv import LLM, SamplingParams
+from sparsekv.kernels import (
     _dispatch,
     flash_attn_with_lse_reference,
     vertical_slash_attention,
     vertical_slash_attention_reference,
     vertical_slash_pair_count,
 )
-from sparsekv.kvcache.host_pool import HostPool  # noqa: E402
-from sparsekv.kvcache.offload_engine import OffloadEngine  # noqa: E402
-from sparsekv.policies.minference import MInferencePolicy, _diagonal_sums  # noqa: E402
-from tests.conftest import random_prompt  # noqa: E402
+from sparsekv.kvcache.host_pool import HostPool
+from sparsekv.kvcache.offload_engine import OffloadEngine
+from sparsekv.policies.minference import MInferencePolicy, _diagonal_sums
+from tests.conftest import random_prompt
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EXACT = 3e-3 if DEV.type == "cuda" else 1e-5  # relative error of "exact" results (tf32 tl.dot on the GPU)
@@ -37,13 +33,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 FULL_BUDGET = ["policy=minference", "policy.vertical_size=100000", "policy.slash_size=100000"]
 
 
-@pytest.fixture(autouse=True)
-def _poison_outputs(monkeypatch):
-    monkeypatch.setattr(_dispatch, "POISON_OUTPUTS", True)
-    if DEV.type == "cuda":
-        monkeypatch.delenv(_dispatch.ENV_BACKEND, raising=False)
-    else:  # off-GPU the Triton kernels run (interpreted) only when asked for
-        monkeypatch.setenv(_dispatch.ENV_BACKEND, "triton")
+pytestmark = pytest.mark.usefixtures("triton_kernels")
 
 
 @pytest.fixture
