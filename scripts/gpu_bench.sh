@@ -3,9 +3,9 @@
 #
 # Run from the repository root, after carrying the wheels sparsekv needs beyond torch/triton:
 #     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-#     OUT=/some/dir scripts/gpu_bench.sh SECTION...      sections: info tests bench fused graphs sweep sweep_hf
+#     OUT=/some/dir scripts/gpu_bench.sh SECTION...      sections: info tests bench fused long graphs sweep sweep_hf
 # Each section below fits one 10-minute device call (H200, 2026-11-22 timings); a session's 30 minutes of device
-# time hold about four calls:  1) info fused tests   2) bench   3) graphs sweep_hf   4) sweep.
+# time hold about four calls:  1) info fused tests   2) bench   3) graphs sweep_hf   4) sweep; `long` needs a fifth.
 # Everything is written under $OUT, packed so that at most 8 files come back:
 #     info.log (nvidia-smi, versions, ceilings), gpu_tests.log, status.log (name, exit status, seconds per step),
 #     bench_summary.md (Markdown table of every bench record), bench.tgz (each run's bench.json and run.log),
@@ -87,6 +87,7 @@ section_bench() {  # issues 2, 3, 4: most needed first, so a call cut short keep
     bench none-8k          "${QWEN[@]}" offload=none bench.context=8192
     bench none-32k-hf      "${QWEN[@]}" offload=none bench.context=32768 bench.baseline=true
     bench cpu-32k          "${QWEN[@]}" offload=cpu bench.context=32768
+    bench cpu-32k-chunk16k "${QWEN[@]}" offload=cpu offload.prefill_chunk_size=16384 bench.context=32768
     bench cpu-128k         "${QWEN[@]}" offload=cpu bench.context=131072
     bench none-128k        "${QWEN[@]}" offload=none bench.context=131072
     bench cpu-quest-128k   "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0 bench.context=131072
@@ -106,6 +107,10 @@ section_fused() {  # validate and time the fused RMSNorm/rotary/SiLU kernels (of
     bench fused-none-32k  "${QWEN[@]}" offload=none bench.context=32768
     bench fused-cpu-8k    "${QWEN[@]}" offload=cpu bench.context=8192
     unset SPARSEKV_FUSED_ELEMENTWISE
+}
+
+section_long() {  # issue 3: the full 36-layer model at 512K (prefill ~3.5 min at ~400 TFLOP/s, 72 GiB pinned)
+    BENCH_TIMEOUT=560 bench cpu-512k "${QWEN[@]}" offload=cpu bench.context=524288
 }
 
 section_graphs() {  # issue 5: eager vs graphs (~4 min)
@@ -150,9 +155,9 @@ section_summary() {
 [ $# -gt 0 ] || set -- info tests bench
 for SECTION in "$@"; do
     case "$SECTION" in
-        info|tests|bench|fused|graphs|sweep|sweep_hf) "section_$SECTION" ;;
+        info|tests|bench|fused|long|graphs|sweep|sweep_hf) "section_$SECTION" ;;
         summary) ;;
-        *) echo "usage: OUT=dir $0 [info|tests|bench|fused|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
+        *) echo "usage: OUT=dir $0 [info|tests|bench|fused|long|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
     esac
 done
 [ -d "$OUT/bench" ] && section_summary
