@@ -106,6 +106,10 @@ section_fused() {  # validate and time the fused RMSNorm/rotary/SiLU kernels (of
     bench fused-none-8k   "${QWEN[@]}" offload=none bench.context=8192
     bench fused-none-32k  "${QWEN[@]}" offload=none bench.context=32768
     bench fused-cpu-8k    "${QWEN[@]}" offload=cpu bench.context=8192
+    # attention backend for prefill: the Triton kernel vs cuDNN (forced), a 32K prompt in one chunk
+    bench fused-none-32k-1chunk "${QWEN[@]}" offload=none bench.context=32768 scheduler.max_num_batched_tokens=32768
+    SPARSEKV_ATTN_BACKEND=cudnn bench fused-none-32k-1chunk-cudnn "${QWEN[@]}" offload=none bench.context=32768 \
+        scheduler.max_num_batched_tokens=32768
     unset SPARSEKV_FUSED_ELEMENTWISE
 }
 

@@ -338,14 +338,16 @@ def test_store_kv_roundtrip_and_bad_shapes():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("backend", ["triton", "sdpa", "flash_attn"])
+@pytest.mark.parametrize("backend", ["triton", "sdpa", "cudnn", "flash_attn"])
 @pytest.mark.parametrize("sq,sk", [(4096, 4096), (1000, 4096)])
 def test_gpu_attention_bf16_realistic(backend, causal, sq, sk, monkeypatch):
     if backend == "flash_attn" and not _dispatch.has_flash_attn():
         pytest.skip("flash_attn not installed")
     monkeypatch.setenv(_dispatch.ENV_BACKEND, backend)
     chosen = attention_backend(DEV, torch.bfloat16, causal, sq, sk, 128)
-    if backend == "sdpa" and causal and sq != sk:
+    if backend == "cudnn" and not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+        pytest.skip("this torch has no cuDNN attention op")
+    if backend in ("sdpa", "cudnn") and causal and sq != sk:
         assert chosen == "triton"  # top-left causal would be wrong here
     else:
         assert chosen == backend

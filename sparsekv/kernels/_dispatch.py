@@ -3,12 +3,14 @@
 One function, :func:`attention_backend`, decides which implementation runs:
 
 * ``'flash_attn'``: the flash-attn package (CUDA, fp16/bf16 only);
-* ``'sdpa'``: torch's fused flash kernel via ``aten._scaled_dot_product_flash_attention``
+* ``'sdpa'``: torch's fused flash kernel via ``aten._scaled_dot_product_flash_attention``;
+* ``'cudnn'``: torch's cuDNN attention via ``aten._scaled_dot_product_cudnn_attention`` (same limits as sdpa;
+  not yet timed on a GPU, so forced only);
   (CUDA, fp16/bf16, non-causal or Sq == Sk because its causal mask is top-left aligned);
 * ``'triton'``: our Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``);
 * ``'torch'``: the pure-torch references.
 
-``SPARSEKV_ATTN_BACKEND`` (torch|triton|flash_attn|sdpa) forces a choice; a forced backend
+``SPARSEKV_ATTN_BACKEND`` (torch|triton|flash_attn|sdpa|cudnn) forces a choice; a forced backend
 that cannot run the given call falls back along flash_attn -> sdpa -> triton -> torch.
 Merge and paged-decode kernels only distinguish Triton from torch (:func:`use_triton`).
 """
@@ -33,7 +35,7 @@ HAS_TRITON = triton is not None
 # annotations``), which Triton accepts, so kernel definitions need no triton at import.
 jit = triton.jit if HAS_TRITON else (lambda fn: fn)
 
-BACKENDS = ("torch", "triton", "flash_attn", "sdpa")
+BACKENDS = ("torch", "triton", "flash_attn", "sdpa", "cudnn")
 ENV_BACKEND = "SPARSEKV_ATTN_BACKEND"
 
 # Tests flip this to True so that every output buffer the launchers allocate starts as NaN:
@@ -90,9 +92,9 @@ def attention_backend(
         return "flash_attn"
     causal_ok = not causal or seqlen_q is None or seqlen_q == seqlen_k
     # Measured on Hopper (H200, bf16, D=64/128/256): our Triton kernel beat torch's fused flash kernel by 1.4-1.6x,
-    # so sdpa runs only when asked for.
-    if forced == "sdpa" and half_ok and dim_ok and causal_ok:
-        return "sdpa"
+    # so sdpa (and cudnn, not yet timed) run only when asked for.
+    if forced in ("sdpa", "cudnn") and half_ok and dim_ok and causal_ok:
+        return forced
     return "triton" if HAS_TRITON else "torch"
 
 

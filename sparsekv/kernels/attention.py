@@ -223,18 +223,22 @@ def _flash_attn_package(q, k, v, scale: float, causal: bool) -> tuple[torch.Tens
     return out[0], lse
 
 
-def _flash_attn_sdpa(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # torch's fused flash kernel wants [B, H, S, D] and equal head counts; its causal mask is
-    # top-left aligned, which equals ours only when Sq == Sk (checked by attention_backend).
-    H, KVH = q.shape[1], k.shape[1]
+def _torch_fused_attention(q, k, v, scale: float, causal: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's fused kernels (sdpa: flash; cudnn: cuDNN). They want [B, H, S, D] with equal head counts, and their
+    causal mask is top-left aligned, which equals ours only when Sq == Sk (checked by attention_backend)."""
+    Sq, H = q.shape[0], q.shape[1]
+    KVH = k.shape[1]
     if H != KVH:
         k = k.repeat_interleave(H // KVH, dim=1)  # [Sk, H, D]
         v = v.repeat_interleave(H // KVH, dim=1)
-    res = torch.ops.aten._scaled_dot_product_flash_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        0.0, causal, False, scale=scale)
-    out, lse = res[0], res[1]  # [1, H, Sq, D], [1, H, Sq] natural-log lse
-    return out[0].transpose(0, 1).contiguous(), lse[0].float().contiguous()
+    q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, H, S, D]
+    if backend == "cudnn":
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, causal, False,
+                                                                 scale=scale)
+    else:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q4, k4, v4, 0.0, causal, False, scale=scale)
+    out, lse = res[0], res[1]  # [1, H, Sq, D], natural-log lse with H * Sq entries
+    return out[0].transpose(0, 1).contiguous(), lse.reshape(H, Sq).float().contiguous()
 
 
 def flash_attn_with_lse(
@@ -253,12 +257,12 @@ def flash_attn_with_lse(
         return _empty_result(q)
     backend = attention_backend(q.device, q.dtype, causal, Sq, Sk, D)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        if backend in ("flash_attn", "sdpa"):
+        if backend in ("flash_attn", "sdpa", "cudnn"):
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if backend == "flash_attn":
         return _flash_attn_package(q, k, v, scale, causal)
-    if backend == "sdpa":
-        return _flash_attn_sdpa(q, k, v, scale, causal)
+    if backend in ("sdpa", "cudnn"):
+        return _torch_fused_attention(q, k, v, scale, causal, backend)
     if backend == "triton":
         return _flash_attn_triton(q, k, v, scale, causal)
     return flash_attn_with_lse_reference(q, k, v, scale, causal)

@@ -1,6 +1,6 @@
 """GPU micro-benchmarks of the kernels: ``python -m sparsekv.kernels.bench [--quick] [--elementwise]``.
 
-Times every applicable attention backend (triton, sdpa, flash_attn) on prefill/chunk shapes and
+Times every applicable attention backend (triton, sdpa, cudnn, flash_attn) on prefill/chunk shapes and
 the paged decode kernel over context lengths and split counts, so that the CUDA default in
 ``_dispatch.attention_backend`` and the module constants can be chosen by measurement; and the fused
 elementwise kernels (RMSNorm, q/k norm + rotary, SiLU-and-mul) against the torch ops they replace.
@@ -9,6 +9,7 @@ elementwise kernels (RMSNorm, q/k norm + rotary, SiLU-and-mul) against the torch
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 
 import torch
@@ -40,7 +41,9 @@ def bench_attention(sq: int, sk: int, causal: bool, h: int = 32, kvh: int = 8, d
     flops = 4.0 * pairs * h * d
     impls = {"triton": A._flash_attn_triton}
     if not causal or sq == sk:
-        impls["sdpa"] = A._flash_attn_sdpa
+        impls["sdpa"] = functools.partial(A._torch_fused_attention, backend="sdpa")
+        if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+            impls["cudnn"] = functools.partial(A._torch_fused_attention, backend="cudnn")
     if has_flash_attn():
         impls["flash_attn"] = A._flash_attn_package
     res = {}
