@@ -34,7 +34,7 @@ import math
 
 import torch
 from ._dispatch import HAS_TRITON, alloc_output, cdiv, jit, next_power_of_2, tl, triton_interpret, use_triton
-from .attention import check_qkv
+from .attention import _empty_result, check_qkv
 
 __all__ = [
     "vertical_slash_attention",
@@ -234,13 +234,6 @@ def _vertical_mask(vertical_idx: torch.Tensor, Sk: int) -> torch.Tensor:
     mask = torch.zeros((H, Sk + 1), dtype=torch.bool, device=c.device)
     mask.scatter_(1, idx, True)
     return mask[:, :Sk]
-
-
-def _empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    Sq, H, _ = q.shape
-    o = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    lse = torch.full((H, Sq), float("-inf"), dtype=torch.float32, device=q.device)
-    return o, lse
 
 
 # -------------------------------------------------------------------------------------------- reference
