@@ -101,3 +101,12 @@ def test_preemption_under_block_pressure_keeps_greedy_tokens(qwen3_ckpt, residen
     llm.engine.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), original(seq))
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == resident_tokens
     assert preempted, "the pool was meant to be too small for all sequences at once"
+
+
+def test_a_sequence_that_fills_the_pool_stops_with_length(qwen3_ckpt):
+    """Growing past every block of the pool ends that sequence ("length"), not the whole batch."""
+    llm = LLM(str(qwen3_ckpt), overrides=CPU + ["offload.block_size=16", "offload.num_kv_blocks=4"])
+    long, short = llm.generate([random_prompt(40, seed=1), random_prompt(10, seed=2)],
+                               SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    assert long.finish_reason == "length" and len(long.prompt_token_ids) + len(long.token_ids) == 4 * 16
+    assert short.finish_reason == "length" and len(short.token_ids) == 64 - 10

@@ -54,6 +54,8 @@ class LLMEngine:
         self.config, self.spec, self.model, self.kv_store = config, spec, model, kv_store
         self.tokenizer, self.device, self.dtype, self.policy = tokenizer, device, dtype, policy
         self.max_model_len = max_model_len
+        # a sequence stops ("length") once it fills the whole KV pool, rather than failing the batch mid-run
+        self.max_seq_len = min(max_model_len, kv_store.num_blocks * kv_store.block_size)
         self.block_manager = BlockManager(kv_store.num_blocks, kv_store.block_size)
         self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_seqs,
                                    kv_store.prefill_token_budget or config.scheduler.max_num_batched_tokens,
@@ -133,7 +135,7 @@ class LLMEngine:
             self.stats.decode_steps += 1
             self.stats.decode_seconds += elapsed
             self.stats.step_seconds.append(elapsed)
-        finished = self.scheduler.postprocess(batch, sampled, self.eos_ids, self.max_model_len)
+        finished = self.scheduler.postprocess(batch, sampled, self.eos_ids, self.max_seq_len)
         for seq in finished:
             self.release(seq)
         return finished
