@@ -21,6 +21,7 @@ import torch
 from sparsekv import LLM, SamplingParams
 from sparsekv.engine.cuda_graph import attach_graph_runner
 from sparsekv.engine.llm_engine import RunStats
+from sparsekv.floors import cuda_median_seconds
 from sparsekv.tasks.bench import random_prompts
 
 
@@ -63,16 +64,9 @@ def bench_modes(model: str, offload: list[str], mode: str, cases: list[tuple[int
     return rows
 
 
-def time_cuda(fn, iters: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters  # ms
+def time_cuda(fn) -> float:
+    """Median ms of one call (sparsekv.floors' CUDA-event timer)."""
+    return 1e3 * cuda_median_seconds(fn, warmup=1, repeats=5, inner=4)
 
 
 @torch.inference_mode()

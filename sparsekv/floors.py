@@ -106,7 +106,7 @@ def _is_cuda(device) -> bool:
     return device is not None and device.type == "cuda" and torch.cuda.is_available()
 
 
-def _cuda_median_seconds(fn: Callable[[], None], warmup: int = 3, repeats: int = 7, inner: int = 1,
+def cuda_median_seconds(fn: Callable[[], None], warmup: int = 3, repeats: int = 7, inner: int = 1,
                          warmup_seconds: float = 0.0) -> float:
     """Median over `repeats` of the CUDA-event time of `inner` back-to-back calls, divided by `inner`, after
     `warmup` calls and, with warmup_seconds, after keeping the device busy that long (clocks settle)."""
@@ -149,7 +149,7 @@ def matmul_tflops(dtype: torch.dtype = torch.bfloat16, n: int = 8192, device="cu
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
         c = torch.empty(n, n, device=device, dtype=dtype)
-        seconds = _cuda_median_seconds(lambda: torch.matmul(a, b, out=c), warmup=5, repeats=7, inner=10,
+        seconds = cuda_median_seconds(lambda: torch.matmul(a, b, out=c), warmup=5, repeats=7, inner=10,
                                         warmup_seconds=warmup_seconds)
         del a, b, c
     _release()
@@ -163,7 +163,7 @@ def hbm_gbps(nbytes: int = 2 * GIB, device="cuda") -> float | None:
     numel = nbytes // 4
     src = torch.rand(numel, device=device, dtype=torch.float32)
     dst = torch.empty_like(src)
-    seconds = _cuda_median_seconds(lambda: dst.copy_(src), warmup=3, repeats=7, inner=5)
+    seconds = cuda_median_seconds(lambda: dst.copy_(src), warmup=3, repeats=7, inner=5)
     del src, dst
     _release()
     return 2.0 * numel * 4 / seconds / 1e9
@@ -185,7 +185,7 @@ def h2d_gbps(pinned: bool = True, nbytes: int = GIB, device="cuda") -> float | N
     src = _host_buffer(numel, pinned, fill_from=dst)
     dst.zero_()
     repeats = 5 if pinned else 3
-    seconds = _cuda_median_seconds(lambda: dst.copy_(src, non_blocking=pinned), warmup=2, repeats=repeats)
+    seconds = cuda_median_seconds(lambda: dst.copy_(src, non_blocking=pinned), warmup=2, repeats=repeats)
     del dst, src
     _release()
     return numel * 4 / seconds / 1e9
@@ -199,7 +199,7 @@ def d2h_gbps(pinned: bool = True, nbytes: int = GIB, device="cuda") -> float | N
     src = torch.rand(numel, device=device, dtype=torch.float32)
     dst = _host_buffer(numel, pinned)
     repeats = 5 if pinned else 3
-    seconds = _cuda_median_seconds(lambda: dst.copy_(src, non_blocking=pinned), warmup=2, repeats=repeats)
+    seconds = cuda_median_seconds(lambda: dst.copy_(src, non_blocking=pinned), warmup=2, repeats=repeats)
     del dst, src
     _release()
     return numel * 4 / seconds / 1e9
