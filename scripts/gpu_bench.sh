@@ -3,9 +3,9 @@
 #
 # Run from the repository root, after carrying the wheels sparsekv needs beyond torch/triton:
 #     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-#     OUT=/some/dir scripts/gpu_bench.sh SECTION...      sections: info tests bench fused long graphs sweep sweep_hf
+#     OUT=/some/dir scripts/gpu_bench.sh SECTION...      sections: info tests bench quest prefill profile long graphs sweep sweep_hf
 # Each section below fits one 10-minute device call (H200, 2026-11-22 timings); a session's 30 minutes of device
-# time hold about four calls:  1) info fused tests   2) bench   3) graphs sweep_hf   4) sweep; `long` needs a fifth.
+# time hold about four calls:  1) info tests prefill   2) profile bench   3) graphs sweep_hf   4) sweep long.
 # Everything is written under $OUT, packed so that at most 8 files come back:
 #     info.log (nvidia-smi, versions, ceilings), gpu_tests.log, status.log (name, exit status, seconds per step),
 #     bench_summary.md (Markdown table of every bench record), bench.tgz (each run's bench.json and run.log),
@@ -90,27 +90,37 @@ section_bench() {  # issues 2, 3, 4: most needed first, so a call cut short keep
     bench cpu-32k-chunk16k "${QWEN[@]}" offload=cpu offload.prefill_chunk_size=16384 bench.context=32768
     bench cpu-128k         "${QWEN[@]}" offload=cpu bench.context=131072
     bench none-128k        "${QWEN[@]}" offload=none bench.context=131072
-    bench cpu-quest-128k   "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0 bench.context=131072
-    bench cpu-quest2-128k  "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 bench.context=131072
+    section_quest
     bench cpu-xattn-128k   "${QWEN[@]}" offload=cpu policy=xattn_bsa bench.context=131072
     bench none-minf-128k   "${QWEN[@]}" offload=none policy=minference bench.context=131072
     bench cpu-32k-4layer   "${QWEN[@]}" model.num_hidden_layers=4 offload=cpu bench.context=32768
     bench cpu-512k-4layer  "${QWEN[@]}" model.num_hidden_layers=4 offload=cpu bench.context=524288
 }
 
-section_fused() {  # validate and time the fused RMSNorm/rotary/SiLU kernels (off on CUDA until this passes) (~3 min)
-    SPARSEKV_FUSED_ELEMENTWISE=1 timeout 150 python3 -m pytest -q -m gpu tests/test_fused_kernels.py \
-        tests/test_cuda_graph.py tests/test_hf_parity.py 2>&1 | tee "$OUT/fused_tests.log" | tail -15
-    SPARSEKV_FUSED_ELEMENTWISE=1 timeout 120 python3 -m sparsekv.kernels.bench --elementwise 2>&1 | tail -30
-    export SPARSEKV_FUSED_ELEMENTWISE=1
-    bench fused-none-8k   "${QWEN[@]}" offload=none bench.context=8192
-    bench fused-none-32k  "${QWEN[@]}" offload=none bench.context=32768
-    bench fused-cpu-8k    "${QWEN[@]}" offload=cpu bench.context=8192
-    # attention backend for prefill: the Triton kernel vs cuDNN (forced), a 32K prompt in one chunk
-    bench fused-none-32k-1chunk "${QWEN[@]}" offload=none bench.context=32768 scheduler.max_num_batched_tokens=32768
-    SPARSEKV_ATTN_BACKEND=cudnn bench fused-none-32k-1chunk-cudnn "${QWEN[@]}" offload=none bench.context=32768 \
-        scheduler.max_num_batched_tokens=32768
-    unset SPARSEKV_FUSED_ELEMENTWISE
+section_quest() {  # issue 4: quest decode at 128K, all layers selecting and with the default 2 dense layers
+    bench cpu-quest-128k   "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0 bench.context=131072
+    bench cpu-quest2-128k  "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 bench.context=131072
+}
+
+section_prefill() {  # issues 2 and 3: resident prefill by chunk budget, HF on the same GPU, offloaded prefill (~5 min)
+    bench none-32k          "${QWEN[@]}" offload=none bench.context=32768 scheduler.max_num_batched_tokens=8192
+    bench none-32k-c16k     "${QWEN[@]}" offload=none bench.context=32768 scheduler.max_num_batched_tokens=16384
+    bench none-32k-1chunk-hf "${QWEN[@]}" offload=none bench.context=32768 scheduler.max_num_batched_tokens=32768 \
+        bench.baseline=true
+    bench cpu-32k           "${QWEN[@]}" offload=cpu bench.context=32768
+    bench cpu-32k-chunk16k  "${QWEN[@]}" offload=cpu offload.prefill_chunk_size=16384 bench.context=32768
+}
+
+section_profile() {  # where decode steps spend their time: scripts/profile_decode.py (~3 min)
+    local dir="$OUT/profile" name
+    mkdir -p "$dir"
+    profile() { name="$1"; shift; timeout 150 python3 scripts/profile_decode.py --name "$name" --out "$dir" "$@" \
+        2>&1 | tee "$dir/$name.log" | grep -v '^\s*$' | head -70; }
+    profile none-4k-graph --context 4096 offload=none graph=cudagraph
+    profile none-4k-eager --context 4096 offload=none graph=eager
+    profile cpu-quest-32k --context 32768 offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0
+    profile cpu-8k-segmented --context 8192 offload=cpu graph=segmented
+    tar czf "$OUT/profile.tgz" -C "$OUT" profile && rm -rf "$dir"
 }
 
 section_long() {  # issue 3: the full 36-layer model at 512K (prefill ~3.5 min at ~400 TFLOP/s, 72 GiB pinned)
@@ -159,9 +169,9 @@ section_summary() {
 [ $# -gt 0 ] || set -- info tests bench
 for SECTION in "$@"; do
     case "$SECTION" in
-        info|tests|bench|fused|long|graphs|sweep|sweep_hf) "section_$SECTION" ;;
+        info|tests|bench|quest|prefill|profile|long|graphs|sweep|sweep_hf) "section_$SECTION" ;;
         summary) ;;
-        *) echo "usage: OUT=dir $0 [info|tests|bench|fused|long|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
+        *) echo "usage: OUT=dir $0 [info|tests|bench|quest|prefill|profile|long|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
     esac
 done
 [ -d "$OUT/bench" ] && section_summary

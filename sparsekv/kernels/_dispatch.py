@@ -109,13 +109,11 @@ ENV_FUSED = "SPARSEKV_FUSED_ELEMENTWISE"
 
 
 def use_fused_elementwise(device: torch.device | str) -> bool:
-    """Whether the fused RMSNorm / rotary / SiLU kernels run. They have passed only the interpreter so far, not a
-    GPU compile, so on CUDA they stay off unless SPARSEKV_FUSED_ELEMENTWISE=1; off-GPU they follow use_triton."""
+    """Whether the fused RMSNorm / rotary / SiLU kernels run: wherever Triton runs, unless
+    SPARSEKV_FUSED_ELEMENTWISE=0 selects the unfused torch ops (to compare, or to rule the kernels out)."""
     if not use_triton(device):
         return False
-    if torch.device(device).type == "cuda":
-        return os.environ.get(ENV_FUSED, "0").strip().lower() in ("1", "true", "yes", "on")
-    return True
+    return os.environ.get(ENV_FUSED, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def alloc_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
