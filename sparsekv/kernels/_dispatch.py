@@ -135,5 +135,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def choose_splits(work_items: int, length: int, device: torch.device, *, min_split_tokens: int,
+                  programs_per_sm: int, max_splits: int) -> int:
+    """Flash-decoding split count: each of ``work_items`` independent programs (e.g. sequence x kv head) reduces
+    over ``length`` keys, cut into splits of at least ``min_split_tokens`` keys (shorter ones cost more in merging
+    than they save), as many as fill ``programs_per_sm`` programs per SM, at most ``max_splits``."""
+    if length <= min_split_tokens:
+        return 1
+    sms = num_sms(device.index if device.type == "cuda" else None)
+    by_parallelism = cdiv(programs_per_sm * sms, max(1, work_items))
+    by_length = cdiv(length, min_split_tokens)
+    return max(1, min(by_parallelism, by_length, max_splits))
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()

@@ -36,6 +36,10 @@ GPU_CONFIGS_FP32: dict[int, tuple[int, int, int, int]] = {
 }
 INTERPRET_CONFIG = (16, 16, 4, 1)  # small blocks keep the CPU interpreter fast
 SUPPORTED_HEAD_DIMS = tuple(GPU_CONFIGS)
+# Calls with at most this many query rows (decode: 1) run the flash-decoding kernel of decode_attention.py, which
+# splits the keys over many programs and reads each K/V tile once per GQA group, instead of _flash_fwd_kernel's
+# ceil(Sq / BLOCK_M) * H programs that each walk all keys.
+DECODE_MAX_SQ = 16
 
 
 @jit
@@ -195,6 +199,10 @@ def _flash_attn_triton(q, k, v, scale: float, causal: bool) -> tuple[torch.Tenso
         raise ValueError(
             f"triton attention supports head dims {SUPPORTED_HEAD_DIMS}; got D={D} "
             f"(q {tuple(q.shape)})")
+    if Sq <= DECODE_MAX_SQ:
+        from .decode_attention import decode_attention_triton  # here: decode_attention imports this module
+
+        return decode_attention_triton(q, k, v, scale, causal)
     if triton_interpret():
         block_m, block_n, warps, stages = INTERPRET_CONFIG
     else:

@@ -11,7 +11,7 @@ import math
 
 import torch
 from ._dispatch import (
-    alloc_output, cdiv, jit, next_power_of_2, num_sms, tl, triton_interpret, use_triton,
+    alloc_output, cdiv, choose_splits, jit, next_power_of_2, tl, triton_interpret, use_triton,
 )
 from .attention import SUPPORTED_HEAD_DIMS, flash_attn_with_lse_reference
 
@@ -186,12 +186,18 @@ def paged_decode_attention_reference(
 def choose_num_splits(batch: int, kv_heads: int, max_context_len: int,
                       device: torch.device) -> int:
     """Splits per (sequence, kv head) so that the grid fills the GPU for long contexts."""
-    if max_context_len <= MIN_SPLIT_TOKENS:
-        return 1
-    sms = num_sms(device.index if device.type == "cuda" else None)
-    by_parallelism = cdiv(PROGRAMS_PER_SM * sms, max(1, batch * kv_heads))
-    by_length = cdiv(max_context_len, MIN_SPLIT_TOKENS)
-    return max(1, min(by_parallelism, by_length, MAX_SPLITS))
+    return choose_splits(batch * kv_heads, max_context_len, device, min_split_tokens=MIN_SPLIT_TOKENS,
+                         programs_per_sm=PROGRAMS_PER_SM, max_splits=MAX_SPLITS)
+
+
+def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """Phase 2 of flash-decoding: merge per-split partials o_part [B, H, S, D] fp32 and lse_part [B, H, S] fp32
+    (log2 units, -inf for an empty split) into o [B, H, D] and lse [H, B] (natural log)."""
+    B, H, num_splits, D = o_part.shape
+    _paged_decode_reduce_kernel[(B, H)](
+        o_part, lse_part, o, lse, *o_part.stride(), *lse_part.stride(), *o.stride(),
+        *lse.stride(), num_splits, HEAD_DIM=D, BLOCK_S=max(2, next_power_of_2(num_splits)),
+        CHUNK=REDUCE_CHUNK, num_warps=NUM_WARPS)
 
 
 def paged_decode_attention(
@@ -250,10 +256,7 @@ def paged_decode_attention(
     _paged_decode_split_kernel[grid](
         *args, o_part, lse_part, *strides, *o_part.stride(), *lse_part.stride(),
         scale * LOG2E, split_len, num_splits, DIRECT=False, **common)
-    _paged_decode_reduce_kernel[(B, H)](
-        o_part, lse_part, o, lse, *o_part.stride(), *lse_part.stride(), *o.stride(),
-        *lse.stride(), num_splits, HEAD_DIM=D, BLOCK_S=max(2, next_power_of_2(num_splits)),
-        CHUNK=REDUCE_CHUNK, num_warps=NUM_WARPS)
+    merge_splits(o_part, lse_part, o, lse)
     return o, lse
 
 

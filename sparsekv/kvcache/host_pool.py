@@ -15,7 +15,9 @@ class HostPool:
         self.max_blocks = max_blocks
         self.pin_memory = pin_memory
         self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
-        self.blocks_per_slab = max(1, min(max_blocks, slab_bytes // self.bytes_per_block))
+        # K and V slabs are separate allocations of slab_bytes at most each: torch's pinned allocator rounds every
+        # request up to a power of two, so a power-of-two slab_bytes wastes at most one block's worth per slab
+        self.blocks_per_slab = max(1, min(max_blocks, slab_bytes // (self.bytes_per_block // 2)))
         self.k_slabs: list[torch.Tensor] = []  # each [L, blocks_per_slab, block_size, KVH, D]
         self.v_slabs: list[torch.Tensor] = []
 

@@ -175,12 +175,19 @@ class OffloadEngine:
     def get_decode_layer_kv(self, row: int, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.decode_k[row, layer, :n], self.decode_v[row, layer, :n]  # [n, KVH, D]
 
-    def write_decode_tokens(self, layer: int, rows: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
-                            v: torch.Tensor) -> None:
-        # rows, offsets [B] int64 on device; k, v [B, KVH, D]
+    def decode_slots(self, rows: list[int], offsets: list[int]) -> torch.Tensor:
+        """[L, B] int64 on the device: where each sequence's new token goes in the decode buffer, per layer (flat
+        index into [max_seqs * L * block_size]); built once per step so that each layer's write is one copy."""
+        num_layers, bs = self.decode_k.shape[1], self.block_size
+        table = [[(row * num_layers + layer) * bs + offset for row, offset in zip(rows, offsets)]
+                 for layer in range(num_layers)]
+        return torch.tensor(table, dtype=torch.int64, pin_memory=self.streams.cuda).to(self.device, non_blocking=True)
+
+    def write_decode_tokens(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # slots [B] int64 on the device (a row of decode_slots); k, v [B, KVH, D]
         self.wait_prefill_offload(layer)
-        self.decode_k[:, layer].index_put_((rows, offsets), k)
-        self.decode_v[:, layer].index_put_((rows, offsets), v)
+        self.decode_k.view(-1, *k.shape[1:]).index_copy_(0, slots, k)  # [max_seqs * L * bs, KVH, D]
+        self.decode_v.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
         self._mark_written(layer)
 
     def copy_prefill_tail_to_decode(self, layer: int, row: int, start: int, n: int) -> None:

@@ -96,8 +96,7 @@ class OffloadKVStore(KVStore):
             return
         offsets = [(len(seq) - 1) % self.block_size for seq in context.seqs]
         self.filled = [b for b, seq in enumerate(context.seqs) if len(seq) % self.block_size == 0]
-        self.rows_t = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        self.offsets_t = torch.tensor(offsets, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.decode_slots = self.engine.decode_slots(rows, offsets)  # [L, B]
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                context: Context) -> torch.Tensor:
@@ -124,7 +123,7 @@ class OffloadKVStore(KVStore):
 
     def _decode(self, layer: int, q, k, v, scale: float, context: Context) -> torch.Tensor:
         engine = self.engine
-        engine.write_decode_tokens(layer, self.rows_t, self.offsets_t, k, v)
+        engine.write_decode_tokens(layer, self.decode_slots[layer], k, v)
         out = torch.empty_like(q)
         for b, seq in enumerate(context.seqs):
             out[b:b + 1] = self.decode_policy.compute_chunked_decode(q[b:b + 1], layer, scale, engine, self, seq)

@@ -18,7 +18,8 @@ Selection. Keep the `topk_blocks` best blocks, or token_budget // block_size blo
 (token_budget wins when both are; with neither set the budget is DEFAULT_TOKEN_BUDGET tokens). The first block
 (attention sink) and the newest full block are always kept, so at least 2 blocks load whatever the budget. The
 returned ids are ascending. Layers below `dense_layers` and sequences with at most `threshold_blocks` full blocks
-load everything. One host sync per (layer, sequence): the .tolist() of the chosen indices.
+load everything. One host sync per (layer, sequence): the .tolist() of the chosen indices. In decode the scores come from one
+fused kernel (sparsekv/kernels/quest_score.py); the torch ops here are its reference.
 
 Decode only: prefill runs full attention (the factory pairs the phases), while the hooks still record the metadata
 of every prompt block.
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 
 import torch
 
+from sparsekv.kernels.quest_score import quest_block_shares
 from sparsekv.policies.base import PolicyContext, SparsePolicy
 from sparsekv.policies.block_metadata import BlockMetadata
 
@@ -120,8 +122,12 @@ class QuestPolicy(SparsePolicy):
     def block_scores(self, query: torch.Tensor, block_ids: torch.Tensor, layer_id: int) -> torch.Tensor:
         """query [Nq, H, D], block_ids [n] int64 on the device -> [n] fp32: each block's estimated attention share,
         summed over KV heads (and query tokens)."""
+        scale = query.shape[-1] ** -0.5
+        if query.shape[0] == 1 and self._kmax is not None and self._kmin is not None:  # decode: one fused launch
+            return quest_block_shares(query[0], self._kmax.data[layer_id], self._kmin.data[layer_id], block_ids,
+                                      scale).sum(dim=0)  # [KVH, n] -> [n]
         bound = self.upper_bounds(query, block_ids, layer_id)  # [n, Nq, KVH, G]
-        share = torch.softmax(bound * query.shape[-1] ** -0.5, dim=0)  # per query head, over the blocks
+        share = torch.softmax(bound * scale, dim=0)  # per query head, over the blocks
         return share.amax(dim=3).sum(dim=(1, 2))  # max over the GQA group, sum over KV heads -> [n]
 
     def select_blocks(self, available_blocks: list[int], offload_engine: "OffloadEngine",
@@ -134,9 +140,9 @@ class QuestPolicy(SparsePolicy):
             return available_blocks
         ids = self._device_ids(available_blocks, ctx.query.device)
         scores = self.block_scores(ctx.query, ids, ctx.layer_id)  # [n]
-        scores[:1].fill_(float("inf"))  # attention sink (fill_ on a view: no host-to-device copy)
-        scores[-1:].fill_(float("inf"))  # newest full block
-        chosen = torch.topk(scores, keep, sorted=False).indices.tolist()  # the one host sync
+        chosen = [0, n - 1]  # attention sink and newest full block, then the best of the blocks between
+        if keep > 2:
+            chosen += [i + 1 for i in torch.topk(scores[1:-1], keep - 2, sorted=False).indices.tolist()]  # host sync
         return [available_blocks[i] for i in sorted(chosen)]
 
     def reset(self) -> None:

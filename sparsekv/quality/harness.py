@@ -192,11 +192,10 @@ def run_offloaded(policy: SparsePolicy, inputs: AttentionInputs, values: torch.T
         if len(seq.block_table) < needed:
             seq.block_table.append(table[len(seq.block_table)])
         evaluated = pos == S - 1
-        rows = torch.tensor([views.row], dtype=torch.int64, device=device)
-        offsets = torch.tensor([pos % bs], dtype=torch.int64, device=device)
+        slots = engine.decode_slots([views.row], [pos % bs])  # [L, 1]
         tic = time.perf_counter()
         for layer in range(L):
-            engine.write_decode_tokens(layer, rows, offsets, dev(inputs.k[layer, pos:pos + 1]),
+            engine.write_decode_tokens(layer, slots[layer], dev(inputs.k[layer, pos:pos + 1]),
                                        dev(v_all[layer, pos:pos + 1]))
             engine.start_recording()
             _clear_density(decode_policy)

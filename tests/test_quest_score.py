@@ -1,0 +1,78 @@
+"""Quest's fused block-score kernel (sparsekv/kernels/quest_score.py) against its pure-torch reference, and the
+reference against QuestPolicy's general (multi-query) scoring it replaces in decode.
+
+On CPU the kernel runs under the Triton interpreter (the triton_kernels fixture)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv.kernels import quest_score
+from sparsekv.kernels.quest_score import quest_block_shares, quest_block_shares_reference
+from sparsekv.policies.quest import QuestPolicy
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _inputs(heads: int, kv_heads: int, dim: int, blocks: int, n: int, seed: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(heads, dim, generator=g).to(DEV, dtype)
+    lo = torch.randn(blocks, kv_heads, dim, generator=g)
+    hi = lo + torch.rand(blocks, kv_heads, dim, generator=g) * 2  # kmax >= kmin
+    ids = torch.randperm(blocks, generator=g)[:n].to(DEV)
+    return q, hi.to(DEV, dtype), lo.to(DEV, dtype), ids
+
+
+@pytest.mark.usefixtures("triton_kernels")
+@pytest.mark.parametrize("heads,kv_heads,dim,blocks,n", [
+    (4, 4, 32, 8, 1), (8, 2, 32, 40, 17), (8, 1, 64, 50, 50), (6, 2, 16, 30, 9)])
+def test_kernel_matches_reference(heads, kv_heads, dim, blocks, n, monkeypatch):
+    calls = []
+    kernel = quest_score._quest_shares_kernel
+    monkeypatch.setattr(quest_score, "_quest_shares_kernel",
+                        type("Spy", (), {"__getitem__": lambda _, grid: (calls.append(grid), kernel[grid])[1]})())
+    q, hi, lo, ids = _inputs(heads, kv_heads, dim, blocks, n, seed=n + dim)
+    out = quest_block_shares(q, hi, lo, ids, dim ** -0.5)
+    assert calls, "the Triton kernel did not run"
+    ref = quest_block_shares_reference(q, hi, lo, ids, dim ** -0.5)
+    assert out.shape == (kv_heads, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert torch.all(out > 0) and torch.all(out <= 1)
+
+
+def test_reference_equals_policy_scores():
+    """One decode query: the per-KV-head shares summed equal QuestPolicy's multi-query score path."""
+    heads, kv_heads, dim, blocks = 8, 2, 16, 12
+    q, hi, lo, ids = _inputs(heads, kv_heads, dim, blocks, 9, seed=3)
+    policy = QuestPolicy(token_budget=2)
+    policy.initialize(1, kv_heads, dim, blocks, torch.float32, DEV)
+    for block in range(blocks):
+        policy._kmax.write(0, block, hi[block])
+        policy._kmin.write(0, block, lo[block])
+    bound = policy.upper_bounds(q[None], ids, 0)  # [n, 1, KVH, G]: the general path
+    general = torch.softmax(bound * dim ** -0.5, dim=0).amax(dim=3).sum(dim=(1, 2))
+    fused = quest_block_shares_reference(q, policy._kmax.data[0], policy._kmin.data[0], ids, dim ** -0.5).sum(0)
+    torch.testing.assert_close(fused, general, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(policy.block_scores(q[None], ids, 0), general, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_shapes_are_refused():
+    q, hi, lo, ids = _inputs(8, 2, 16, 4, 3, seed=0)
+    with pytest.raises(ValueError, match="expected q"):
+        quest_block_shares(q[None], hi, lo, ids, 1.0)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        four = torch.zeros(4, 4, 16, device=DEV)
+        quest_block_shares(q[:6], four, four, ids, 1.0)
+    with pytest.raises(ValueError, match="int64"):
+        quest_block_shares(q, hi, lo, ids.int(), 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.usefixtures("triton_kernels")
+@pytest.mark.parametrize("n", [1, 2, 127, 1000])
+def test_gpu_kernel_real_sizes(n):
+    q, hi, lo, ids = _inputs(32, 8, 128, 1024, n, seed=n, dtype=torch.bfloat16)
+    out = quest_block_shares(q, hi, lo, ids, 128 ** -0.5)
+    ref = quest_block_shares_reference(q, hi, lo, ids, 128 ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-6)
