@@ -97,6 +97,21 @@ section_bench() {  # issues 2, 3, 4: most needed first, so a call cut short keep
     bench cpu-512k-4layer  "${QWEN[@]}" model.num_hidden_layers=4 offload=cpu bench.context=524288
 }
 
+section_kernels() {  # new kernels: GPU tests, decode-attention timings and tuning, prefill attention tuning (~5 min)
+    timeout 150 python3 -m pytest -q -m gpu tests/test_decode_attention.py tests/test_quest_score.py \
+        tests/test_attention_variants.py tests/test_kernels.py 2>&1 | tee "$OUT/kernel_tests.log" | tail -15
+    timeout 150 python3 -m sparsekv.kernels.bench --decode 2>&1 | tee "$OUT/decode_bench.log" | tail -60
+    timeout 300 python3 scripts/tune_attention.py --json "$OUT/tune_attention.json" > "$OUT/tune_attention.log" 2>&1
+    tail -c 6000 "$OUT/tune_attention.log"
+    rm -f "$OUT/tune_attention.compile.log"
+}
+
+section_offload() {  # issues 3 and 4 on one machine: full offloaded decode at 32K / 128K beside quest at 128K (~3 min)
+    bench cpu-32k          "${QWEN[@]}" offload=cpu bench.context=32768
+    bench cpu-128k         "${QWEN[@]}" offload=cpu bench.context=131072
+    bench cpu-quest-128k   "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0 bench.context=131072
+}
+
 section_quest() {  # issue 4: quest decode at 128K, all layers selecting and with the default 2 dense layers
     bench cpu-quest-128k   "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0 bench.context=131072
     bench cpu-quest2-128k  "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 bench.context=131072
@@ -127,17 +142,23 @@ section_long() {  # issue 3: the full 36-layer model at 512K (prefill ~3.5 min a
     BENCH_TIMEOUT=560 bench cpu-512k "${QWEN[@]}" offload=cpu bench.context=524288
 }
 
-section_graphs() {  # issue 5: eager vs graphs (~4 min)
-    bench none-4k-eager    "${QWEN[@]}" offload=none graph=eager bench.context=4096
-    bench none-4k-graph    "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096
+section_graphs() {  # issue 5: CUDA-graph decode by batch size (GPU KV), eager vs segmented (offloaded) (~3 min)
     for b in 1 8 32; do
         bench "none-4k-graph-b$b" "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096 bench.batch_size=$b scheduler.max_num_seqs=32
     done
-    for ctx in 8192 32768; do
-        bench "cpu-$((ctx / 1024))k-eager"     "${QWEN[@]}" offload=cpu graph=eager bench.context=$ctx
-        bench "cpu-$((ctx / 1024))k-segmented" "${QWEN[@]}" offload=cpu graph=segmented bench.context=$ctx
-    done
+    bench cpu-8k-eager      "${QWEN[@]}" offload=cpu graph=eager bench.context=8192
+    bench cpu-8k-segmented  "${QWEN[@]}" offload=cpu graph=segmented bench.context=8192
+    bench cpu-32k-eager     "${QWEN[@]}" offload=cpu graph=eager bench.context=32768
+    # cpu-32k (section offload) is the segmented run at 32K
+}
+
+section_graph_micro() {  # per-segment capture choice and eager vs graph in one process (~2 min)
     timeout 120 python3 scripts/bench_cuda_graph.py --json "$OUT/bench/cuda_graph.json" 2>&1 | tail -40
+}
+
+section_prefill_lite() {  # issue 2: resident prefill at the default chunk budget and in one chunk (~1 min)
+    bench none-8k           "${QWEN[@]}" offload=none bench.context=8192
+    bench none-32k-1chunk   "${QWEN[@]}" offload=none bench.context=32768 scheduler.max_num_batched_tokens=32768
 }
 
 sweep() {  # sweep NAME overrides...: one Hydra multirun of task=bench into $OUT/NAME, packed as $OUT/NAME.tgz
@@ -169,9 +190,9 @@ section_summary() {
 [ $# -gt 0 ] || set -- info tests bench
 for SECTION in "$@"; do
     case "$SECTION" in
-        info|tests|bench|quest|prefill|profile|long|graphs|sweep|sweep_hf) "section_$SECTION" ;;
+        info|tests|bench|kernels|offload|graph_micro|prefill_lite|quest|prefill|profile|long|graphs|sweep|sweep_hf) "section_$SECTION" ;;
         summary) ;;
-        *) echo "usage: OUT=dir $0 [info|tests|bench|quest|prefill|profile|long|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
+        *) echo "usage: OUT=dir $0 [info|tests|bench|kernels|offload|graph_micro|prefill_lite|graph_micro|prefill_lite|offload|quest|prefill|profile|long|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
     esac
 done
 [ -d "$OUT/bench" ] && section_summary

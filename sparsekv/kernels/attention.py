@@ -26,6 +26,9 @@ GPU_CONFIGS: dict[int, tuple[int, int, int, int]] = {
     128: (128, 64, 8, 3),
     256: (128, 64, 8, 2),
 }
+# Hopper (sm_90: 227 KiB of shared memory per SM) fits 128x128 tiles in 3 stages (224 KiB): with FUSED_SCALE and
+# USE_TMA on, scripts/tune_attention.py timed them 1.15-2.2x faster than (128, 64, 8, 3) on an H100 (2026-11-22).
+GPU_CONFIGS_SM90: dict[int, tuple[int, int, int, int]] = {128: (128, 128, 8, 3)}
 # fp32 inputs need twice the shared memory per tile (not a hot path: smaller tiles).
 GPU_CONFIGS_FP32: dict[int, tuple[int, int, int, int]] = {
     16: (64, 64, 4, 2),
@@ -36,6 +39,29 @@ GPU_CONFIGS_FP32: dict[int, tuple[int, int, int, int]] = {
 }
 INTERPRET_CONFIG = (16, 16, 4, 1)  # small blocks keep the CPU interpreter fast
 SUPPORTED_HEAD_DIMS = tuple(GPU_CONFIGS)
+
+# Compile-time variants of _flash_fwd_kernel. Each is timed by scripts/tune_attention.py and checked by
+# tests/test_attention_variants.py; FUSED_SCALE + USE_TMA won on an H100 (WARP_SPECIALIZE failed its D=64 GPU tests).
+#   REVERSE_M:       query blocks run last-first, so the longest causal rows start first (tail balance);
+#   HEADS_OUTER:     grid (H, query blocks) instead of (query blocks, H): the heads of a GQA group, and then all
+#                    heads of one query block, run side by side (L2 reuse of their keys; with REVERSE_M the
+#                    longest blocks of every head go first);
+#   FUSED_SCALE:     scores scaled inside the exp2 argument, one FMA per score (Triton's fused-attention
+#                    tutorial), P @ V accumulated by tl.dot; used only when softmax_scale > 0;
+#   USE_TMA:         q/k/v/o move through host-side TMA tensor descriptors (sm_90+; [S, heads * D] views);
+#   WARP_SPECIALIZE: key loops as tl.range(..., warp_specialize=True), where the installed Triton has it.
+# A flag that cannot run for a call falls back to the default code (effective_attn_variants).
+ATTN_VARIANTS: dict[str, bool] = {
+    "REVERSE_M": False, "HEADS_OUTER": False, "FUSED_SCALE": True, "USE_TMA": True, "WARP_SPECIALIZE": False,
+}
+try:  # host-side TMA descriptors (Triton >= 3.3)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - old or absent triton
+    TensorDescriptor = None
+_RANGE_INIT = tl.range.__init__.__code__ if tl is not None else None
+HAS_WARP_SPECIALIZE = _RANGE_INIT is not None and "warp_specialize" in _RANGE_INIT.co_varnames[
+    :_RANGE_INIT.co_argcount + _RANGE_INIT.co_kwonlyargcount]
+
 # Calls with at most this many query rows (decode: 1) run the flash-decoding kernel of decode_attention.py, which
 # splits the keys over many programs and reads each K/V tile once per GQA group, instead of _flash_fwd_kernel's
 # ceil(Sq / BLOCK_M) * H programs that each walk all keys.
@@ -43,22 +69,40 @@ DECODE_MAX_SQ = 16
 
 
 @jit
-def _attn_block_loop(
-    acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n,
-    lo, hi, Sk, causal_off, stride_kn, stride_vn, qk_scale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+def _attn_block_step(
+    acc, m_i, l_i, q, k_src, v_src, kv_col, start_n, offs_m, offs_n, Sk, causal_off, qk_scale,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, FUSED_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    # acc [BLOCK_M, D] fp32; m_i, l_i [BLOCK_M] fp32 (running max in log2 units, row sum)
-    k_ptrs += lo * stride_kn
-    v_ptrs += lo * stride_vn
-    for start_n in range(lo, hi, BLOCK_N):
+    # One key block. k_src/v_src: [BLOCK_N, D] pointer blocks, or (USE_TMA) [Sk, KVH * D] descriptors read at
+    # column kv_col. acc [BLOCK_M, D] fp32; m_i, l_i [BLOCK_M] fp32 (running max in log2 units, row sum).
+    if MASKED:
+        cols = start_n + offs_n  # [BLOCK_N]
+    if USE_TMA:
+        k = k_src.load([start_n, kv_col])  # [BLOCK_N, D]; rows >= Sk read as zero
+        v = v_src.load([start_n, kv_col])
+    elif MASKED:
+        k = tl.load(k_src, mask=cols[:, None] < Sk, other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_src, mask=cols[:, None] < Sk, other=0.0)
+    else:
+        k = tl.load(k_src)
+        v = tl.load(v_src)
+    if FUSED_SCALE:
+        # Raw scores; the scale goes into the exp2 argument (one FMA per score) and needs qk_scale > 0.
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
         if MASKED:
-            cols = start_n + offs_n  # [BLOCK_N]
-            k = tl.load(k_ptrs, mask=cols[:, None] < Sk, other=0.0)  # [BLOCK_N, D]
-            v = tl.load(v_ptrs, mask=cols[:, None] < Sk, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+            keep = cols[None, :] < Sk
+            if IS_CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + causal_off)
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        if MASKED:
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        l_i = l_i * alpha + tl.sum(p, 1)
+    else:
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         if MASKED:
             keep = cols[None, :] < Sk
@@ -73,9 +117,37 @@ def _attn_block_loop(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+    return acc, m_new, l_i
+
+
+@jit
+def _attn_block_loop(
+    acc, m_i, l_i, q, k_ptrs, v_ptrs, kv_col, offs_m, offs_n,
+    lo, hi, Sk, causal_off, stride_kn, stride_vn, qk_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    FUSED_SCALE: tl.constexpr = False, USE_TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
+):
+    # acc [BLOCK_M, D] fp32; m_i, l_i [BLOCK_M] fp32 (running max in log2 units, row sum).
+    # k_ptrs/v_ptrs: [BLOCK_N, D] pointer blocks at key 0, or (USE_TMA) the K/V descriptors.
+    if not USE_TMA:
+        k_ptrs += lo * stride_kn
+        v_ptrs += lo * stride_vn
+    if WARP_SPECIALIZE:
+        for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
+            acc, m_i, l_i = _attn_block_step(
+                acc, m_i, l_i, q, k_ptrs, v_ptrs, kv_col, start_n, offs_m, offs_n, Sk, causal_off, qk_scale,
+                MASKED, IS_CAUSAL, FUSED_SCALE, USE_TMA)
+            if not USE_TMA:
+                k_ptrs += BLOCK_N * stride_kn
+                v_ptrs += BLOCK_N * stride_vn
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            acc, m_i, l_i = _attn_block_step(
+                acc, m_i, l_i, q, k_ptrs, v_ptrs, kv_col, start_n, offs_m, offs_n, Sk, causal_off, qk_scale,
+                MASKED, IS_CAUSAL, FUSED_SCALE, USE_TMA)
+            if not USE_TMA:
+                k_ptrs += BLOCK_N * stride_kn
+                v_ptrs += BLOCK_N * stride_vn
     return acc, m_i, l_i
 
 
@@ -90,22 +162,39 @@ def _flash_fwd_kernel(
     Sq, Sk, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    REVERSE_M: tl.constexpr = False, HEADS_OUTER: tl.constexpr = False, FUSED_SCALE: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
 ):
-    pid_m = tl.program_id(0)
-    head = tl.program_id(1)
+    # Variants (ATTN_VARIANTS): with USE_TMA, Q/K/V/O are TMA descriptors of [S, heads * D] views.
+    if HEADS_OUTER:
+        head = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        if REVERSE_M:
+            pid_m = tl.num_programs(1) - 1 - pid_m
+    else:
+        pid_m = tl.program_id(0)
+        head = tl.program_id(1)
+        if REVERSE_M:
+            pid_m = tl.num_programs(0) - 1 - pid_m
     kv_head = head // GROUP
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, HEAD_DIM)  # [D]
 
-    q_ptrs = Q + head.to(tl.int64) * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm \
-        + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=offs_m[:, None] < Sq, other=0.0)  # [BLOCK_M, D]
-    k_ptrs = K + kv_head.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn \
-        + offs_d[None, :] * stride_kd  # [BLOCK_N, D]
-    v_ptrs = V + kv_head.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn \
-        + offs_d[None, :] * stride_vd
+    kv_col = kv_head * HEAD_DIM
+    if USE_TMA:
+        q = Q.load([start_m, head * HEAD_DIM])  # [BLOCK_M, D]; rows >= Sq read as zero
+        k_ptrs = K
+        v_ptrs = V
+    else:
+        q_ptrs = Q + head.to(tl.int64) * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm \
+            + offs_d[None, :] * stride_qd
+        q = tl.load(q_ptrs, mask=offs_m[:, None] < Sq, other=0.0)  # [BLOCK_M, D]
+        k_ptrs = K + kv_head.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn \
+            + offs_d[None, :] * stride_kd  # [BLOCK_N, D]
+        v_ptrs = V + kv_head.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn \
+            + offs_d[None, :] * stride_vd
 
     # Keys [0, full_hi) are visible to every row of this block and need no mask;
     # keys [full_hi, hi) are partly visible; keys >= hi are invisible and skipped.
@@ -122,21 +211,78 @@ def _flash_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     acc, m_i, l_i = _attn_block_loop(
-        acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, 0, full_hi, Sk, causal_off,
-        stride_kn, stride_vn, qk_scale, BLOCK_N, False, IS_CAUSAL)
+        acc, m_i, l_i, q, k_ptrs, v_ptrs, kv_col, offs_m, offs_n, 0, full_hi, Sk, causal_off,
+        stride_kn, stride_vn, qk_scale, BLOCK_N, False, IS_CAUSAL, FUSED_SCALE, USE_TMA, WARP_SPECIALIZE)
     acc, m_i, l_i = _attn_block_loop(
-        acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, full_hi, hi, Sk, causal_off,
-        stride_kn, stride_vn, qk_scale, BLOCK_N, True, IS_CAUSAL)
+        acc, m_i, l_i, q, k_ptrs, v_ptrs, kv_col, offs_m, offs_n, full_hi, hi, Sk, causal_off,
+        stride_kn, stride_vn, qk_scale, BLOCK_N, True, IS_CAUSAL, FUSED_SCALE, USE_TMA, WARP_SPECIALIZE)
 
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     row_ok = offs_m < Sq
-    o_ptrs = O + head.to(tl.int64) * stride_oh + offs_m[:, None].to(tl.int64) * stride_om \
-        + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    if USE_TMA:
+        O.store([start_m, head * HEAD_DIM], out.to(q.dtype))  # o has q's dtype; rows >= Sq are not written
+    else:
+        o_ptrs = O + head.to(tl.int64) * stride_oh + offs_m[:, None].to(tl.int64) * stride_om \
+            + offs_d[None, :] * stride_od
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + head.to(tl.int64) * stride_lh + offs_m * stride_lm, lse, mask=row_ok)
+
+
+def _tma_view_ok(t: torch.Tensor) -> bool:
+    """Whether [S, heads, D] tensor t can be read as a TMA [S, heads * D] view: heads and D contiguous, 16-byte
+    aligned base and row stride."""
+    es = t.element_size()
+    return (t.stride(2) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2])
+            and t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0 and (t.shape[2] * es) % 16 == 0)
+
+
+def effective_attn_variants(q, k, v, o, scale: float, variants: dict[str, bool] | None = None) -> dict[str, bool]:
+    """ATTN_VARIANTS updated by `variants`, minus the flags that cannot run for these tensors (they fall back
+    to the default code): FUSED_SCALE needs scale > 0, WARP_SPECIALIZE a Triton with tl.range(warp_specialize),
+    USE_TMA triton.tools.tensor_descriptor, sm_90+ (or the interpreter) and TMA-compatible layouts."""
+    flags = dict(ATTN_VARIANTS)
+    for name, on in (variants or {}).items():
+        if name not in ATTN_VARIANTS:
+            raise ValueError(f"unknown attention variant {name!r}; known: {sorted(ATTN_VARIANTS)}")
+        flags[name] = bool(on)
+    if flags["FUSED_SCALE"] and not scale > 0:
+        flags["FUSED_SCALE"] = False
+    if flags["WARP_SPECIALIZE"] and not HAS_WARP_SPECIALIZE:
+        flags["WARP_SPECIALIZE"] = False
+    if flags["USE_TMA"]:
+        dev_ok = triton_interpret() or (
+            q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9)
+        if (TensorDescriptor is None or not dev_ok or o.dtype != q.dtype
+                or not all(_tma_view_ok(t) for t in (q, k, v, o))):
+            flags["USE_TMA"] = False
+    return flags
+
+
+def _launch_flash_fwd(q, k, v, o, lse, scale: float, causal: bool, config: tuple[int, int, int, int],
+                      variants: dict[str, bool] | None = None) -> None:
+    """Run _flash_fwd_kernel into o [Sq, H, D] and lse [H, Sq]; config = (BLOCK_M, BLOCK_N, num_warps,
+    num_stages); variants override ATTN_VARIANTS (see effective_attn_variants)."""
+    Sq, H, D = q.shape
+    Sk, KVH, _ = k.shape
+    block_m, block_n, warps, stages = config
+    flags = effective_attn_variants(q, k, v, o, scale, variants)
+    if flags["USE_TMA"]:
+        qa, ka, va, oa = (
+            TensorDescriptor(t, [t.shape[0], t.shape[1] * D], [t.stride(0), 1], [rows, D])
+            for t, rows in ((q, block_m), (k, block_n), (v, block_n), (o, block_m)))
+    else:
+        qa, ka, va, oa = q, k, v, o
+    grid = (H, cdiv(Sq, block_m)) if flags["HEADS_OUTER"] else (cdiv(Sq, block_m), H)
+    _flash_fwd_kernel[grid](
+        qa, ka, va, oa, lse,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
+        Sq, Sk, scale * LOG2E,
+        GROUP=H // KVH, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=causal,
+        num_warps=warps, num_stages=stages, **flags,
+    )
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -207,17 +353,12 @@ def _flash_attn_triton(q, k, v, scale: float, causal: bool) -> tuple[torch.Tenso
         block_m, block_n, warps, stages = INTERPRET_CONFIG
     else:
         configs = GPU_CONFIGS_FP32 if q.element_size() > 2 else GPU_CONFIGS
+        if q.element_size() <= 2 and D in GPU_CONFIGS_SM90 and torch.cuda.get_device_capability(q.device)[0] >= 9:
+            configs = GPU_CONFIGS_SM90
         block_m, block_n, warps, stages = configs[D]
     o = alloc_output((Sq, H, D), q.dtype, q.device)  # [Sq, H, D]
     lse = alloc_output((H, Sq), torch.float32, q.device)  # [H, Sq]
-    grid = (cdiv(Sq, block_m), H)
-    _flash_fwd_kernel[grid](
-        q, k, v, o, lse,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
-        Sq, Sk, scale * LOG2E,
-        GROUP=H // KVH, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=causal,
-        num_warps=warps, num_stages=stages,
-    )
+    _launch_flash_fwd(q, k, v, o, lse, scale, causal, (block_m, block_n, warps, stages))
     return o, lse
 
 

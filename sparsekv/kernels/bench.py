@@ -1,22 +1,27 @@
-"""GPU micro-benchmarks of the kernels: ``python -m sparsekv.kernels.bench [--quick] [--elementwise]``.
+"""GPU micro-benchmarks of the kernels: ``python -m sparsekv.kernels.bench [--quick] [--elementwise] [--decode]``.
 
 Times every applicable attention backend (triton, sdpa, cudnn, flash_attn) on prefill/chunk shapes and
 the paged decode kernel over context lengths and split counts, so that the CUDA default in
 ``_dispatch.attention_backend`` and the module constants can be chosen by measurement; and the fused
 elementwise kernels (RMSNorm, q/k norm + rotary, SiLU-and-mul) against the torch ops they replace.
+``--decode`` times only the decode-shaped attention (Sq = 1): the flash-decoding kernel of decode_attention.py
+against the prefill kernel it replaced, the paged decode kernel, and both over candidate tuning constants.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
+import time
 
 import torch
 
 from . import attention as A
+from . import decode_attention as DA
 from . import paged_attention as P
-from ._dispatch import has_flash_attn
+from ._dispatch import cdiv, has_flash_attn
 
 
 def _bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
@@ -55,8 +60,8 @@ def bench_attention(sq: int, sk: int, causal: bool, h: int = 32, kvh: int = 8, d
     return res
 
 
-def bench_paged(lens: list[int], h: int = 32, kvh: int = 8, d: int = 128, block_size: int = 16,
-                num_splits: int | None = None, dtype: torch.dtype = torch.bfloat16) -> float:
+def _paged_inputs(lens: list[int], h: int, kvh: int, d: int, block_size: int, dtype: torch.dtype):
+    """q [B, H, D], caches [num_blocks, block_size, KVH, D] and shuffled block tables for sequences of `lens`."""
     b = len(lens)
     used = [-(-n // block_size) for n in lens]
     k_cache = torch.randn(sum(used) + 1, block_size, kvh, d, device="cuda", dtype=dtype)
@@ -69,6 +74,13 @@ def bench_paged(lens: list[int], h: int = 32, kvh: int = 8, d: int = 128, block_
         start += n
     q = torch.randn(b, h, d, device="cuda", dtype=dtype)
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, tables, lens_t
+
+
+def bench_paged(lens: list[int], h: int = 32, kvh: int = 8, d: int = 128, block_size: int = 16,
+                num_splits: int | None = None, dtype: torch.dtype = torch.bfloat16) -> float:
+    b = len(lens)
+    q, k_cache, v_cache, tables, lens_t = _paged_inputs(lens, h, kvh, d, block_size, dtype)
     max_len = max(lens)
     ms = _bench_ms(lambda: P.paged_decode_attention(
         q, k_cache, v_cache, tables, lens_t, max_context_len=max_len, num_splits=num_splits))
@@ -77,6 +89,124 @@ def bench_paged(lens: list[int], h: int = 32, kvh: int = 8, d: int = 128, block_
     print(f"paged B={b:3d} max_ctx={max_len:7d} splits={splits:3d} {ms * 1e3:9.1f} us  "
           f"{gbytes / ms * 1e3:6.0f} GB/s", flush=True)
     return ms
+
+
+# ---------------------------------------------------------------------------------------------- decode (--decode)
+# Candidate tuning constants, applied by overriding the kernel modules' globals (read at each launch). Tile
+# settings (each a recompile) are swept at the default split heuristic, split settings at the default tile.
+TILE_CANDIDATES = [dict(BLOCK_N=n, NUM_WARPS=w) for n in (32, 64, 128) for w in (4, 8)] + [
+    dict(NUM_STAGES=2), dict(NUM_STAGES=4)]
+SPLIT_CANDIDATES = [dict(MIN_SPLIT_TOKENS=m, PROGRAMS_PER_SM=p) for m in (64, 128, 256) for p in (2, 4, 8)]
+TUNABLE = ("BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MIN_SPLIT_TOKENS", "PROGRAMS_PER_SM")
+
+
+@contextlib.contextmanager
+def override_constants(module, **values):
+    """Set module-level tuning constants for the duration of the block. An explicit BLOCK_N also lifts the
+    KV_TILE_BYTES cap (sized for fp32 rows of D = 256), so that the asked-for tile is the one that runs."""
+    if "BLOCK_N" in values and hasattr(module, "KV_TILE_BYTES"):
+        values.setdefault("KV_TILE_BYTES", max(module.KV_TILE_BYTES, values["BLOCK_N"] * 256 * 4))
+    saved = {name: getattr(module, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def _call_us(fn, calls: int = 200) -> float:
+    """Wall time per call of back-to-back calls (no cache flush): launch-bound when the kernels are short, as
+    eager offloaded decode is."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def _settings(module) -> str:
+    return " ".join(f"{name}={getattr(module, name):<4d}" for name in TUNABLE)
+
+
+def _tuning_table(label: str, module, length: int, nbytes: int, fn, splits_fn) -> None:
+    """Time fn() under each candidate setting of module's constants; the first row is the defaults."""
+    rows = []
+    for values in [{}] + TILE_CANDIDATES + SPLIT_CANDIDATES:
+        with override_constants(module, **values):
+            try:
+                ms = _bench_ms(fn, warmup=10, rep=40)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report the row and go on
+                print(f"  {label} len={length:6d} {_settings(module)} failed: {type(exc).__name__}: {exc}"[:200],
+                      flush=True)
+                continue
+            rows.append((ms, f"{_settings(module)} splits={splits_fn():3d}", not values))
+    best = min(ms for ms, _, _ in rows)
+    for ms, text, default in rows:
+        mark = ("default " if default else "") + ("<- best" if ms == best else "")
+        print(f"  {label} len={length:6d} {text} {ms * 1e3:8.1f} us {nbytes / ms / 1e6:6.0f} GB/s  {mark}",
+              flush=True)
+
+
+def bench_decode(sks=(256, 1024, 4096, 16384), tune_sks=(1024, 4096, 16384), h: int = 32, kvh: int = 8,
+                 d: int = 128, dtype: torch.dtype = torch.bfloat16) -> dict[int, tuple[float, float]]:
+    """Sq = 1 over contiguous K/V: the flash-decoding kernel vs the prefill kernel path it replaced
+    (_flash_attn_triton with the small-Sq dispatch switched off). {Sk: (decode_ms, prefill_ms)}."""
+    scale = 1.0 / math.sqrt(d)
+    res = {}
+    for sk in sks:
+        q = torch.randn(1, h, d, device="cuda", dtype=dtype)  # [1, H, D]
+        k = torch.randn(sk, kvh, d, device="cuda", dtype=dtype)  # [Sk, KVH, D]
+        v = torch.randn(sk, kvh, d, device="cuda", dtype=dtype)
+        nbytes = 2 * sk * kvh * d * k.element_size()
+
+        def new():
+            return DA.decode_attention_triton(q, k, v, scale, False)
+
+        def old():
+            with override_constants(A, DECODE_MAX_SQ=0):
+                return A._flash_attn_triton(q, k, v, scale, False)
+
+        (o_new, lse_new), (o_old, lse_old) = new(), old()
+        diff = max((o_new.float() - o_old.float()).abs().max().item(), (lse_new - lse_old).abs().max().item())
+        new_ms = _bench_ms(new)
+        old_ms = _bench_ms(old)
+        splits = DA.launch_plan(1, h, kvh, sk, d, k.element_size(), q.device)[3]
+        res[sk] = (new_ms, old_ms)
+        print(f"decode Sq=1 Sk={sk:6d} H={h} KVH={kvh} D={d}  flash-decoding {new_ms * 1e3:7.1f} us "
+              f"{nbytes / new_ms / 1e6:6.0f} GB/s (splits={splits:3d})  prefill kernel {old_ms * 1e3:7.1f} us "
+              f"{nbytes / old_ms / 1e6:6.0f} GB/s  speed-up {old_ms / new_ms:5.1f}x  max|diff| {diff:.1e}  "
+              f"back-to-back wall/call: {_call_us(new):5.1f} vs {_call_us(old):5.1f} us", flush=True)
+        if sk in tune_sks:
+            _tuning_table("decode-tune", DA, sk, nbytes, new,
+                          lambda: DA.launch_plan(1, h, kvh, sk, d, k.element_size(), q.device)[3])
+    return res
+
+
+def bench_paged_decode(contexts=(4096, 32768), block_size: int = 256, h: int = 32, kvh: int = 8, d: int = 128,
+                       dtype: torch.dtype = torch.bfloat16) -> dict[int, float]:
+    """paged_decode_attention, batch 1, over candidate tuning constants. {context: default ms}."""
+    res = {}
+    for ctx in contexts:
+        q, k_cache, v_cache, tables, lens_t = _paged_inputs([ctx], h, kvh, d, block_size, dtype)
+        nbytes = 2 * ctx * kvh * d * k_cache.element_size()
+
+        def fn():
+            return P.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, max_context_len=ctx)
+
+        def splits() -> int:
+            block_n = max(16, min(P.BLOCK_N, P.KV_TILE_BYTES // (d * k_cache.element_size())))
+            asked = P.choose_num_splits(1, kvh, ctx, q.device)
+            return cdiv(ctx, cdiv(cdiv(ctx, asked), block_n) * block_n)
+
+        res[ctx] = _bench_ms(fn)
+        print(f"paged decode B=1 ctx={ctx:6d} block_size={block_size} splits={splits():3d} {res[ctx] * 1e3:7.1f} us "
+              f"{nbytes / res[ctx] / 1e6:6.0f} GB/s", flush=True)
+        _tuning_table("paged-tune", P, ctx, nbytes, fn, splits)
+    return res
 
 
 def bench_elementwise(tokens: int, hidden: int = 2560, h: int = 32, kvh: int = 8, d: int = 128, inter: int = 9728,
@@ -124,8 +254,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--elementwise", action="store_true",
                         help="only the fused elementwise kernels (RMSNorm, q/k norm + rotary, SiLU-and-mul)")
+    parser.add_argument("--decode", action="store_true",
+                        help="only decode attention (Sq = 1): flash-decoding vs the prefill kernel, paged decode, "
+                             "and tables over candidate tuning constants of both")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.exit(2, "sparsekv.kernels.bench times GPU kernels and needs CUDA; torch sees no CUDA device here.\n")
     torch.manual_seed(0)
+    if args.decode:
+        start = time.perf_counter()
+        bench_decode()
+        bench_paged_decode()
+        print(f"decode benchmarks took {time.perf_counter() - start:.0f} s", flush=True)
+        return
     for tokens in (1, 8, 32768) if args.quick else (1, 8, 64, 1024, 32768):
         bench_elementwise(tokens)
     if args.elementwise:

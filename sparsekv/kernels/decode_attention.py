@@ -19,10 +19,11 @@ import math
 
 import torch
 from ._dispatch import alloc_output, cdiv, choose_splits, jit, next_power_of_2, tl, triton_interpret, use_triton
-from .attention import SUPPORTED_HEAD_DIMS, _empty_result, check_qkv, flash_attn_with_lse_reference
+from .attention import SUPPORTED_HEAD_DIMS, _empty_result, check_qkv, flash_attn_with_lse, flash_attn_with_lse_reference
+from .merge import merge_attention_outputs
 from .paged_attention import MIN_GROUP_ROWS, merge_splits
 
-__all__ = ["decode_attention", "choose_num_splits"]
+__all__ = ["DecodePartials", "choose_num_splits", "decode_attention", "launch_plan"]
 
 LOG2E = 1.4426950408889634
 
@@ -122,6 +123,22 @@ def choose_num_splits(row_tiles: int, kv_heads: int, seqlen_k: int, device: torc
                          programs_per_sm=PROGRAMS_PER_SM, max_splits=MAX_SPLITS)
 
 
+def launch_plan(sq: int, heads: int, kv_heads: int, seqlen_k: int, head_dim: int, element_size: int,
+                device: torch.device, num_splits: int | None = None) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_R, row tiles, splits, keys per split) of a call; splits start on BLOCK_N boundaries."""
+    if triton_interpret():
+        block_n = INTERPRET_BLOCK_N
+    else:
+        block_n = max(16, min(BLOCK_N, KV_TILE_BYTES // (head_dim * element_size)))
+    rows = sq * (heads // kv_heads)
+    block_r = _tile_rows(rows, head_dim)
+    row_tiles = cdiv(rows, block_r)
+    if num_splits is None:
+        num_splits = choose_num_splits(row_tiles, kv_heads, seqlen_k, device)
+    split_len = cdiv(cdiv(seqlen_k, max(1, int(num_splits))), block_n) * block_n
+    return block_n, block_r, row_tiles, cdiv(seqlen_k, split_len), split_len
+
+
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
                             num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel launch, unchecked: flash_attn_with_lse's Triton path calls this for small Sq after its checks.
@@ -129,17 +146,8 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     Sq, H, D = q.shape
     Sk, KVH, _ = k.shape
     group = H // KVH
-    if triton_interpret():
-        block_n = INTERPRET_BLOCK_N
-    else:
-        block_n = max(16, min(BLOCK_N, KV_TILE_BYTES // (D * q.element_size())))
-    block_r = _tile_rows(Sq * group, D)
-    row_tiles = cdiv(Sq * group, block_r)
-    if num_splits is None:
-        num_splits = choose_num_splits(row_tiles, KVH, Sk, q.device)
-    num_splits = max(1, int(num_splits))
-    split_len = cdiv(cdiv(Sk, num_splits), block_n) * block_n  # splits start on BLOCK_N boundaries
-    num_splits = cdiv(Sk, split_len)
+    block_n, block_r, row_tiles, num_splits, split_len = launch_plan(
+        Sq, H, KVH, Sk, D, q.element_size(), q.device, num_splits)
     o = alloc_output((Sq, H, D), q.dtype, q.device)  # [Sq, H, D]
     lse = alloc_output((H, Sq), torch.float32, q.device)  # [H, Sq]
     common = dict(GROUP=group, BLOCK_R=block_r, HEAD_DIM=D, BLOCK_N=block_n, IS_CAUSAL=bool(causal),
@@ -182,3 +190,68 @@ def decode_attention(
         raise ValueError(f"triton decode attention supports head dims {SUPPORTED_HEAD_DIMS}; got D={D} "
                          f"(q {tuple(q.shape)})")
     return decode_attention_triton(q, k, v, scale, causal, num_splits)
+
+
+class DecodePartials:
+    """Attention of one q [Sq, H, D] over several disjoint key sets (the ring groups of an offloaded decode step,
+    then the sequence's unfinished block), merged once: each add() writes its flash-decoding splits into one
+    shared buffer and finish() merges every split with a single reduce launch. Per key set that is one kernel
+    launch instead of a split kernel, a reduce and a pairwise merge: offloaded decode is bound by host launch
+    costs, so this is what keeps it at the PCIe floor.
+
+    ``max_sets`` bounds the add() calls; each gets at most ``splits_per_set`` splits. Without Triton (the CPU
+    reference path) the partials are merged pairwise by merge_attention_outputs.
+    """
+
+    def __init__(self, q: torch.Tensor, softmax_scale: float, max_sets: int, splits_per_set: int = 16):
+        self.q, self.scale = q, float(softmax_scale)
+        self.splits_per_set = splits_per_set
+        self.count = 0
+        Sq, H, D = q.shape
+        self.triton = use_triton(q.device) and D in SUPPORTED_HEAD_DIMS and Sq > 0
+        if self.triton:
+            capacity = max(1, max_sets) * splits_per_set
+            self.o_part = torch.empty((Sq, H, capacity, D), dtype=torch.float32, device=q.device)  # [Sq, H, S, D]
+            self.lse_part = torch.empty((Sq, H, capacity), dtype=torch.float32, device=q.device)  # [Sq, H, S] log2
+        else:
+            self.out: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def add(self, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> None:
+        """Attend q to k/v [Sk, KVH, D] (bottom-right causal if asked) and keep the result for finish()."""
+        if k.shape[0] == 0:
+            return
+        if not self.triton:
+            part = flash_attn_with_lse(self.q, k, v, self.scale, causal)
+            self.out = part if self.out is None else merge_attention_outputs(*self.out, *part)
+            return
+        check_qkv(self.q, k, v)
+        q = self.q
+        Sq, H, D = q.shape
+        Sk, KVH, _ = k.shape
+        block_n, block_r, row_tiles, num_splits, split_len = launch_plan(
+            Sq, H, KVH, Sk, D, q.element_size(), q.device)
+        if num_splits > self.splits_per_set:
+            block_n, block_r, row_tiles, num_splits, split_len = launch_plan(
+                Sq, H, KVH, Sk, D, q.element_size(), q.device, self.splits_per_set)
+        first = self.count
+        if first + num_splits > self.o_part.shape[2]:
+            raise RuntimeError(f"DecodePartials holds {self.o_part.shape[2]} splits; raise max_sets")
+        o_part = self.o_part[:, :, first:first + num_splits]
+        lse_part = self.lse_part[:, :, first:first + num_splits]
+        _decode_split_kernel[(row_tiles, KVH, num_splits)](
+            q, k, v, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o_part.stride(), *lse_part.stride(),
+            Sq, Sk, self.scale * LOG2E, split_len, GROUP=H // KVH, BLOCK_R=block_r, HEAD_DIM=D, BLOCK_N=block_n,
+            IS_CAUSAL=bool(causal), DIRECT=False, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        self.count = first + num_splits
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """o [Sq, H, D] (q.dtype), lse [H, Sq] fp32 of q over every key set added (o = 0, lse = -inf if none)."""
+        if not self.triton:
+            return self.out if self.out is not None else _empty_result(self.q)
+        if self.count == 0:
+            return _empty_result(self.q)
+        Sq, H, D = self.q.shape
+        o = alloc_output((Sq, H, D), self.q.dtype, self.q.device)
+        lse = alloc_output((H, Sq), torch.float32, self.q.device)
+        merge_splits(self.o_part[:, :, :self.count], self.lse_part[:, :, :self.count], o, lse)
+        return o, lse

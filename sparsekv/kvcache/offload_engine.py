@@ -74,6 +74,11 @@ class OffloadEngine:
         for first, blocks in self.stream_block_groups(layer, cpu_blocks, group_size=1):
             yield first, blocks[0]
 
+    def num_block_groups(self, num_blocks: int, group_size: int | None = None) -> int:
+        """How many groups stream_block_groups yields for `num_blocks` blocks."""
+        size = group_size or max(1, self.num_slots // 2)
+        return -(-num_blocks // size)
+
     def stream_block_groups(self, layer: int, cpu_blocks: list[int],
                             group_size: int | None = None) -> Iterator[tuple[int, list[int]]]:
         """Yield (first_slot, blocks): groups of up to `group_size` blocks loaded into consecutive slots, so one

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from sparsekv.kernels import flash_attn_with_lse, merge_attention_outputs
+from sparsekv.kernels.decode_attention import DecodePartials
 
 if TYPE_CHECKING:
     from sparsekv.engine.sequence import Sequence
@@ -97,13 +98,18 @@ class SparsePolicy:
                                offload_engine: "OffloadEngine", kvcache_manager, seq: "Sequence") -> torch.Tensor:
         """q [1, H, D] of one sequence's new token -> [1, H, D]."""
         k_tail, v_tail = kvcache_manager.decode_tail(seq, layer_id)
-        out, lse = flash_attn_with_lse(q, k_tail, v_tail, softmax_scale, causal=False)
         blocks = kvcache_manager.full_blocks(seq)
         if blocks:
             ctx = PolicyContext(0, 1, layer_id, q, False, offload_engine.block_size, len(seq))
-            out, lse = self.attend_host_blocks(q, layer_id, softmax_scale, offload_engine,
-                                               self.select_blocks(blocks, offload_engine, ctx), out, lse)
-        return out
+            blocks = self.select_blocks(blocks, offload_engine, ctx)
+        # one split buffer for the tail and every ring group, merged by one reduce (decode is launch-bound)
+        partials = DecodePartials(q, softmax_scale, max_sets=1 + offload_engine.num_block_groups(len(blocks)))
+        partials.add(k_tail, v_tail)
+        for first, group in offload_engine.stream_block_groups(layer_id, blocks):
+            k_slots, v_slots = offload_engine.get_kv_for_slots(first, len(group))  # [n * block_size, KVH, D]
+            partials.add(k_slots, v_slots)
+            offload_engine.record_slots_compute_done(first, len(group))
+        return partials.finish()[0]
 
     @staticmethod
     def attend_host_blocks(q: torch.Tensor, layer_id: int, softmax_scale: float, offload_engine: "OffloadEngine",
