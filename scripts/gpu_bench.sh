@@ -62,7 +62,7 @@ EOF
 
 section_tests() {
     local start=$SECONDS rc
-    timeout --kill-after=20 "$TEST_TIMEOUT" python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log"
+    timeout --kill-after=20 "$TEST_TIMEOUT" python3 -m pytest -q -m gpu tests/ ${TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"
     rc=$?
     status "gpu tests" "$rc" "$((SECONDS - start))"
 }
@@ -177,6 +177,12 @@ section_sweep() {     # the sparse policies, offloaded, 8K / 32K / 128K (~5 min)
     sweep sweep-policies offload=cpu policy=quest,xattn_bsa,minference bench.context=8192,32768,131072
 }
 
+section_report_sweeps() {  # issue 6 in one ~7-minute call: the three sweeps the committed report is built from
+    SWEEP_TIMEOUT=200 sweep sweep-policies offload=cpu policy=quest,xattn_bsa bench.context=8192,32768,131072
+    SWEEP_TIMEOUT=80 sweep sweep-minf offload=cpu policy=minference bench.context=8192,32768
+    SWEEP_TIMEOUT=220 sweep sweep-full-hf offload=cpu policy=full bench.context=8192,32768,131072 bench.baseline=true
+}
+
 section_sweep_hf() {  # full attention with HF transformers beside it (GPU cache and offloaded cache) (~5 min)
     sweep sweep-full-hf offload=cpu policy=full bench.context=8192,32768,131072 bench.baseline=true
 }
@@ -190,9 +196,9 @@ section_summary() {
 [ $# -gt 0 ] || set -- info tests bench
 for SECTION in "$@"; do
     case "$SECTION" in
-        info|tests|bench|kernels|offload|graph_micro|prefill_lite|quest|prefill|profile|long|graphs|sweep|sweep_hf) "section_$SECTION" ;;
+        info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|prefill|profile|long|graphs|sweep|sweep_hf) "section_$SECTION" ;;
         summary) ;;
-        *) echo "usage: OUT=dir $0 [info|tests|bench|kernels|offload|graph_micro|prefill_lite|graph_micro|prefill_lite|offload|quest|prefill|profile|long|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
+        *) echo "usage: OUT=dir $0 [info|tests|bench|kernels|offload|report_sweeps|report_sweeps|graph_micro|prefill_lite|graph_micro|prefill_lite|offload|quest|prefill|profile|long|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
     esac
 done
 [ -d "$OUT/bench" ] && section_summary
