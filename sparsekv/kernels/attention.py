@@ -109,14 +109,23 @@ def _attn_block_step(
             if IS_CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None] + causal_off)
             s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASKED:
-            # Rows with nothing visible yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc, m_new, l_i = online_softmax_step(acc, m_i, l_i, s, v, MASKED)
+    return acc, m_new, l_i
+
+
+@jit
+def online_softmax_step(acc, m_i, l_i, s, v, SHIFT_EMPTY_ROWS: tl.constexpr):
+    """One flash-attention update: scores s [M, N] (log2 units, -inf where masked) and values v [N, D] folded into
+    acc [M, D], running max m_i [M] and row sum l_i [M]. Returns (acc, m_new, l_i). SHIFT_EMPTY_ROWS: rows that
+    have seen no key yet keep m = -inf and are shifted by 0 so exp2 gives 0, not NaN (needed whenever masking can
+    hide a whole tile from a row)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if SHIFT_EMPTY_ROWS:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
 
 

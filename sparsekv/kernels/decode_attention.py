@@ -19,7 +19,10 @@ import math
 
 import torch
 from ._dispatch import alloc_output, cdiv, choose_splits, jit, next_power_of_2, tl, triton_interpret, use_triton
-from .attention import SUPPORTED_HEAD_DIMS, _empty_result, check_qkv, flash_attn_with_lse, flash_attn_with_lse_reference
+from .attention import (
+    SUPPORTED_HEAD_DIMS, _empty_result, check_qkv, flash_attn_with_lse, flash_attn_with_lse_reference,
+    online_softmax_step,
+)
 from .merge import merge_attention_outputs
 from .paged_attention import MIN_GROUP_ROWS, merge_splits
 
@@ -85,15 +88,8 @@ def _decode_split_kernel(
             s = tl.where(t_ok[None, :] & (tok[None, :] <= last_key[:, None]), s, float("-inf"))
         else:
             s = tl.where(t_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # non-causal: finite, tok[0] < end is always valid
-        if IS_CAUSAL:
-            # Rows with nothing visible yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        # non-causal rows always see tok[0] < end, so only causal rows can still have no key
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, IS_CAUSAL)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
 
