@@ -120,10 +120,11 @@ def online_softmax_step(acc, m_i, l_i, s, v, SHIFT_EMPTY_ROWS: tl.constexpr):
     have seen no key yet keep m = -inf and are shifted by 0 so exp2 gives 0, not NaN (needed whenever masking can
     hide a whole tile from a row)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = m_new
     if SHIFT_EMPTY_ROWS:
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i

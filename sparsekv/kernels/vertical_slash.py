@@ -34,7 +34,7 @@ import math
 
 import torch
 from ._dispatch import HAS_TRITON, alloc_output, cdiv, jit, next_power_of_2, tl, triton_interpret, use_triton
-from .attention import _empty_result, check_qkv
+from .attention import _empty_result, check_qkv, online_softmax_step
 
 __all__ = [
     "vertical_slash_attention",
@@ -58,15 +58,7 @@ _SENTINEL = 1 << 30
 @jit
 def _online_softmax_step(acc, m_i, l_i, s, keep, v):
     # s [BLOCK_M, BLOCK_N] scores in log2 units; keep: which of them belong to the row's key set.
-    s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # Rows with nothing visible so far keep m = -inf; shift by 0 there so exp2 gives 0, not NaN.
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return acc, m_new, l_i
+    return online_softmax_step(acc, m_i, l_i, tl.where(keep, s, float("-inf")), v, True)
 
 
 @jit
