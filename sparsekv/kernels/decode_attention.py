@@ -30,8 +30,8 @@ __all__ = ["DecodePartials", "choose_num_splits", "decode_attention", "launch_pl
 
 LOG2E = 1.4426950408889634
 
-# Tuning constants (module globals read at each call, so sparsekv.kernels.bench can override them). Not yet timed
-# on a GPU: starting values taken from the paged decode kernel.
+# Tuning constants (module globals read at each call, so `python -m sparsekv.kernels.bench --decode` can override
+# them): starting values from the paged decode kernel; its H100 timings were launch-bound, too noisy to retune by.
 BLOCK_N = 64  # keys per inner step on GPU (16-bit, D <= 128; shrunk for bigger rows)
 KV_TILE_BYTES = 16384  # BLOCK_N * D * element_size of one K (or V) tile at most
 NUM_WARPS = 4
@@ -120,8 +120,10 @@ def choose_num_splits(row_tiles: int, kv_heads: int, seqlen_k: int, device: torc
 
 
 def launch_plan(sq: int, heads: int, kv_heads: int, seqlen_k: int, head_dim: int, element_size: int,
-                device: torch.device, num_splits: int | None = None) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_R, row tiles, splits, keys per split) of a call; splits start on BLOCK_N boundaries."""
+                device: torch.device, num_splits: int | None = None,
+                max_splits: int | None = None) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_R, row tiles, splits, keys per split) of a call; splits start on BLOCK_N boundaries.
+    ``num_splits`` replaces the heuristic; ``max_splits`` caps it."""
     if triton_interpret():
         block_n = INTERPRET_BLOCK_N
     else:
@@ -131,8 +133,22 @@ def launch_plan(sq: int, heads: int, kv_heads: int, seqlen_k: int, head_dim: int
     row_tiles = cdiv(rows, block_r)
     if num_splits is None:
         num_splits = choose_num_splits(row_tiles, kv_heads, seqlen_k, device)
+    if max_splits is not None:
+        num_splits = min(num_splits, max_splits)
     split_len = cdiv(cdiv(seqlen_k, max(1, int(num_splits))), block_n) * block_n
     return block_n, block_r, row_tiles, cdiv(seqlen_k, split_len), split_len
+
+
+def _launch(q, k, v, out, out_strides, lse, lse_strides, scale: float, causal: bool, plan, direct: bool) -> None:
+    """Phase 1 over k/v with launch_plan's `plan`: out/lse are the final o/lse (direct) or split partials, with
+    the (m, h, s, d) / (m, h, s) strides the kernel indexes them by."""
+    block_n, block_r, row_tiles, num_splits, split_len = plan
+    Sq, H, D = q.shape
+    Sk, KVH, _ = k.shape
+    _decode_split_kernel[(row_tiles, KVH, num_splits)](
+        q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out_strides, *lse_strides,
+        Sq, Sk, scale * LOG2E, split_len, GROUP=H // KVH, BLOCK_R=block_r, HEAD_DIM=D, BLOCK_N=block_n,
+        IS_CAUSAL=bool(causal), DIRECT=direct, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
@@ -141,27 +157,17 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     Needs Sq, Sk > 0 and D in SUPPORTED_HEAD_DIMS; ``num_splits`` overrides the split heuristic (tests, tuning)."""
     Sq, H, D = q.shape
     Sk, KVH, _ = k.shape
-    group = H // KVH
-    block_n, block_r, row_tiles, num_splits, split_len = launch_plan(
-        Sq, H, KVH, Sk, D, q.element_size(), q.device, num_splits)
+    plan = launch_plan(Sq, H, KVH, Sk, D, q.element_size(), q.device, num_splits)
+    num_splits = plan[3]
     o = alloc_output((Sq, H, D), q.dtype, q.device)  # [Sq, H, D]
     lse = alloc_output((H, Sq), torch.float32, q.device)  # [H, Sq]
-    common = dict(GROUP=group, BLOCK_R=block_r, HEAD_DIM=D, BLOCK_N=block_n, IS_CAUSAL=bool(causal),
-                  num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    args = (q, k, v)
-    strides = (*q.stride(), *k.stride(), *v.stride())
-    grid = (row_tiles, KVH, num_splits)
     if num_splits == 1:
-        _decode_split_kernel[grid](
-            *args, o, lse, *strides, o.stride(0), o.stride(1), 0, o.stride(2),
-            lse.stride(1), lse.stride(0), 0,
-            Sq, Sk, scale * LOG2E, split_len, DIRECT=True, **common)
+        _launch(q, k, v, o, (o.stride(0), o.stride(1), 0, o.stride(2)), lse, (lse.stride(1), lse.stride(0), 0),
+                scale, causal, plan, direct=True)
         return o, lse
     o_part = alloc_output((Sq, H, num_splits, D), torch.float32, q.device)  # [Sq, H, S, D]
     lse_part = alloc_output((Sq, H, num_splits), torch.float32, q.device)  # [Sq, H, S] log2
-    _decode_split_kernel[grid](
-        *args, o_part, lse_part, *strides, *o_part.stride(), *lse_part.stride(),
-        Sq, Sk, scale * LOG2E, split_len, DIRECT=False, **common)
+    _launch(q, k, v, o_part, o_part.stride(), lse_part, lse_part.stride(), scale, causal, plan, direct=False)
     merge_splits(o_part, lse_part, o, lse)  # o [Sq, H, D] is its [B, H, D], lse [H, Sq] its [H, B]
     return o, lse
 
@@ -223,21 +229,14 @@ class DecodePartials:
         check_qkv(self.q, k, v)
         q = self.q
         Sq, H, D = q.shape
-        Sk, KVH, _ = k.shape
-        block_n, block_r, row_tiles, num_splits, split_len = launch_plan(
-            Sq, H, KVH, Sk, D, q.element_size(), q.device)
-        if num_splits > self.splits_per_set:
-            block_n, block_r, row_tiles, num_splits, split_len = launch_plan(
-                Sq, H, KVH, Sk, D, q.element_size(), q.device, self.splits_per_set)
-        first = self.count
+        plan = launch_plan(Sq, H, k.shape[1], k.shape[0], D, q.element_size(), q.device,
+                           max_splits=self.splits_per_set)
+        first, num_splits = self.count, plan[3]
         if first + num_splits > self.o_part.shape[2]:
             raise RuntimeError(f"DecodePartials holds {self.o_part.shape[2]} splits; raise max_sets")
         o_part = self.o_part[:, :, first:first + num_splits]
         lse_part = self.lse_part[:, :, first:first + num_splits]
-        _decode_split_kernel[(row_tiles, KVH, num_splits)](
-            q, k, v, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o_part.stride(), *lse_part.stride(),
-            Sq, Sk, self.scale * LOG2E, split_len, GROUP=H // KVH, BLOCK_R=block_r, HEAD_DIM=D, BLOCK_N=block_n,
-            IS_CAUSAL=bool(causal), DIRECT=False, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        _launch(q, k, v, o_part, o_part.stride(), lse_part, lse_part.stride(), self.scale, causal, plan, direct=False)
         self.count = first + num_splits
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
