@@ -3,7 +3,7 @@
 #
 # Run from the repository root, after carrying the wheels sparsekv needs beyond torch/triton:
 #     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-#     OUT=/some/dir scripts/gpu_bench.sh SECTION...      sections: info tests bench quest prefill profile long graphs sweep sweep_hf
+#     OUT=/some/dir scripts/gpu_bench.sh SECTION...      (sections: the case statement at the end)
 # Each section below fits one 10-minute device call (H200, 2026-11-22 timings); a session's 30 minutes of device
 # time hold about four calls:  1) info tests prefill   2) profile bench   3) graphs sweep_hf   4) sweep long.
 # Everything is written under $OUT, packed so that at most 8 files come back:
@@ -117,6 +117,15 @@ section_quest() {  # issue 4: quest decode at 128K, all layers selecting and wit
     bench cpu-quest2-128k  "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 bench.context=131072
 }
 
+section_gather() {  # issue 4: the zero-copy block gather (tests, GB/s against copy engines) and a Quest step profile (~4 min)
+    timeout 120 python3 -m pytest -q -m gpu tests/test_block_gather.py tests/test_policies.py 2>&1 | tail -5
+    timeout 150 python3 scripts/bench_block_gather.py --json "$OUT/bench/block_gather.json" 2>&1 | tail -40
+    mkdir -p "$OUT/profile"
+    timeout 150 python3 scripts/profile_decode.py --name cpu-quest-32k --context 32768 --out "$OUT/profile" \
+        offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0 2>&1 | grep -v '^\s*$' | head -70
+    tar czf "$OUT/profile.tgz" -C "$OUT" profile && rm -rf "$OUT/profile"
+}
+
 section_prefill() {  # issues 2 and 3: resident prefill by chunk budget, HF on the same GPU, offloaded prefill (~5 min)
     bench none-32k          "${QWEN[@]}" offload=none bench.context=32768 scheduler.max_num_batched_tokens=8192
     bench none-32k-c16k     "${QWEN[@]}" offload=none bench.context=32768 scheduler.max_num_batched_tokens=16384
@@ -140,6 +149,17 @@ section_profile() {  # where decode steps spend their time: scripts/profile_deco
 
 section_long() {  # issue 3: the full 36-layer model at 512K (prefill ~3.5 min at ~400 TFLOP/s, 72 GiB pinned)
     BENCH_TIMEOUT=560 bench cpu-512k "${QWEN[@]}" offload=cpu bench.context=524288
+}
+
+section_longest() {  # issue 3: the longest prompt the default host pool holds, capped by what one 10-minute call can run
+    local ctx
+    ctx=$(python3 -c "
+from sparsekv.kvcache.offload_store import host_pool_blocks
+per_token = 36 * 8 * 128 * 2 * 2  # Qwen3-4B bf16 K+V bytes per token
+pool_tokens = host_pool_blocks(None, 1024 * per_token) * 1024  # the default pool: 0.9 x available - 4 GiB
+print(min(${LONGEST_CAP:-786432}, (pool_tokens - 16384) // 16384 * 16384))")
+    echo "== longest: default host pool -> context $ctx" | tee -a "$OUT/status.log"
+    BENCH_TIMEOUT="${BENCH_TIMEOUT_LONGEST:-575}" bench "cpu-longest-$ctx" "${QWEN[@]}" offload=cpu bench.context="$ctx"
 }
 
 section_graphs() {  # issue 5: CUDA-graph decode by batch size (GPU KV), eager vs segmented (offloaded) (~3 min)
@@ -196,9 +216,9 @@ section_summary() {
 [ $# -gt 0 ] || set -- info tests bench
 for SECTION in "$@"; do
     case "$SECTION" in
-        info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|prefill|profile|long|graphs|sweep|sweep_hf) "section_$SECTION" ;;
+        info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
         summary) ;;
-        *) echo "usage: OUT=dir $0 [info|tests|bench|kernels|offload|report_sweeps|report_sweeps|graph_micro|prefill_lite|graph_micro|prefill_lite|offload|quest|prefill|profile|long|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
+        *) echo "usage: OUT=dir $0 [info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
     esac
 done
 [ -d "$OUT/bench" ] && section_summary

@@ -367,18 +367,23 @@ def test_quest_small_budget_loads_only_the_selected_blocks(ckpt):
 
     selections: list[tuple[int, list[int], list[int]]] = []
     streamed: list[list[int]] = []
-    select, stream = policy.select_blocks, engine.stream_block_groups
+    select, stream, gather = policy.select_blocks_on_device, engine.stream_block_groups, engine.gather_block_groups
 
     def spy_select(available, offload_engine, ctx):
         chosen = select(available, offload_engine, ctx)
-        selections.append((ctx.layer_id, list(available), list(chosen)))
+        selections.append((ctx.layer_id, list(available), available if chosen is None else sorted(chosen.tolist())))
         return chosen
 
     def spy_stream(layer, cpu_blocks, *args, **kwargs):
         streamed.append(list(cpu_blocks))
         return stream(layer, cpu_blocks, *args, **kwargs)
 
-    policy.select_blocks, engine.stream_block_groups = spy_select, spy_stream
+    def spy_gather(layer, block_ids):
+        streamed.append(sorted(block_ids.tolist()))
+        return gather(layer, block_ids)
+
+    policy.select_blocks_on_device = spy_select
+    engine.stream_block_groups, engine.gather_block_groups = spy_stream, spy_gather
 
     def h2d_blocks(max_tokens: int) -> int:
         before = store.transfer_stats["h2d_blocks"]
@@ -458,7 +463,7 @@ def _host_syncs(fn) -> list[str]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_bf16_hooks_do_not_sync_and_each_selection_syncs_once():
+def test_gpu_bf16_hooks_do_not_sync_and_only_host_selection_syncs():
     dev, dt = torch.device("cuda"), torch.bfloat16
     kv_heads, heads, dim, bs = 8, 32, 128, 1024
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -474,6 +479,11 @@ def test_gpu_bf16_hooks_do_not_sync_and_each_selection_syncs_once():
     q1 = torch.randn(1, heads, dim, device=dev, dtype=dt, generator=gen)
     syncs = _host_syncs(lambda: quest.select_blocks(blocks, None, PolicyContext(0, 1, 2, q1, False, bs, 42 * bs)))
     assert len(syncs) == 1, syncs
+    on_device = quest.select_blocks_on_device(blocks, None, PolicyContext(0, 1, 2, q1, False, bs, 42 * bs))
+    assert _host_syncs(lambda: quest.select_blocks_on_device(blocks, None, PolicyContext(0, 1, 2, q1, False, bs,
+                                                                                         42 * bs))) == []
+    assert sorted(on_device.tolist()) == quest.select_blocks(blocks, None, PolicyContext(0, 1, 2, q1, False, bs,
+                                                                                         42 * bs))
     chunk = torch.randn(4096, heads, dim, device=dev, dtype=dt, generator=gen)
     syncs = _host_syncs(lambda: xattn.select_blocks(blocks, None, PolicyContext(10, 11, 2, chunk, True, bs,
                                                                                 45 * bs)))

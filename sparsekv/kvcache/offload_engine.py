@@ -1,13 +1,17 @@
 """OffloadEngine: the only code that copies KV between host and device.
 
 GPU side (fixed size, independent of context length):
-  ring slots    k/v [num_gpu_blocks, block_size, KVH, D]   host blocks loaded for attention, no layer dim
+  ring slots    kv [2, num_gpu_blocks, block_size, KVH, D]  host blocks loaded for attention, no layer dim
   prefill buf   k/v [L, prefill_tokens, KVH, D]            this step's chunk, offloaded asynchronously
   decode buf    k/v [max_seqs, L, block_size, KVH, D]      each running sequence's unfinished block
 Streams: loads (H2D) and offloads (D2H) each have their own copy stream; events order them against compute:
 a slot is reloaded only after the attention that read it, and a layer's buffers are rewritten only after
 their previous offload finished. Nothing here waits on the host, so the CPU runs ahead of the GPU and the ring
 keeps loading layer L+1's blocks while layer L computes.
+
+Two ways into the ring: copy engines for block lists the host knows (stream_block_groups), and a gather kernel
+reading pinned memory directly for lists that exist only on the device (gather_block_groups: a block-selecting
+policy's choice, loaded without a host sync).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from typing import Iterator
 
 import torch
 
+from sparsekv.kernels.block_gather import gather_host_blocks, slab_word_offsets
 from sparsekv.kvcache.host_pool import HostPool
 
 
@@ -42,8 +47,8 @@ class OffloadEngine:
         self.block_size = host.block_size
         self.num_slots = num_gpu_blocks
         L, bs, kvh, d, dtype = host.num_layers, host.block_size, host.num_kv_heads, host.head_dim, host.dtype
-        self.k_slots = torch.empty((num_gpu_blocks, bs, kvh, d), dtype=dtype, device=device)
-        self.v_slots = torch.empty_like(self.k_slots)
+        self.kv_slots = torch.empty((2, num_gpu_blocks, bs, kvh, d), dtype=dtype, device=device)
+        self.k_slots, self.v_slots = self.kv_slots[0], self.kv_slots[1]  # [num_gpu_blocks, bs, KVH, D] each
         self.prefill_k = torch.empty((L, prefill_tokens, kvh, d), dtype=dtype, device=device)
         self.prefill_v = torch.empty_like(self.prefill_k)
         self.decode_k = torch.empty((max_num_seqs, L, bs, kvh, d), dtype=dtype, device=device)
@@ -53,6 +58,7 @@ class OffloadEngine:
         self.next_slot = 0
         self.block_bytes = bs * kvh * d * dtype.itemsize  # one of K or V, one layer
         self.transfer_stats = {"h2d_bytes": 0, "d2h_bytes": 0, "h2d_blocks": 0, "d2h_blocks": 0}
+        self._slab_offsets: torch.Tensor | None = None  # [2, num_slabs] int64 on the device, for the gather
 
     # ---- ring of GPU slots: load, wait, read, release
     def load_to_slot_layer(self, slot: int, layer: int, cpu_block: int) -> None:
@@ -99,11 +105,39 @@ class OffloadEngine:
             self.wait_slots(first, len(blocks))
             yield first, blocks
 
-    def _issue_group(self, layer: int, blocks: list[int], size: int) -> int:
+    def gather_block_groups(self, layer: int, block_ids: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """Like stream_block_groups for host block ids held in a device tensor [n] int64: yields (first_slot, ids)
+        with len(ids) blocks gathered into consecutive slots. The gather kernel runs on the compute stream, so it
+        is ordered after the attention that last read those slots; the host never sees the ids."""
+        if self.streams.cuda:  # the blocks reached the host
+            torch.cuda.current_stream(self.device).wait_event(self.streams.layer_offloaded[layer])
+        offsets = self._device_slab_offsets()
+        for start in range(0, len(block_ids), self.num_slots):
+            group = block_ids[start:start + self.num_slots]
+            first = self._allocate_slots(len(group))
+            gather_host_blocks(self.kv_slots, (self.host.k_slabs, self.host.v_slabs), offsets, group, layer, first)
+            self.transfer_stats["h2d_bytes"] += 2 * self.block_bytes * len(group)
+            self.transfer_stats["h2d_blocks"] += len(group)
+            yield first, group
+
+    def _device_slab_offsets(self) -> torch.Tensor:
+        """Where each host slab starts, for the gather kernel; refreshed when the pool grows (rare)."""
+        num_slabs = len(self.host.k_slabs)
+        if self._slab_offsets is None or self._slab_offsets.shape[1] != num_slabs:
+            offsets = slab_word_offsets(self.host.k_slabs, self.host.v_slabs)
+            self._slab_offsets = torch.tensor(offsets, dtype=torch.int64).to(self.device)
+        return self._slab_offsets
+
+    def _allocate_slots(self, size: int) -> int:
+        """The first of `size` consecutive ring slots, the next ones round the ring."""
         if self.next_slot + size > self.num_slots:
             self.next_slot = 0
         first = self.next_slot
         self.next_slot = (first + size) % self.num_slots
+        return first
+
+    def _issue_group(self, layer: int, blocks: list[int], size: int) -> int:
+        first = self._allocate_slots(size)
         s = self.streams
         if s.cuda:
             with torch.cuda.stream(s.h2d):

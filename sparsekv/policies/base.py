@@ -69,6 +69,12 @@ class SparsePolicy:
         """Host blocks to load for this query, in order. Default: all of them."""
         return available_blocks
 
+    def select_blocks_on_device(self, available_blocks: list[int], offload_engine: "OffloadEngine",
+                                ctx: PolicyContext) -> torch.Tensor | None:
+        """Decode: the chosen host block ids as a device tensor [n] int64 (any order), so that they load without a
+        host sync (OffloadEngine.gather_block_groups), or None to use select_blocks' list. Default: None."""
+        return None
+
     # ---- computation
     def compute_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                         softmax_scale: float) -> torch.Tensor:
@@ -99,13 +105,20 @@ class SparsePolicy:
         """q [1, H, D] of one sequence's new token -> [1, H, D]."""
         k_tail, v_tail = kvcache_manager.decode_tail(seq, layer_id)
         blocks = kvcache_manager.full_blocks(seq)
+        chosen = None
         if blocks:
             ctx = PolicyContext(0, 1, layer_id, q, False, offload_engine.block_size, len(seq))
-            blocks = self.select_blocks(blocks, offload_engine, ctx)
+            chosen = self.select_blocks_on_device(blocks, offload_engine, ctx)
+            if chosen is None:
+                blocks = self.select_blocks(blocks, offload_engine, ctx)
+        if chosen is None:
+            groups = offload_engine.stream_block_groups(layer_id, blocks)
+        else:  # the choice stays on the device: no host sync per layer
+            blocks, groups = chosen, offload_engine.gather_block_groups(layer_id, chosen)
         # one split buffer for the tail and every ring group, merged by one reduce (decode is launch-bound)
         partials = DecodePartials(q, softmax_scale, max_sets=1 + offload_engine.num_block_groups(len(blocks)))
         partials.add(k_tail, v_tail)
-        for first, group in offload_engine.stream_block_groups(layer_id, blocks):
+        for first, group in groups:
             k_slots, v_slots = offload_engine.get_kv_for_slots(first, len(group))  # [n * block_size, KVH, D]
             partials.add(k_slots, v_slots)
             offload_engine.record_slots_compute_done(first, len(group))

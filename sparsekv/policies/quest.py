@@ -16,10 +16,12 @@ score per block.
 
 Selection. Keep the `topk_blocks` best blocks, or token_budget // block_size blocks when `token_budget` is set
 (token_budget wins when both are; with neither set the budget is DEFAULT_TOKEN_BUDGET tokens). The first block
-(attention sink) and the newest full block are always kept, so at least 2 blocks load whatever the budget. The
-returned ids are ascending. Layers below `dense_layers` and sequences with at most `threshold_blocks` full blocks
-load everything. One host sync per (layer, sequence): the .tolist() of the chosen indices. In decode the scores come from one
-fused kernel (sparsekv/kernels/quest_score.py); the torch ops here are its reference.
+(attention sink) and the newest full block are always kept, so at least 2 blocks load whatever the budget. Layers
+below `dense_layers` and sequences with at most `threshold_blocks` full blocks load everything. In decode the
+choice stays on the device (select_blocks_on_device): the chosen blocks are gathered from pinned host memory by a
+kernel (OffloadEngine.gather_block_groups), so no layer waits for the host; select_blocks returns the same ids
+ascending, with a host sync. The scores come from one fused kernel (sparsekv/kernels/quest_score.py); the torch ops
+here are its reference.
 
 Decode only: prefill runs full attention (the factory pairs the phases), while the hooks still record the metadata
 of every prompt block.
@@ -130,20 +132,31 @@ class QuestPolicy(SparsePolicy):
         share = torch.softmax(bound * scale, dim=0)  # per query head, over the blocks
         return share.amax(dim=3).sum(dim=(1, 2))  # max over the GQA group, sum over KV heads -> [n]
 
+    def select_blocks_on_device(self, available_blocks: list[int], offload_engine: "OffloadEngine",
+                                ctx: PolicyContext) -> torch.Tensor | None:
+        """The chosen block ids [keep] int64 on the device (sink, newest, then the best of the middle), or None
+        when every block loads (dense layer, short sequence, budget covering all)."""
+        return self._choose(available_blocks, ctx)
+
     def select_blocks(self, available_blocks: list[int], offload_engine: "OffloadEngine",
                       ctx: PolicyContext) -> list[int]:
+        chosen = self._choose(available_blocks, ctx)
+        return available_blocks if chosen is None else sorted(chosen.tolist())  # host sync
+
+    def _choose(self, available_blocks: list[int], ctx: PolicyContext) -> torch.Tensor | None:
         n = len(available_blocks)
         if ctx.layer_id < self.dense_layers or n <= self.threshold_blocks:
-            return available_blocks
+            return None
         keep = max(self.budget_blocks(ctx.block_size), 2)
         if n <= keep:
-            return available_blocks
+            return None
         ids = self._device_ids(available_blocks, ctx.query.device)
         scores = self.block_scores(ctx.query, ids, ctx.layer_id)  # [n]
-        chosen = [0, n - 1]  # attention sink and newest full block, then the best of the blocks between
-        if keep > 2:
-            chosen += [i + 1 for i in torch.topk(scores[1:-1], keep - 2, sorted=False).indices.tolist()]  # host sync
-        return [available_blocks[i] for i in sorted(chosen)]
+        ends = (ids[:1], ids[-1:])  # attention sink and newest full block
+        if keep == 2:
+            return torch.cat(ends)
+        middle = torch.topk(scores[1:-1], keep - 2, sorted=False).indices + 1
+        return torch.cat([*ends, ids[middle]])
 
     def reset(self) -> None:
         # The tables stay allocated for the next sequence: a block's rows are rewritten before it is ever read.

@@ -16,7 +16,7 @@ from sparsekv.quality.planted import AttentionInputs
 
 class RecordingOffloadEngine(OffloadEngine):
     """An OffloadEngine that records every (layer, host block) it loads into the ring. Loads are observed where
-    the engine issues them (the group loader when it has one, else load_to_slot_layer) and checked against
+    the engine issues them (the copy-engine group loader and the device-side gather) and checked against
     transfer_stats["h2d_blocks"] by loaded_blocks()."""
 
     def __init__(self, *args, **kwargs):
@@ -24,14 +24,13 @@ class RecordingOffloadEngine(OffloadEngine):
         self.loads: list[tuple[int, int]] = []
         self._stats_mark = self.transfer_stats["h2d_blocks"]
 
-    if hasattr(OffloadEngine, "_issue_group"):
-        def _issue_group(self, layer: int, blocks: list[int], size: int) -> int:
-            self.loads.extend((layer, int(b)) for b in blocks)
-            return super()._issue_group(layer, blocks, size)
-    else:  # pragma: no cover - the engine before grouped loads
-        def load_to_slot_layer(self, slot: int, layer: int, cpu_block: int) -> None:
-            self.loads.append((layer, int(cpu_block)))
-            super().load_to_slot_layer(slot, layer, cpu_block)
+    def _issue_group(self, layer: int, blocks: list[int], size: int) -> int:
+        self.loads.extend((layer, int(b)) for b in blocks)
+        return super()._issue_group(layer, blocks, size)
+
+    def gather_block_groups(self, layer: int, block_ids: torch.Tensor):
+        self.loads.extend((layer, int(b)) for b in block_ids.tolist())  # a host sync: fine for measuring
+        return super().gather_block_groups(layer, block_ids)
 
     def start_recording(self) -> None:
         self.loads.clear()

@@ -1,0 +1,130 @@
+"""The zero-copy block gather (sparsekv/kernels/block_gather.py) against its reference, and
+OffloadEngine.gather_block_groups: the path a device-side block choice (Quest) loads through.
+
+On CPU the kernel runs under the Triton interpreter (the triton_kernels fixture); on the GPU host the slabs are
+pinned and the kernel reads them over PCIe."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv.kernels import block_gather
+from sparsekv.kernels.block_gather import gather_host_blocks, gather_host_blocks_reference, slab_word_offsets
+from sparsekv.kvcache.host_pool import HostPool
+from sparsekv.kvcache.offload_engine import OffloadEngine
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _slabs(num_slabs: int, layers: int, per_slab: int, block: tuple[int, ...], dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    pin = DEV.type == "cuda"
+
+    def one():
+        return torch.randn(layers, per_slab, *block, generator=g).to(dtype).pin_memory() if pin else \
+            torch.randn(layers, per_slab, *block, generator=g).to(dtype)
+    return [one() for _ in range(num_slabs)], [one() for _ in range(num_slabs)]
+
+
+@pytest.mark.usefixtures("triton_kernels")
+@pytest.mark.parametrize("dtype,block,ids,layer,first", [
+    (torch.bfloat16, (8, 2, 16), [0, 7, 14, 3, 11], 2, 1),
+    (torch.float32, (4, 1, 8), [5], 0, 0),
+    (torch.float16, (16, 2, 32), [9, 1, 2, 13], 1, 4),
+])
+def test_kernel_matches_reference(dtype, block, ids, layer, first, monkeypatch):
+    calls = []
+    kernel = block_gather._gather_kernel
+    monkeypatch.setattr(block_gather, "_gather_kernel",
+                        type("Spy", (), {"__getitem__": lambda _, grid: (calls.append(grid), kernel[grid])[1]})())
+    k_slabs, v_slabs = _slabs(3, 3, 5, block, dtype, seed=len(ids))
+    offsets = torch.tensor(slab_word_offsets(k_slabs, v_slabs), dtype=torch.int64, device=DEV)
+    block_ids = torch.tensor(ids, dtype=torch.int64, device=DEV)
+    dst = torch.full((2, 8, *block), float("nan"), dtype=dtype, device=DEV)
+    ref = dst.clone()
+    gather_host_blocks(dst, (k_slabs, v_slabs), offsets, block_ids, layer, first)
+    assert calls, "the Triton kernel did not run"
+    gather_host_blocks_reference(ref, (k_slabs, v_slabs), block_ids, layer, first)
+    assert torch.equal(dst[:, first:first + len(ids)], ref[:, first:first + len(ids)])
+    for i, b in enumerate(ids):  # the reference itself reads the right host block
+        slab, index = divmod(b, 5)
+        assert torch.equal(dst[1, first + i].cpu(), v_slabs[slab][layer, index])
+    untouched = torch.ones(8, dtype=torch.bool)
+    untouched[first:first + len(ids)] = False
+    assert torch.isnan(dst[:, untouched].float()).all()  # no slot outside the group was written
+
+
+def test_bad_input_is_refused():
+    k_slabs, v_slabs = _slabs(1, 2, 4, (4, 1, 8), torch.float32, seed=0)
+    ids = torch.tensor([1, 2], dtype=torch.int64, device=DEV)
+    dst = torch.zeros((2, 3, 4, 1, 8), device=DEV)
+    with pytest.raises(ValueError, match=r"expected dst \[2, slots, 4, 1, 8\]"):
+        gather_host_blocks(dst[0], (k_slabs, v_slabs), None, ids, 0, 0)
+    with pytest.raises(ValueError, match="int64"):
+        gather_host_blocks(dst, (k_slabs, v_slabs), None, ids.int(), 0, 0)
+    with pytest.raises(ValueError, match=r"slots \[2, 4\) do not fit the 3 slots"):
+        gather_host_blocks(dst, (k_slabs, v_slabs), None, ids, 0, 2)
+    with pytest.raises(ValueError, match="dtype"):
+        gather_host_blocks(dst.half(), (k_slabs, v_slabs), None, ids, 0, 0)
+
+
+@pytest.mark.usefixtures("triton_kernels")
+def test_engine_gathers_groups_through_the_ring():
+    """More chosen blocks than slots: groups of at most num_slots, each holding exactly the chosen host blocks,
+    across slab boundaries, with the bytes counted."""
+    layers, block_size, kvh, dim = 2, 4, 2, 8
+    host = HostPool(layers, 40, block_size, kvh, dim, torch.bfloat16, pin_memory=DEV.type == "cuda",
+                    slab_bytes=3 * block_size * kvh * dim * 2 * layers)  # 3 blocks per slab
+    host.ensure_capacity(12)
+    assert host.blocks_per_slab == 3 and len(host.k_slabs) == 4
+    for slab in host.k_slabs + host.v_slabs:
+        slab.copy_(torch.randn(slab.shape).to(slab.dtype))
+    engine = OffloadEngine(host, num_gpu_blocks=3, prefill_tokens=8, max_num_seqs=1, device=DEV)
+    chosen = [11, 0, 5, 6, 2, 9, 4]
+    seen = []
+    for first, group in engine.gather_block_groups(1, torch.tensor(chosen, device=DEV)):
+        assert len(group) <= 3
+        k, v = engine.get_kv_for_slots(first, len(group))  # [n * block_size, KVH, D]
+        for i, block in enumerate(group.tolist()):
+            host_k, host_v = host.block(1, block)
+            assert torch.equal(k[i * block_size:(i + 1) * block_size].cpu(), host_k)
+            assert torch.equal(v[i * block_size:(i + 1) * block_size].cpu(), host_v)
+            seen.append(block)
+        engine.record_slots_compute_done(first, len(group))
+    assert seen == chosen
+    assert engine.transfer_stats["h2d_blocks"] == len(chosen)
+    assert engine.transfer_stats["h2d_bytes"] == 2 * len(chosen) * block_size * kvh * dim * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_real_size_gather_is_exact_and_never_syncs():
+    """Qwen3-4B block layout (1024 tokens, 8 KV heads, D=128, bf16) in pinned slabs: the kernel reads the pinned
+    pages over PCIe, bit-exact, and queueing it waits for nothing on the host."""
+    layers, block_size, kvh, dim = 4, 1024, 8, 128
+    host = HostPool(layers, 64, block_size, kvh, dim, torch.bfloat16, pin_memory=True, slab_bytes=1 << 26)
+    host.ensure_capacity(40)
+    assert len(host.k_slabs) > 2
+    for slab in host.k_slabs + host.v_slabs:
+        slab.copy_(torch.randn(slab.shape).to(slab.dtype))
+    engine = OffloadEngine(host, num_gpu_blocks=4, prefill_tokens=1024, max_num_seqs=1, device=DEV)
+    chosen = torch.tensor([0, 39, 17, 8, 30, 3], device=DEV)
+    engine._device_slab_offsets()  # built once when the pool grows (a host copy), not per step
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode(2)  # error on any synchronising call
+    copies = []
+    try:
+        for first, group in engine.gather_block_groups(3, chosen):  # a later group may reuse these slots
+            k, v = engine.get_kv_for_slots(first, len(group))
+            copies.append((group, k.clone(), v.clone()))
+            engine.record_slots_compute_done(first, len(group))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    seen = []
+    for group, k, v in copies:
+        for i, block in enumerate(group.tolist()):
+            host_k, host_v = host.block(3, block)
+            assert torch.equal(k[i * block_size:(i + 1) * block_size].cpu(), host_k)
+            assert torch.equal(v[i * block_size:(i + 1) * block_size].cpu(), host_v)
+            seen.append(block)
+    assert seen == chosen.tolist()
