@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from sparsekv.kernels import quest_score
-from sparsekv.kernels.quest_score import quest_block_shares, quest_block_shares_reference
+from sparsekv.kernels.quest_score import (
+    quest_block_shares,
+    quest_block_shares_reference,
+    quest_select,
+    quest_select_reference,
+)
 from sparsekv.policies.quest import QuestPolicy
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -76,3 +81,40 @@ def test_gpu_kernel_real_sizes(n):
     out = quest_block_shares(q, hi, lo, ids, 128 ** -0.5)
     ref = quest_block_shares_reference(q, hi, lo, ids, 128 ** -0.5)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-6)
+    if n > 4:  # the one-launch choice (4 blocks: Qwen3-4B's 4096-token budget at block size 1024)
+        _assert_same_choice(quest_select(q, hi, lo, ids, 128 ** -0.5, 4), q, hi, lo, ids, 128 ** -0.5, 4)
+
+
+def _assert_same_choice(chosen, q, hi, lo, ids, scale, keep):
+    """Sink and newest first, then middle blocks whose reference scores are the keep - 2 best (ties may swap)."""
+    assert chosen[:2].tolist() == [ids[0].item(), ids[-1].item()]
+    scores = quest_block_shares_reference(q, hi, lo, ids, scale).sum(0)  # [n]
+    position = {block: i for i, block in enumerate(ids.tolist())}
+    picked = torch.stack([scores[position[b]] for b in chosen[2:].tolist()]).sort().values if keep > 2 else None
+    if picked is not None:
+        torch.testing.assert_close(picked, scores[1:-1].topk(keep - 2).values.sort().values, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.usefixtures("triton_kernels")
+@pytest.mark.parametrize("heads,kv_heads,dim,blocks,n,keep", [
+    (8, 2, 32, 40, 17, 5), (8, 1, 64, 50, 50, 2), (6, 2, 16, 30, 9, 8), (32, 8, 128, 140, 127, 4)])
+def test_select_kernel_matches_reference(heads, kv_heads, dim, blocks, n, keep, monkeypatch):
+    calls = []
+    kernel = quest_score._quest_select_kernel
+    monkeypatch.setattr(quest_score, "_quest_select_kernel",
+                        type("Spy", (), {"__getitem__": lambda _, grid: (calls.append(grid), kernel[grid])[1]})())
+    q, hi, lo, ids = _inputs(heads, kv_heads, dim, blocks, n, seed=n + keep)
+    chosen = quest_select(q, hi, lo, ids, dim ** -0.5, keep)
+    assert calls == [(1,)], "the Triton kernel did not run"
+    ref = quest_select_reference(q, hi, lo, ids, dim ** -0.5, keep)
+    assert chosen.dtype == torch.int64 and chosen.shape == (keep,)
+    assert sorted(chosen.tolist()) == sorted(ref.tolist())
+    _assert_same_choice(chosen, q, hi, lo, ids, dim ** -0.5, keep)
+
+
+def test_select_refuses_a_budget_outside_the_candidates():
+    q, hi, lo, ids = _inputs(8, 2, 16, 10, 6, seed=0)
+    with pytest.raises(ValueError, match="keep=6 must be at least 2 and below the 6 candidates"):
+        quest_select(q, hi, lo, ids, 1.0, 6)
+    with pytest.raises(ValueError, match="keep=1"):
+        quest_select(q, hi, lo, ids, 1.0, 1)

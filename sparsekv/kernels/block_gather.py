@@ -14,6 +14,8 @@ case where waiting for the ids on the host would stall the pipeline once per lay
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._dispatch import cdiv, jit, tl, triton_interpret, use_triton
@@ -75,7 +77,7 @@ def gather_host_blocks(dst: torch.Tensor, slabs: tuple[list[torch.Tensor], list[
     n = block_ids.shape[0]
     if first_slot < 0 or first_slot + n > dst.shape[1]:
         raise ValueError(f"slots [{first_slot}, {first_slot + n}) do not fit the {dst.shape[1]} slots of dst")
-    block_bytes = k_slabs[0][0, 0].numel() * dst.element_size()
+    block_bytes = math.prod(block_shape) * dst.element_size()
     if n == 0:
         return
     if slab_offsets is None or not use_triton(dst.device) or block_bytes % 4:

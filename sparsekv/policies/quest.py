@@ -20,8 +20,8 @@ Selection. Keep the `topk_blocks` best blocks, or token_budget // block_size blo
 below `dense_layers` and sequences with at most `threshold_blocks` full blocks load everything. In decode the
 choice stays on the device (select_blocks_on_device): the chosen blocks are gathered from pinned host memory by a
 kernel (OffloadEngine.gather_block_groups), so no layer waits for the host; select_blocks returns the same ids
-ascending, with a host sync. The scores come from one fused kernel (sparsekv/kernels/quest_score.py); the torch ops
-here are its reference.
+ascending, with a host sync. In decode, scores and choice are one kernel launch (quest_select in
+sparsekv/kernels/quest_score.py); the torch ops here are its reference.
 
 Decode only: prefill runs full attention (the factory pairs the phases), while the hooks still record the metadata
 of every prompt block.
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 
 import torch
 
-from sparsekv.kernels.quest_score import quest_block_shares
+from sparsekv.kernels.quest_score import quest_block_shares, quest_select
 from sparsekv.policies.base import PolicyContext, SparsePolicy
 from sparsekv.policies.block_metadata import BlockMetadata
 
@@ -151,6 +151,9 @@ class QuestPolicy(SparsePolicy):
         if n <= keep:
             return None
         ids = self._device_ids(available_blocks, ctx.query.device)
+        if ctx.query.shape[0] == 1 and self._kmax is not None and self._kmin is not None:  # decode: one launch
+            return quest_select(ctx.query[0], self._kmax.data[ctx.layer_id], self._kmin.data[ctx.layer_id], ids,
+                                ctx.query.shape[-1] ** -0.5, keep)
         scores = self.block_scores(ctx.query, ids, ctx.layer_id)  # [n]
         ends = (ids[:1], ids[-1:])  # attention sink and newest full block
         if keep == 2:
