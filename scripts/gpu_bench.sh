@@ -237,6 +237,23 @@ section_check() {  # session 4, first call: host memory, the device-side Quest p
     tar czf "$OUT/profile.tgz" -C "$OUT" profile && rm -rf "$OUT/profile"
 }
 
+section_final() {  # session 4, last call: GPU tests of the changed decode path, then quest / full / 8K figures (~7 min)
+    timeout 150 python3 -m pytest -q -m gpu tests/test_quest_score.py tests/test_decode_attention.py \
+        tests/test_block_gather.py tests/test_offload.py tests/test_policies.py \
+        tests/test_cuda_graph.py::test_gpu_graph_tokens_equal_eager \
+        tests/test_cuda_graph.py::test_gpu_segmented_with_a_block_selecting_policy 2>&1 | tail -12
+    bench cpu-quest-128k    "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0 bench.context=131072
+    bench cpu-128k          "${QWEN[@]}" offload=cpu bench.context=131072
+    bench cpu-8k-segmented  "${QWEN[@]}" offload=cpu graph=segmented bench.context=8192
+    bench cpu-8k-eager      "${QWEN[@]}" offload=cpu graph=eager bench.context=8192
+    bench cpu-quest2-128k   "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 bench.context=131072
+    bench cpu-32k           "${QWEN[@]}" offload=cpu bench.context=32768
+    mkdir -p "$OUT/profile"
+    timeout 90 python3 scripts/profile_decode.py --name cpu-quest-128k --context 131072 --steps 6 --out "$OUT/profile" \
+        offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0 2>&1 | grep -v '^\s*$' | head -30
+    tar czf "$OUT/profile.tgz" -C "$OUT" profile && rm -rf "$OUT/profile"
+}
+
 section_summary() {
     python3 -m sparsekv.tasks.bench summarize "$OUT/bench" 2>&1 | tee "$OUT/bench_summary.md"
     # the device tool returns at most 8 files: pack every run's record and log into one archive
@@ -246,9 +263,9 @@ section_summary() {
 [ $# -gt 0 ] || set -- info tests bench
 for SECTION in "$@"; do
     case "$SECTION" in
-        check|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|session3|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
+        check|final|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|session3|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
         summary) ;;
-        *) echo "usage: OUT=dir $0 [check|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|session3|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
+        *) echo "usage: OUT=dir $0 [check|final|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|session3|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
     esac
 done
 [ -d "$OUT/bench" ] && section_summary

@@ -188,6 +188,21 @@ def test_measured_ceilings_are_none_on_cpu():
 # ------------------------------------------------------------------------------------------ GPU host
 
 
+def test_block_selecting_policy_is_held_to_the_bytes_it_loads(tmp_path, monkeypatch):
+    """Offloaded decode's PCIe floor is the KV it actually loaded: quest with a small budget loads a few blocks of
+    the context, so its floor is that, not the whole context's KV (the ratio would read below 1)."""
+    ceilings = {"gpu_name": "fake", "matmul_dtype": "float32", "matmul_tflops": 100.0, "hbm_gbps": 1000.0,
+                "h2d_gbps": 0.05, "d2h_gbps": 0.05, "h2d_pageable_gbps": None}
+    monkeypatch.setattr(floors, "measure_floors", lambda *a, **k: dict(ceilings))
+    _, record = run_bench(tmp_path, "device=cpu", "dtype=float32", "offload=cpu", "offload.block_size=16",
+                          "offload.prefill_chunk_size=64", "policy=quest", "policy.token_budget=32",
+                          "policy.dense_layers=0", "bench.context=320", "bench.decode_steps=4")
+    loaded, context_floor = record["decode_loaded_floor_ms"], record["decode_pcie_floor_ms"]
+    assert 0 < loaded < context_floor / 4  # 2 of the 20 blocks per layer
+    assert record["decode_floor_ms"] == pytest.approx(max(loaded, record["decode_hbm_floor_ms"]))
+    assert record["decode_ratio"] == pytest.approx(record["decode_ms_per_token"] / record["decode_floor_ms"])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_measured_ceilings_are_plausible():

@@ -163,6 +163,23 @@ def test_decode_partials_merge_key_sets(sizes, kernel_calls):
     assert partials.count <= 3 * len(sizes)
 
 
+def test_decode_partials_reuse_their_buffers_but_never_share_them(kernel_calls):
+    """Consecutive DecodePartials (one per layer in decode) reuse one split buffer; two alive at once do not."""
+    q, k, v = _qkv(1, 300, 8, 2, 32, seed=5)
+    first = DecodePartials(q, 32 ** -0.5, max_sets=2)
+    second = DecodePartials(q, 32 ** -0.5, max_sets=2)  # alive together with the first: its own buffers
+    assert first.o_part.data_ptr() != second.o_part.data_ptr()
+    first.add(k[:100], v[:100])
+    second.add(k[100:], v[100:])
+    first.add(k[100:], v[100:])
+    _check_attn(first.finish(), flash_attn_with_lse_reference(q, k, v, 32 ** -0.5), torch.float32)
+    _check_attn(second.finish(), flash_attn_with_lse_reference(q, k[100:], v[100:], 32 ** -0.5), torch.float32)
+    third = DecodePartials(q, 32 ** -0.5, max_sets=1)  # after a finish: a returned buffer, not a new one
+    assert third.o_part.data_ptr() in (first.o_part.data_ptr(), second.o_part.data_ptr())
+    third.add(k[:7], v[:7])
+    _check_attn(third.finish(), flash_attn_with_lse_reference(q, k[:7], v[:7], 32 ** -0.5), torch.float32)
+
+
 def test_decode_partials_empty_and_overflow():
     q, k, v = _qkv(1, 40, 4, 2, 16, seed=1)
     o, lse = DecodePartials(q, 0.25, max_sets=1).finish()

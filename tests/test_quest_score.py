@@ -75,7 +75,7 @@ def test_bad_shapes_are_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.usefixtures("triton_kernels")
-@pytest.mark.parametrize("n", [1, 2, 127, 1000])
+@pytest.mark.parametrize("n", [1, 2, 127, 128, 1000])
 def test_gpu_kernel_real_sizes(n):
     q, hi, lo, ids = _inputs(32, 8, 128, 1024, n, seed=n, dtype=torch.bfloat16)
     out = quest_block_shares(q, hi, lo, ids, 128 ** -0.5)
@@ -85,31 +85,73 @@ def test_gpu_kernel_real_sizes(n):
         _assert_same_choice(quest_select(q, hi, lo, ids, 128 ** -0.5, 4), q, hi, lo, ids, 128 ** -0.5, 4)
 
 
-def _assert_same_choice(chosen, q, hi, lo, ids, scale, keep):
-    """Sink and newest first, then middle blocks whose reference scores are the keep - 2 best (ties may swap)."""
-    assert chosen[:2].tolist() == [ids[0].item(), ids[-1].item()]
-    scores = quest_block_shares_reference(q, hi, lo, ids, scale).sum(0)  # [n]
-    position = {block: i for i, block in enumerate(ids.tolist())}
-    picked = torch.stack([scores[position[b]] for b in chosen[2:].tolist()]).sort().values if keep > 2 else None
-    if picked is not None:
-        torch.testing.assert_close(picked, scores[1:-1].topk(keep - 2).values.sort().values, rtol=1e-4, atol=1e-6)
-
-
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.usefixtures("triton_kernels")
-@pytest.mark.parametrize("heads,kv_heads,dim,blocks,n,keep", [
-    (8, 2, 32, 40, 17, 5), (8, 1, 64, 50, 50, 2), (6, 2, 16, 30, 9, 8), (32, 8, 128, 140, 127, 4)])
-def test_select_kernel_matches_reference(heads, kv_heads, dim, blocks, n, keep, monkeypatch):
+@pytest.mark.parametrize("n,keep", [(4096, 4), (4096, 64), (16384, 4), (16384, 32)])
+def test_gpu_select_many_candidates(n, keep):
+    """Up to SELECT_MAX_CANDIDATES: the last program's partial-softmax and score tiles loop over many chunks."""
+    q, hi, lo, ids = _inputs(32, 8, 128, n, n, seed=n + keep, dtype=torch.bfloat16)
+    _assert_same_choice(quest_select(q, hi, lo, ids, 128 ** -0.5, keep), q, hi, lo, ids, 128 ** -0.5, keep)
+
+
+def _assert_same_choice(chosen, q, hi, lo, ids, scale, keep):
+    """Sink and newest first, then the same middle blocks as the reference. The inputs must not put two scores at
+    the cut within float rounding of each other (asserted), so that any correct kernel makes the same choice."""
+    assert chosen.dtype == torch.int64 and chosen.shape == (keep,)
+    assert chosen[:2].tolist() == [ids[0].item(), ids[-1].item()]
+    middle = quest_block_shares_reference(q, hi, lo, ids, scale).sum(0)[1:-1].sort(descending=True).values
+    if keep > 2:
+        assert middle[keep - 3] - middle[keep - 2] > 1e-4 * middle[0], "near tie at the cut: pick another seed"
+    assert sorted(chosen.tolist()) == sorted(quest_select_reference(q, hi, lo, ids, scale, keep).tolist())
+
+
+def _spy_select(monkeypatch) -> list:
+    """The grids quest_select launches its kernel with: empty when the reference ran instead."""
     calls = []
     kernel = quest_score._quest_select_kernel
     monkeypatch.setattr(quest_score, "_quest_select_kernel",
                         type("Spy", (), {"__getitem__": lambda _, grid: (calls.append(grid), kernel[grid])[1]})())
+    return calls
+
+
+def _select_grid(kv_heads: int, n: int) -> tuple[int, int]:
+    return kv_heads, -(-n // quest_score._block_b())
+
+
+@pytest.mark.usefixtures("triton_kernels")
+@pytest.mark.parametrize("heads,kv_heads,dim,blocks,n,keep", [
+    (4, 4, 16, 12, 3, 2),  # GQA 1, fewer candidates than one bound tile, one score tile
+    (8, 4, 32, 20, 8, 3),  # GQA 2, exactly one bound tile, two score tiles
+    (8, 2, 16, 30, 16, 15),  # GQA 4, exactly two bound tiles, keep = n - 1
+    (8, 2, 64, 60, 27, 5),  # three bound tiles and a remainder
+    (4, 4, 32, 40, 19, 18),  # GQA 1, two tiles and a remainder, keep = n - 1
+    (2, 1, 16, 30, 13, 4),  # one KV head, two bound tiles, one score tile
+    (12, 3, 32, 40, 21, 6),  # 3 KV heads (padded to 4)
+    (6, 2, 16, 30, 9, 8),  # GQA 3 (padded to 4)
+    (8, 2, 32, 40, 17, 5),
+    (8, 1, 64, 50, 50, 2),
+    (8, 1, 64, 80, 70, 4),  # GQA 8, nine bound tiles: the partial softmax max/sum combined over three chunks
+    (32, 8, 128, 140, 127, 4),  # Qwen3-4B's heads
+])
+def test_select_kernel_matches_reference(heads, kv_heads, dim, blocks, n, keep, monkeypatch):
+    calls = _spy_select(monkeypatch)
     q, hi, lo, ids = _inputs(heads, kv_heads, dim, blocks, n, seed=n + keep)
     chosen = quest_select(q, hi, lo, ids, dim ** -0.5, keep)
-    assert calls == [(1,)], "the Triton kernel did not run"
-    ref = quest_select_reference(q, hi, lo, ids, dim ** -0.5, keep)
-    assert chosen.dtype == torch.int64 and chosen.shape == (keep,)
-    assert sorted(chosen.tolist()) == sorted(ref.tolist())
+    assert calls == [_select_grid(kv_heads, n)], "the Triton kernel did not run"
     _assert_same_choice(chosen, q, hi, lo, ids, dim ** -0.5, keep)
+
+
+@pytest.mark.usefixtures("triton_kernels")
+def test_select_kernel_resets_its_counter(monkeypatch):
+    """The last program of each launch zeroes the shared counter, so launches of any grid follow one another."""
+    calls = _spy_select(monkeypatch)
+    cases = [(8, 2, 32, 40, 27, 5, 1), (8, 4, 16, 20, 9, 3, 2), (8, 2, 32, 40, 27, 5, 1), (4, 1, 16, 30, 30, 7, 3)]
+    for heads, kv_heads, dim, blocks, n, keep, seed in cases:
+        q, hi, lo, ids = _inputs(heads, kv_heads, dim, blocks, n, seed=seed)
+        _assert_same_choice(quest_select(q, hi, lo, ids, dim ** -0.5, keep), q, hi, lo, ids, dim ** -0.5, keep)
+        assert quest_score._COUNTERS[q.device].item() == 0
+    assert calls == [_select_grid(kv_heads, n) for _, kv_heads, _, _, n, _, _ in cases]
 
 
 def test_select_refuses_a_budget_outside_the_candidates():

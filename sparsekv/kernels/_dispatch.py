@@ -78,6 +78,14 @@ def attention_backend(
     optional arguments describe a concrete call so that backends that cannot serve it
     (fp32 for flash kernels, bottom-right causal with Sq != Sk for sdpa, ...) are skipped.
     """
+    # memoised on the call and the two environment variables that steer it (a decode step asks per layer)
+    return _attention_backend(str(device), os.environ.get(ENV_BACKEND, ""), os.environ.get("TRITON_INTERPRET", ""),
+                              dtype, causal, seqlen_q, seqlen_k, head_dim)
+
+
+@functools.lru_cache(maxsize=1024)
+def _attention_backend(device: str, forced_env: str, interpret_env: str, dtype: torch.dtype | None, causal: bool,
+                       seqlen_q: int | None, seqlen_k: int | None, head_dim: int | None) -> str:
     device = torch.device(device)
     forced = _forced_backend()
     if device.type != "cuda":

@@ -15,6 +15,7 @@ K/V may be any strided view (last dim contiguous), e.g. a run of GPU ring slots 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -124,10 +125,17 @@ def launch_plan(sq: int, heads: int, kv_heads: int, seqlen_k: int, head_dim: int
                 max_splits: int | None = None) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_R, row tiles, splits, keys per split) of a call; splits start on BLOCK_N boundaries.
     ``num_splits`` replaces the heuristic; ``max_splits`` caps it."""
-    if triton_interpret():
-        block_n = INTERPRET_BLOCK_N
-    else:
-        block_n = max(16, min(BLOCK_N, KV_TILE_BYTES // (head_dim * element_size)))
+    block_n = (INTERPRET_BLOCK_N if triton_interpret()
+               else max(16, min(BLOCK_N, KV_TILE_BYTES // (head_dim * element_size))))
+    # memoised (decode asks the same few questions every layer); the tuning globals are part of the key
+    return _launch_plan(sq, heads, kv_heads, seqlen_k, head_dim, device, num_splits, max_splits, block_n,
+                        MAX_TILE_ROWS, MAX_TILE_ELEMS, MIN_SPLIT_TOKENS, PROGRAMS_PER_SM, MAX_SPLITS)
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_plan(sq: int, heads: int, kv_heads: int, seqlen_k: int, head_dim: int, device: torch.device,
+                 num_splits: int | None, max_splits: int | None, block_n: int,
+                 *tuning: int) -> tuple[int, int, int, int, int]:
     rows = sq * (heads // kv_heads)
     block_r = _tile_rows(rows, head_dim)
     row_tiles = cdiv(rows, block_r)
@@ -212,9 +220,14 @@ class DecodePartials:
         Sq, H, D = q.shape
         self.triton = use_triton(q.device) and D in SUPPORTED_HEAD_DIMS and Sq > 0
         if self.triton:
-            capacity = max(1, max_sets) * splits_per_set
-            self.o_part = torch.empty((Sq, H, capacity, D), dtype=torch.float32, device=q.device)  # [Sq, H, S, D]
-            self.lse_part = torch.empty((Sq, H, capacity), dtype=torch.float32, device=q.device)  # [Sq, H, S] log2
+            self.capacity = capacity = max(1, max_sets) * splits_per_set
+            self.key = (q.device, _stream_id(q.device), Sq, H, D)
+            parts = _WORKSPACES.pop(self.key, None)
+            if parts is None or parts[1].shape[2] < capacity:
+                capacity = next_power_of_2(capacity)  # few sizes as the context grows
+                parts = (torch.empty((Sq, H, capacity, D), dtype=torch.float32, device=q.device),  # [Sq, H, S, D]
+                         torch.empty((Sq, H, capacity), dtype=torch.float32, device=q.device))  # [Sq, H, S] log2
+            self.o_part, self.lse_part = parts
         else:
             self.out: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -232,8 +245,8 @@ class DecodePartials:
         plan = launch_plan(Sq, H, k.shape[1], k.shape[0], D, q.element_size(), q.device,
                            max_splits=self.splits_per_set)
         first, num_splits = self.count, plan[3]
-        if first + num_splits > self.o_part.shape[2]:
-            raise RuntimeError(f"DecodePartials holds {self.o_part.shape[2]} splits; raise max_sets")
+        if first + num_splits > self.capacity:
+            raise RuntimeError(f"DecodePartials holds {self.capacity} splits; raise max_sets")
         o_part = self.o_part[:, :, first:first + num_splits]
         lse_part = self.lse_part[:, :, first:first + num_splits]
         _launch(q, k, v, o_part, o_part.stride(), lse_part, lse_part.stride(), self.scale, causal, plan, direct=False)
@@ -244,9 +257,22 @@ class DecodePartials:
         if not self.triton:
             return self.out if self.out is not None else _empty_result(self.q)
         if self.count == 0:
+            _WORKSPACES[self.key] = (self.o_part, self.lse_part)
             return _empty_result(self.q)
         Sq, H, D = self.q.shape
         o = alloc_output((Sq, H, D), self.q.dtype, self.q.device)
         lse = alloc_output((H, Sq), torch.float32, self.q.device)
         merge_splits(self.o_part[:, :, :self.count], self.lse_part[:, :, :self.count], o, lse)
+        # the reduce is queued on this stream: the next user on the same stream runs after it has read the parts
+        _WORKSPACES[self.key] = (self.o_part, self.lse_part)
         return o, lse
+
+
+# DecodePartials' split buffers, reused call after call (a decode step makes one per layer and sequence): keyed by
+# device, stream and query shape, grown to the next power of two when a call needs more; a DecodePartials takes
+# its buffers out while it is alive, so two never share them.
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _stream_id(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0

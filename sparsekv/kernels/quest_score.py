@@ -1,27 +1,33 @@
-"""Quest block scores for one decode query in one launch.
+"""Quest block scores and Quest's decode choice for one decode query.
 
-quest_block_shares(q [H, D], kmax/kmin [blocks, KVH, D], block_ids [n]) -> shares [KVH, n] fp32:
-for each candidate block and query head the per-channel upper bound of q.k over the block's keys,
-    bound = sum_d max(q_d * kmax_d, q_d * kmin_d),
-turned into an attention share by a softmax of bound * scale over the n blocks (per query head), then the
-largest share of the KV head's GQA group. Summing over KV heads (one small op) gives the block score Quest ranks.
+For a query head and a candidate block, bound = sum_d max(q_d * kmax_d, q_d * kmin_d) (q+ . kmax + q- . kmin) caps
+q.k over the block's keys; a softmax of bound * scale over the n candidates (per query head) turns it into an
+attention share, and a KV head needs a block as much as the most interested query head of its GQA group.
 
-One program per KV head: two passes over the candidates (online max/sum of the softmax, then the shares), the
-bounds recomputed in the second pass rather than stored. Replaces ~15 small torch ops per layer and decode step
-(gathers, casts, clamps, two einsums, softmax, max) whose launch costs dominated Quest's offloaded decode.
+quest_block_shares(q [H, D], kmax/kmin [blocks, KVH, D], block_ids [n]) -> shares [KVH, n] fp32: one program per KV
+head, two passes over the candidates (online softmax max/sum, then the shares; bounds recomputed, not stored).
+
+quest_select(..., keep) -> [keep] chosen ids (sink, newest, the keep - 2 middle blocks of largest share summed over KV
+heads) in one launch of grid (KVH, cdiv(n, BLOCK_B)): each program stores its KV head's scaled bounds for BLOCK_B
+candidates and their per-head partial softmax max/sum into an fp32 scratch, then bumps a cached device counter; the
+program that finishes last combines the partials, reads every bound once to score the n blocks, picks the keep, and
+resets the counter. Launches on one device must therefore be stream-ordered (they share the counter).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._dispatch import alloc_output, jit, next_power_of_2, tl, triton_interpret, use_triton
+from ._dispatch import alloc_output, cdiv, jit, next_power_of_2, tl, triton_interpret, use_triton
 
 __all__ = ["quest_block_shares", "quest_block_shares_reference", "quest_select", "quest_select_reference"]
 
-BLOCK_B = 16  # candidate blocks per inner step
+BLOCK_B = 16  # candidate blocks per bound tile
 NUM_WARPS = 4
-SELECT_MAX_CANDIDATES = 16384  # quest_select holds every candidate's score in one program
+SELECT_MAX_CANDIDATES = 16384  # quest_select's last program holds every candidate's score at once
+SELECT_TILE = 4096  # elements of the last program's [KVH, G, chunk] tiles of bounds and partials
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: quest_select's finished-program count, 0 between calls
 
 
 def quest_block_shares_reference(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, block_ids: torch.Tensor,
@@ -38,45 +44,28 @@ def quest_block_shares_reference(q: torch.Tensor, kmax: torch.Tensor, kmin: torc
 
 
 @jit
-def _kv_head_shares(Q, KMAX, KMIN, IDS, OUT, stride_qh, stride_kb, stride_kh, stride_mb, stride_mh, kv_head, n, scale,
-                    accumulate, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_B: tl.constexpr):
-    # OUT[b] (+)= max over the KV head's query heads of the block's softmax share, for the n candidates
-    offs_g = tl.arange(0, BLOCK_G)  # [G] query heads of the group (padded)
-    offs_d = tl.arange(0, HEAD_DIM)  # [D]
-    offs_b = tl.arange(0, BLOCK_B)  # [BB]
-    g_ok = offs_g < GROUP
+def _group_query(Q, stride_qh, kv_head, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # q+ and q- [BLOCK_G, 1, D] of the KV head's query heads (padding rows 0)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + (kv_head * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                mask=g_ok[:, None], other=0.0).to(tl.float32)  # [G, D]
-    q_pos = tl.maximum(q, 0.0)[:, None, :]  # [G, 1, D]
-    q_neg = tl.minimum(q, 0.0)[:, None, :]
+                mask=(offs_g < GROUP)[:, None], other=0.0).to(tl.float32)  # [G, D]
+    return tl.maximum(q, 0.0)[:, None, :], tl.minimum(q, 0.0)[:, None, :]
 
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    for start in range(0, n, BLOCK_B):  # pass 1: softmax max and sum over the candidates
-        b_ok = start + offs_b < n
-        ids = tl.load(IDS + start + offs_b, mask=b_ok, other=0).to(tl.int64)
-        hi = tl.load(KMAX + ids[:, None] * stride_kb + kv_head * stride_kh + offs_d[None, :],
-                     mask=b_ok[:, None], other=0.0).to(tl.float32)  # [BB, D]
-        lo = tl.load(KMIN + ids[:, None] * stride_mb + kv_head * stride_mh + offs_d[None, :],
-                     mask=b_ok[:, None], other=0.0).to(tl.float32)
-        s = tl.sum(q_pos * hi[None, :, :] + q_neg * lo[None, :, :], axis=2) * scale  # [G, BB]
-        s = tl.where(b_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
-        m_i = m_new
-    for start in range(0, n, BLOCK_B):  # pass 2: shares, max over the group
-        b_ok = start + offs_b < n
-        ids = tl.load(IDS + start + offs_b, mask=b_ok, other=0).to(tl.int64)
-        hi = tl.load(KMAX + ids[:, None] * stride_kb + kv_head * stride_kh + offs_d[None, :],
-                     mask=b_ok[:, None], other=0.0).to(tl.float32)
-        lo = tl.load(KMIN + ids[:, None] * stride_mb + kv_head * stride_mh + offs_d[None, :],
-                     mask=b_ok[:, None], other=0.0).to(tl.float32)
-        s = tl.sum(q_pos * hi[None, :, :] + q_neg * lo[None, :, :], axis=2) * scale  # [G, BB]
-        share = tl.exp(s - m_i[:, None]) / l_i[:, None]
-        share = tl.max(tl.where(g_ok[:, None], share, 0.0), axis=0)  # [BB]
-        share += tl.load(OUT + start + offs_b, mask=b_ok & accumulate, other=0.0)
-        tl.store(OUT + start + offs_b, share, mask=b_ok)
+
+@jit
+def _group_bounds(q_pos, q_neg, KMAX, KMIN, IDS, stride_kb, stride_kh, stride_mb, stride_mh, kv_head, start, n, scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_B: tl.constexpr):
+    # scaled bounds [G, BLOCK_B] of candidates start.. (-inf past n) and their mask [BLOCK_B]
+    offs_d = tl.arange(0, HEAD_DIM)
+    b_ok = start + tl.arange(0, BLOCK_B) < n
+    ids = tl.load(IDS + start + tl.arange(0, BLOCK_B), mask=b_ok, other=0).to(tl.int64)
+    hi = tl.load(KMAX + ids[:, None] * stride_kb + kv_head * stride_kh + offs_d[None, :],
+                 mask=b_ok[:, None], other=0.0).to(tl.float32)  # [BB, D]
+    lo = tl.load(KMIN + ids[:, None] * stride_mb + kv_head * stride_mh + offs_d[None, :],
+                 mask=b_ok[:, None], other=0.0).to(tl.float32)
+    s = tl.sum(q_pos * hi[None, :, :] + q_neg * lo[None, :, :], axis=2) * scale  # [G, BB]
+    return tl.where(b_ok[None, :], s, float("-inf")), b_ok
 
 
 @jit
@@ -86,33 +75,110 @@ def _quest_shares_kernel(
     n, scale,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
+    # OUT[kv_head, b] = max over the KV head's query heads of the block's softmax share
     kv_head = tl.program_id(0)
-    _kv_head_shares(Q, KMAX, KMIN, IDS, OUT + kv_head * stride_oh, stride_qh, stride_kb, stride_kh, stride_mb,
-                    stride_mh, kv_head, n, scale, False, GROUP, BLOCK_G, HEAD_DIM, BLOCK_B)
+    g_ok = tl.arange(0, BLOCK_G) < GROUP
+    offs_b = tl.arange(0, BLOCK_B)
+    q_pos, q_neg = _group_query(Q, stride_qh, kv_head, GROUP, BLOCK_G, HEAD_DIM)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for start in range(0, n, BLOCK_B):  # pass 1: softmax max and sum over the candidates
+        s, b_ok = _group_bounds(q_pos, q_neg, KMAX, KMIN, IDS, stride_kb, stride_kh, stride_mb, stride_mh, kv_head,
+                                start, n, scale, HEAD_DIM, BLOCK_B)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+        m_i = m_new
+    for start in range(0, n, BLOCK_B):  # pass 2: shares, max over the group
+        s, b_ok = _group_bounds(q_pos, q_neg, KMAX, KMIN, IDS, stride_kb, stride_kh, stride_mb, stride_mh, kv_head,
+                                start, n, scale, HEAD_DIM, BLOCK_B)
+        share = tl.exp(s - m_i[:, None]) / l_i[:, None]
+        share = tl.max(tl.where(g_ok[:, None], share, 0.0), axis=0)  # [BB]
+        tl.store(OUT + kv_head * stride_oh + start + offs_b, share, mask=b_ok)
+
+
+@jit
+def _chunk_scores(BOUNDS, width, row, row_ok, m, inv_l, start, n, CHUNK: tl.constexpr):
+    # [CHUNK] scores of candidates start..: shares from the stored bounds, max over each group, sum over KV heads
+    offs = start + tl.arange(0, CHUNK)
+    s = tl.load(BOUNDS + row * width + offs[None, None, :], mask=row_ok & (offs < width)[None, None, :],
+                other=float("-inf"), cache_modifier=".cg")  # [KVH, G, CHUNK], vectorised: a mask constant by 16
+    s = tl.where((offs < n)[None, None, :], s, float("-inf"))  # the rows' tails, never written
+    share = tl.exp(s - m[:, :, None]) * inv_l[:, :, None]  # padding rows and candidates: exp(-inf) = 0
+    return tl.sum(tl.max(share, axis=1), axis=0)
 
 
 @jit
 def _quest_select_kernel(
-    Q, KMAX, KMIN, IDS, SCORES, CHOSEN,
+    Q, KMAX, KMIN, IDS, SCRATCH, COUNTER, CHOSEN,
     stride_qh, stride_kb, stride_kh, stride_mb, stride_mh,
     n, scale, keep_middle,
-    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
+    CHUNK_P: tl.constexpr,
 ):
-    # one program: every KV head's shares summed into SCORES [n], then CHOSEN = sink, newest, best of the middle
-    for kv_head in range(KV_HEADS):
-        _kv_head_shares(Q, KMAX, KMIN, IDS, SCORES, stride_qh, stride_kb, stride_kh, stride_mb, stride_mh,
-                        kv_head, n, scale, kv_head > 0, GROUP, BLOCK_G, HEAD_DIM, BLOCK_B)
-        tl.debug_barrier()  # the next head (and the selection) reads what every thread stored
-    offs = tl.arange(0, BLOCK_N)
-    middle = (offs > 0) & (offs < n - 1)
-    score = tl.load(SCORES + offs, mask=middle, other=float("-inf"))  # [BLOCK_N]
-    tl.store(CHOSEN, tl.load(IDS))
-    tl.store(CHOSEN + 1, tl.load(IDS + n - 1))
-    for j in range(keep_middle):  # the keep_middle largest, one argmax at a time (keep is small)
-        best = tl.argmax(score, axis=0)
-        tl.store(CHOSEN + 2 + j, tl.load(IDS + best))
-        score = tl.where(offs == best, float("-inf"), score)
+    kv_head = tl.program_id(0)
+    part = tl.program_id(1)
+    parts = tl.num_programs(1)
+    # SCRATCH: scores [n], bounds [H, n], partial softmax max and sum [H, parts] each, in rows padded to multiples
+    # of 16 (width, pwidth) so that the last program's loads are vectorised
+    width = tl.cdiv(n, 16) * 16
+    pwidth = tl.cdiv(parts, 16) * 16
+    SCORES = SCRATCH
+    BOUNDS = SCORES + width
+    PEAK = BOUNDS + KV_HEADS * GROUP * width
+    MASS = PEAK + KV_HEADS * GROUP * pwidth
+
+    q_pos, q_neg = _group_query(Q, stride_qh, kv_head, GROUP, BLOCK_G, HEAD_DIM)
+    s, b_ok = _group_bounds(q_pos, q_neg, KMAX, KMIN, IDS, stride_kb, stride_kh, stride_mb, stride_mh, kv_head,
+                            part * BLOCK_B, n, scale, HEAD_DIM, BLOCK_B)  # [G, BB]
+    offs_g = tl.arange(0, BLOCK_G)
+    g_ok = offs_g < GROUP
+    head = kv_head * GROUP + offs_g  # [G] query heads
+    tl.store(BOUNDS + head[:, None] * width + (part * BLOCK_B + tl.arange(0, BLOCK_B))[None, :], s,
+             mask=g_ok[:, None] & b_ok[None, :])
+    peak = tl.max(s, axis=1)  # [G], finite: every program has a candidate
+    tl.store(PEAK + head * pwidth + part, peak, mask=g_ok)
+    tl.store(MASS + head * pwidth + part, tl.sum(tl.exp(s - peak[:, None]), axis=1), mask=g_ok)
+    tl.debug_barrier()  # every thread's stores come before the release below
+    finished = tl.atomic_add(COUNTER, 1, sem="acq_rel")  # the last to count sees every program's stores
+    if finished == KV_HEADS * parts - 1:
+        tl.store(COUNTER, 0)  # every program has counted: ready for the next launch
+        kv = tl.arange(0, BLOCK_KV)[:, None, None]
+        grp = tl.arange(0, BLOCK_G)[None, :, None]
+        row = kv * GROUP + grp  # [KVH, G, 1] query head
+        row_ok = (kv < KV_HEADS) & (grp < GROUP)
+        # each query head's softmax max and sum over all n candidates, from the programs' partial ones
+        offs_p = tl.arange(0, CHUNK_P)[None, None, :]
+        m = tl.full([BLOCK_KV, BLOCK_G], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([BLOCK_KV, BLOCK_G], dtype=tl.float32)
+        for start in range(0, parts, CHUNK_P):
+            p_in = row_ok & (start + offs_p < pwidth)  # constant by 16: vectorised, the rows' tails masked below
+            p_ok = start + offs_p < parts
+            pk = tl.load(PEAK + row * pwidth + start + offs_p, mask=p_in, other=0.0, cache_modifier=".cg")
+            pk = tl.where(p_ok, pk, float("-inf"))  # padding rows: max 0, sum > 0 (no inf - inf, no 1 / 0)
+            ms = tl.load(MASS + row * pwidth + start + offs_p, mask=p_in, other=1.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, tl.max(pk, axis=2))
+            l = l * tl.exp(m - m_new) + tl.sum(tl.where(p_ok, ms, 0.0) * tl.exp(pk - m_new[:, :, None]), axis=2)
+            m = m_new
+        inv_l = 1.0 / l  # [KVH, G]
+
+        offs = tl.arange(0, BLOCK_N)
+        middle = (offs > 0) & (offs < n - 1)
+        if CHUNK_N == BLOCK_N:  # every candidate in one tile: the scores stay in registers
+            score = tl.where(middle, _chunk_scores(BOUNDS, width, row, row_ok, m, inv_l, 0, n, CHUNK_N), float("-inf"))
+        else:
+            for start in range(0, n, CHUNK_N):
+                offs_c = start + tl.arange(0, CHUNK_N)
+                tl.store(SCORES + offs_c, _chunk_scores(BOUNDS, width, row, row_ok, m, inv_l, start, n, CHUNK_N),
+                         mask=offs_c < n)
+            tl.debug_barrier()  # the program's threads read back what the others stored
+            score = tl.where(middle, tl.load(SCORES + offs, mask=offs < width), float("-inf"))  # [BLOCK_N]
+        tl.store(CHOSEN, tl.load(IDS))
+        tl.store(CHOSEN + 1, tl.load(IDS + n - 1))
+        for j in range(keep_middle):  # the keep_middle largest, one argmax at a time (keep is small)
+            best = tl.argmax(score, axis=0)
+            tl.store(CHOSEN + 2 + j, tl.load(IDS + best))
+            score = tl.where(offs == best, float("-inf"), score)
 
 
 def quest_select_reference(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, block_ids: torch.Tensor,
@@ -131,22 +197,41 @@ def quest_select(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, block_
     n = block_ids.shape[0]
     if not 2 <= keep < n:
         raise ValueError(f"keep={keep} must be at least 2 and below the {n} candidates")
-    dim = q.shape[1]
+    heads, dim = q.shape
     block_n = next_power_of_2(n)
     if not use_triton(q.device) or dim != next_power_of_2(dim) or block_n > SELECT_MAX_CANDIDATES:
         return quest_select_reference(q, kmax, kmin, block_ids, scale, keep)
     q, kmax, kmin = _last_dim_contiguous(q, kmax, kmin)
-    group = q.shape[0] // kmax.shape[1]
-    scores = torch.empty(n, dtype=torch.float32, device=q.device)
+    kv_heads = kmax.shape[1]
+    group = heads // kv_heads
+    block_b = _block_b()
+    parts = cdiv(n, block_b)
+    block_kv, block_g = next_power_of_2(kv_heads), max(2, next_power_of_2(group))
+    chunk = max(2, (32 if triton_interpret() else SELECT_TILE) // (block_kv * block_g))  # small tiles: test chunking
+    width, pwidth = cdiv(n, 16) * 16, cdiv(parts, 16) * 16
+    scratch = alloc_output(((heads + 1) * width + 2 * heads * pwidth,), torch.float32, q.device)  # see the kernel
     chosen = torch.empty(keep, dtype=torch.int64, device=q.device)  # the kernel writes every entry
-    _quest_select_kernel[(1,)](
-        q, kmax, kmin, block_ids, scores, chosen,
+    _quest_select_kernel[(kv_heads, parts)](
+        q, kmax, kmin, block_ids, scratch, _counter(q.device), chosen,
         q.stride(0), kmax.stride(0), kmax.stride(1), kmin.stride(0), kmin.stride(1),
         n, float(scale), keep - 2,
-        KV_HEADS=kmax.shape[1], GROUP=group, BLOCK_G=max(2, next_power_of_2(group)), HEAD_DIM=dim,
-        BLOCK_B=8 if triton_interpret() else BLOCK_B, BLOCK_N=block_n, num_warps=NUM_WARPS,
+        KV_HEADS=kv_heads, GROUP=group, BLOCK_KV=block_kv, BLOCK_G=block_g, HEAD_DIM=dim, BLOCK_B=block_b,
+        BLOCK_N=block_n, CHUNK_N=min(chunk, block_n), CHUNK_P=min(chunk, next_power_of_2(parts)),
+        num_warps=NUM_WARPS,
     )
     return chosen
+
+
+def _counter(device: torch.device) -> torch.Tensor:
+    """The device's int32 program counter, zeroed once: each quest_select launch leaves it at 0."""
+    counter = _COUNTERS.get(device)
+    if counter is None:
+        counter = _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
+def _block_b() -> int:
+    return 8 if triton_interpret() else BLOCK_B
 
 
 def _check(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, block_ids: torch.Tensor) -> None:
@@ -182,7 +267,6 @@ def quest_block_shares(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, 
         q, kmax, kmin, block_ids, out,
         q.stride(0), kmax.stride(0), kmax.stride(1), kmin.stride(0), kmin.stride(1), out.stride(0),
         n, float(scale),
-        GROUP=group, BLOCK_G=max(2, next_power_of_2(group)), HEAD_DIM=dim,
-        BLOCK_B=8 if triton_interpret() else BLOCK_B, num_warps=NUM_WARPS,
+        GROUP=group, BLOCK_G=max(2, next_power_of_2(group)), HEAD_DIM=dim, BLOCK_B=_block_b(), num_warps=NUM_WARPS,
     )
     return out

@@ -34,9 +34,24 @@ class _Streams:
         self.h2d = torch.cuda.Stream(device)
         self.d2h = torch.cuda.Stream(device)
         self.slot_loaded = [torch.cuda.Event() for _ in range(num_slots)]
-        self.slot_free = [torch.cuda.Event() for _ in range(num_slots)]
+        # the event after the attention that last read each slot; the slots of one group share one event, taken
+        # round-robin from a pool (a re-recorded event only makes a later wait more conservative, never wrong)
+        self.slot_free: list[torch.cuda.Event | None] = [None] * num_slots
+        self.free_pool = [torch.cuda.Event() for _ in range(2 * num_slots)]
+        self.free_next = 0
         self.layer_offloaded = [torch.cuda.Event() for _ in range(num_layers)]
         self.layer_written = [torch.cuda.Event() for _ in range(num_layers)]
+        # offloads issued per layer, and the count each stream last waited for: a stream that already waited for
+        # the layer's latest offload skips the wait (one CUDA call less per layer and group on the decode path)
+        self.offloads = [0] * num_layers
+        self.waited: dict[tuple[int, int], int] = {}
+
+    def wait_offloaded(self, stream: torch.cuda.Stream, layer: int) -> None:
+        """Make `stream` wait until the layer's offloads so far reached the host."""
+        key = (stream.cuda_stream, layer)
+        if self.waited.get(key) != self.offloads[layer]:
+            stream.wait_event(self.layer_offloaded[layer])
+            self.waited[key] = self.offloads[layer]
 
 
 class OffloadEngine:
@@ -53,6 +68,7 @@ class OffloadEngine:
         self.prefill_v = torch.empty_like(self.prefill_k)
         self.decode_k = torch.empty((max_num_seqs, L, bs, kvh, d), dtype=dtype, device=device)
         self.decode_v = torch.empty_like(self.decode_k)
+        self._decode_kv_rows = (self.decode_k.view(-1, kvh, d), self.decode_v.view(-1, kvh, d))  # [max_seqs*L*bs, ...]
         self.streams = _Streams(device, num_gpu_blocks, L)
         self.policy_hooks = list(policy_hooks)  # policies whose on_*_offload hooks see offloaded keys
         self.next_slot = 0
@@ -110,7 +126,7 @@ class OffloadEngine:
         with len(ids) blocks gathered into consecutive slots. The gather kernel runs on the compute stream, so it
         is ordered after the attention that last read those slots; the host never sees the ids."""
         if self.streams.cuda:  # the blocks reached the host
-            torch.cuda.current_stream(self.device).wait_event(self.streams.layer_offloaded[layer])
+            self.streams.wait_offloaded(torch.cuda.current_stream(self.device), layer)
         offsets = self._device_slab_offsets()
         for start in range(0, len(block_ids), self.num_slots):
             group = block_ids[start:start + self.num_slots]
@@ -141,9 +157,13 @@ class OffloadEngine:
         s = self.streams
         if s.cuda:
             with torch.cuda.stream(s.h2d):
-                for slot in range(first, first + len(blocks)):
-                    s.h2d.wait_event(s.slot_free[slot])  # the attention that last read this slot is done
-                s.h2d.wait_event(s.layer_offloaded[layer])  # the blocks reached the host
+                last = None
+                for slot in range(first, first + len(blocks)):  # the attention that last read these slots is done
+                    event = s.slot_free[slot]
+                    if event is not None and event is not last:
+                        s.h2d.wait_event(event)
+                        last = event
+                s.wait_offloaded(s.h2d, layer)  # the blocks reached the host
                 self._copy_runs(layer, first, blocks)
                 s.slot_loaded[first].record(s.h2d)
         else:
@@ -174,10 +194,13 @@ class OffloadEngine:
         return self.k_slots[first:first + count].flatten(0, 1), self.v_slots[first:first + count].flatten(0, 1)
 
     def record_slots_compute_done(self, first: int, count: int) -> None:
-        if self.streams.cuda:
-            stream = torch.cuda.current_stream(self.device)
+        s = self.streams
+        if s.cuda:  # one event for the group (a decode step is bound by such host calls)
+            event = s.free_pool[s.free_next]
+            s.free_next = (s.free_next + 1) % len(s.free_pool)
+            event.record(torch.cuda.current_stream(self.device))
             for slot in range(first, first + count):
-                self.streams.slot_free[slot].record(stream)
+                s.slot_free[slot] = event
 
     # ---- prefill buffer: the chunk being written
     def ensure_prefill_capacity(self, num_tokens: int) -> None:
@@ -208,7 +231,7 @@ class OffloadEngine:
 
     def wait_prefill_offload(self, layer: int) -> None:
         if self.streams.cuda:
-            torch.cuda.current_stream(self.device).wait_event(self.streams.layer_offloaded[layer])
+            self.streams.wait_offloaded(torch.cuda.current_stream(self.device), layer)
 
     # ---- decode buffer: each sequence's unfinished block
     def get_decode_layer_kv(self, row: int, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,9 +248,9 @@ class OffloadEngine:
     def write_decode_tokens(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots [B] int64 on the device (a row of decode_slots); k, v [B, KVH, D]
         self.wait_prefill_offload(layer)
-        self.decode_k.view(-1, *k.shape[1:]).index_copy_(0, slots, k)  # [max_seqs * L * bs, KVH, D]
-        self.decode_v.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
-        self._mark_written(layer)
+        k_rows, v_rows = self._decode_kv_rows
+        k_rows.index_copy_(0, slots, k)
+        v_rows.index_copy_(0, slots, v)  # offload_decode_buffer_async marks the layer written when it needs to
 
     def copy_prefill_tail_to_decode(self, layer: int, row: int, start: int, n: int) -> None:
         """The partial last block of a finished prefill continues in the sequence's decode buffer."""
@@ -238,6 +261,7 @@ class OffloadEngine:
         keys = self.decode_k[row, layer]
         for policy in self.policy_hooks:
             policy.on_decode_offload(cpu_block, layer, keys, self.block_size)
+        self._mark_written(layer)
         self._offload(layer, cpu_block, keys, self.decode_v[row, layer])
 
     # ---- shared
@@ -255,6 +279,7 @@ class OffloadEngine:
                 host_k[:n].copy_(k, non_blocking=True)
                 host_v[:n].copy_(v, non_blocking=True)
                 s.layer_offloaded[layer].record(s.d2h)
+            s.offloads[layer] += 1
         else:
             host_k[:n].copy_(k)
             host_v[:n].copy_(v)

@@ -124,9 +124,9 @@ class OffloadKVStore(KVStore):
     def _decode(self, layer: int, q, k, v, scale: float, context: Context) -> torch.Tensor:
         engine = self.engine
         engine.write_decode_tokens(layer, self.decode_slots[layer], k, v)
-        out = torch.empty_like(q)
-        for b, seq in enumerate(context.seqs):
-            out[b:b + 1] = self.decode_policy.compute_chunked_decode(q[b:b + 1], layer, scale, engine, self, seq)
+        outs = [self.decode_policy.compute_chunked_decode(q[b:b + 1], layer, scale, engine, self, seq)
+                for b, seq in enumerate(context.seqs)]  # each [1, H, D]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         for b in self.filled:
             seq = context.seqs[b]
             engine.offload_decode_buffer_async(layer, self.decode_rows[seq.seq_id][1],

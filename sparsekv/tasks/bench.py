@@ -12,7 +12,8 @@ and ratios are None.
 Floors:
   prefill      = prefill FLOPs (linear layers + causal attention) / measured dense GEMM rate
   decode (HBM) = (weight bytes + KV bytes of the context) / measured HBM copy bandwidth, per step
-  decode (PCIe, offload=cpu) = KV bytes of the context / measured pinned H2D bandwidth, per step
+  decode (PCIe, offload=cpu) = KV bytes loaded per step (as the store counted them; a block-selecting policy
+               loads less than the context) / measured pinned H2D bandwidth; without counts, the context's KV bytes
 The decode ratio is held against the larger (binding) of the decode floors.
 """
 from __future__ import annotations
@@ -223,11 +224,28 @@ def run(cfg: DictConfig) -> dict:
     floor = (lambda key: floors.get(key) if floors else None)
     matmul, hbm, h2d = floor("matmul_tflops"), floor("hbm_gbps"), floor("h2d_gbps")
 
+    loaded_floor_s = None  # offloaded: the bytes the store loaded per step over the measured H2D rate
+    # ---- bytes the KV store says it moved (offload stores that count them)
+    if end_transfers is not None:
+        prefill_moved = _numeric_delta(progress.after_prefill, start_transfers)
+        decode_moved = _numeric_delta(end_transfers, progress.after_prefill)
+        per_step = {k: v / stats.decode_steps for k, v in decode_moved.items()} if stats.decode_steps else None
+        figures["kv_transfer"] = {"prefill": prefill_moved, "decode": decode_moved, "decode_per_step": per_step,
+                                  "raw": end_transfers}
+        h2d_keys = [k for k in (per_step or {}) if "h2d" in k.lower() and "byte" in k.lower()]
+        if h2d_keys and h2d:
+            loaded = sum(per_step[k] for k in h2d_keys)
+            figures["decode_h2d_bytes_per_step"] = loaded
+            loaded_floor_s = loaded / (h2d * 1e9)
+            figures["decode_loaded_floor_ms"] = 1e3 * loaded_floor_s
+            figures["decode_loaded_ratio"] = _ratio(decode_median_s, loaded_floor_s)
+
     prefill_floor_s = flops / (matmul * 1e12) if matmul else None
     decode_hbm_floor_s = dbytes / (hbm * 1e9) if hbm else None
     offloaded = figures["offload"] == "cpu"
     decode_pcie_floor_s = kv_context_bytes / (h2d * 1e9) if (offloaded and h2d) else None
-    binding = [f for f in (decode_hbm_floor_s, decode_pcie_floor_s) if f]
+    # a block-selecting policy loads less than the whole context: its floor is what it loaded
+    binding = [f for f in (decode_hbm_floor_s, loaded_floor_s or decode_pcie_floor_s) if f]
     decode_floor_s = max(binding) if binding else None
     ms = (lambda seconds: 1e3 * seconds if seconds is not None else None)
     figures.update({
@@ -245,20 +263,6 @@ def run(cfg: DictConfig) -> dict:
         "decode_floor_ms": ms(decode_floor_s),
         "decode_ratio": _ratio(decode_median_s, decode_floor_s),
     })
-
-    # ---- bytes the KV store says it moved (offload stores that count them)
-    if end_transfers is not None:
-        prefill_moved = _numeric_delta(progress.after_prefill, start_transfers)
-        decode_moved = _numeric_delta(end_transfers, progress.after_prefill)
-        per_step = {k: v / stats.decode_steps for k, v in decode_moved.items()} if stats.decode_steps else None
-        figures["kv_transfer"] = {"prefill": prefill_moved, "decode": decode_moved, "decode_per_step": per_step,
-                                  "raw": end_transfers}
-        h2d_keys = [k for k in (per_step or {}) if "h2d" in k.lower() and "byte" in k.lower()]
-        if h2d_keys and h2d:
-            loaded = sum(per_step[k] for k in h2d_keys)
-            figures["decode_h2d_bytes_per_step"] = loaded
-            figures["decode_loaded_floor_ms"] = 1e3 * loaded / (h2d * 1e9)
-            figures["decode_loaded_ratio"] = _ratio(decode_median_s, loaded / (h2d * 1e9))
 
     figures.update(engine.peak_memory())
     figures.setdefault("gpu_peak_gib", None)
