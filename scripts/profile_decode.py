@@ -40,9 +40,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     model = [] if any(o.startswith("model=") for o in args.overrides) else ["model=qwen3_4b", "model.load_format=dummy"]
+    total = args.warmup + 2 * args.steps + 4
+    if not any(o.startswith("scheduler.max_model_len=") for o in args.overrides):  # as task=bench: room for the run
+        model.append(f"scheduler.max_model_len={args.context + total + 1}")
     llm = LLM(overrides=[*model, *args.overrides])
     engine = llm.engine
-    total = args.warmup + 2 * args.steps + 4
     engine.generate(random_prompts(1, 256, engine.spec.vocab_size, 1),
                     SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True))  # compile and capture
     seq = engine.add_request(random_prompts(1, args.context, engine.spec.vocab_size, 0)[0],
