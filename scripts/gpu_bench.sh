@@ -126,19 +126,6 @@ section_gather() {  # issue 4: the zero-copy block gather (tests, GB/s against c
     tar czf "$OUT/profile.tgz" -C "$OUT" profile && rm -rf "$OUT/profile"
 }
 
-section_session3() {  # one call: the quest kernels' GPU tests, full vs quest offloaded decode at 128K, 8K eager vs segmented
-    timeout 120 python3 -m pytest -q -m gpu tests/test_block_gather.py tests/test_quest_score.py tests/test_policies.py \
-        tests/test_cuda_graph.py 2>&1 | tail -5
-    section_offload
-    bench cpu-quest2-128k   "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 bench.context=131072
-    bench cpu-8k-eager      "${QWEN[@]}" offload=cpu graph=eager bench.context=8192
-    bench cpu-8k-segmented  "${QWEN[@]}" offload=cpu graph=segmented bench.context=8192
-    mkdir -p "$OUT/profile"
-    timeout 150 python3 scripts/profile_decode.py --name cpu-quest-32k --context 32768 --out "$OUT/profile" \
-        offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0 2>&1 | grep -v '^\s*$' | head -40
-    tar czf "$OUT/profile.tgz" -C "$OUT" profile && rm -rf "$OUT/profile"
-}
-
 section_prefill() {  # issues 2 and 3: resident prefill by chunk budget, HF on the same GPU, offloaded prefill (~5 min)
     bench none-32k          "${QWEN[@]}" offload=none bench.context=32768 scheduler.max_num_batched_tokens=8192
     bench none-32k-c16k     "${QWEN[@]}" offload=none bench.context=32768 scheduler.max_num_batched_tokens=16384
@@ -263,9 +250,9 @@ section_summary() {
 [ $# -gt 0 ] || set -- info tests bench
 for SECTION in "$@"; do
     case "$SECTION" in
-        check|final|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|session3|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
+        check|final|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
         summary) ;;
-        *) echo "usage: OUT=dir $0 [check|final|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|session3|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
+        *) echo "usage: OUT=dir $0 [check|final|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
     esac
 done
 [ -d "$OUT/bench" ] && section_summary

@@ -185,9 +185,6 @@ def test_measured_ceilings_are_none_on_cpu():
     assert measured["matmul_tflops"] is None and measured["hbm_gbps"] is None
 
 
-# ------------------------------------------------------------------------------------------ GPU host
-
-
 def test_block_selecting_policy_is_held_to_the_bytes_it_loads(tmp_path, monkeypatch):
     """Offloaded decode's PCIe floor is the KV it actually loaded: quest with a small budget loads a few blocks of
     the context, so its floor is that, not the whole context's KV (the ratio would read below 1)."""
@@ -201,6 +198,9 @@ def test_block_selecting_policy_is_held_to_the_bytes_it_loads(tmp_path, monkeypa
     assert 0 < loaded < context_floor / 4  # 2 of the 20 blocks per layer
     assert record["decode_floor_ms"] == pytest.approx(max(loaded, record["decode_hbm_floor_ms"]))
     assert record["decode_ratio"] == pytest.approx(record["decode_ms_per_token"] / record["decode_floor_ms"])
+
+
+# ------------------------------------------------------------------------------------------ GPU host
 
 
 @pytest.mark.gpu

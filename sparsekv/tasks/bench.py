@@ -224,8 +224,8 @@ def run(cfg: DictConfig) -> dict:
     floor = (lambda key: floors.get(key) if floors else None)
     matmul, hbm, h2d = floor("matmul_tflops"), floor("hbm_gbps"), floor("h2d_gbps")
 
-    loaded_floor_s = None  # offloaded: the bytes the store loaded per step over the measured H2D rate
     # ---- bytes the KV store says it moved (offload stores that count them)
+    loaded_floor_s = None  # offloaded: the bytes the store loaded per step over the measured H2D rate
     if end_transfers is not None:
         prefill_moved = _numeric_delta(progress.after_prefill, start_transfers)
         decode_moved = _numeric_delta(end_transfers, progress.after_prefill)
