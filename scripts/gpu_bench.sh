@@ -207,38 +207,17 @@ section_sweep_hf() {  # full attention with HF transformers beside it (GPU cache
     sweep sweep-full-hf offload=cpu policy=full bench.context=8192,32768,131072 bench.baseline=true
 }
 
-section_check() {  # session 4, first call: host memory, the device-side Quest path's GPU tests, quest vs full at 128K,
-                  # the issue-5 figures (4K graphed, 8K eager/segmented) and a Quest step profile (~7 min)
-    { free -g; grep -E "MemTotal|MemAvailable" /proc/meminfo; cat /sys/fs/cgroup/memory.max 2>/dev/null; } | tee "$OUT/host_memory.log"
-    timeout 150 python3 -m pytest -q -m gpu tests/test_block_gather.py tests/test_quest_score.py tests/test_policies.py \
-        tests/test_decode_attention.py 2>&1 | tail -8
+section_offload_graphs() {  # issues 4 and 5: offloaded decode captured per KV layout (graph=auto: cudagraph) beside
+                           # segmented and eager, Quest at 128K against full attention (~8 min)
+    timeout 200 python3 -m pytest -q -m gpu tests/test_cuda_graph.py tests/test_decode_attention.py tests/test_offload.py \
+        tests/test_policies.py tests/test_block_gather.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -12
     bench cpu-quest-128k    "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0 bench.context=131072
-    bench cpu-quest2-128k   "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 bench.context=131072
+    bench cpu-8k-cudagraph  "${QWEN[@]}" offload=cpu graph=cudagraph bench.context=8192
     bench cpu-128k          "${QWEN[@]}" offload=cpu bench.context=131072
-    bench none-4k-graph-b1  "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096
-    bench cpu-8k-eager      "${QWEN[@]}" offload=cpu graph=eager bench.context=8192
-    bench cpu-8k-segmented  "${QWEN[@]}" offload=cpu graph=segmented bench.context=8192
-    mkdir -p "$OUT/profile"
-    timeout 120 python3 scripts/profile_decode.py --name cpu-quest-32k --context 32768 --out "$OUT/profile" \
-        offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0 2>&1 | grep -v '^\s*$' | head -60
-    tar czf "$OUT/profile.tgz" -C "$OUT" profile && rm -rf "$OUT/profile"
-}
-
-section_final() {  # session 4, last call: GPU tests of the changed decode path, then quest / full / 8K figures (~7 min)
-    timeout 150 python3 -m pytest -q -m gpu tests/test_quest_score.py tests/test_decode_attention.py \
-        tests/test_block_gather.py tests/test_offload.py tests/test_policies.py \
-        tests/test_cuda_graph.py::test_gpu_graph_tokens_equal_eager \
-        tests/test_cuda_graph.py::test_gpu_segmented_with_a_block_selecting_policy 2>&1 | tail -12
-    bench cpu-quest-128k    "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0 bench.context=131072
-    bench cpu-128k          "${QWEN[@]}" offload=cpu bench.context=131072
-    bench cpu-8k-segmented  "${QWEN[@]}" offload=cpu graph=segmented bench.context=8192
-    bench cpu-8k-eager      "${QWEN[@]}" offload=cpu graph=eager bench.context=8192
-    bench cpu-quest2-128k   "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 bench.context=131072
     bench cpu-32k           "${QWEN[@]}" offload=cpu bench.context=32768
-    mkdir -p "$OUT/profile"
-    timeout 90 python3 scripts/profile_decode.py --name cpu-quest-128k --context 131072 --steps 6 --out "$OUT/profile" \
-        offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0 2>&1 | grep -v '^\s*$' | head -30
-    tar czf "$OUT/profile.tgz" -C "$OUT" profile && rm -rf "$OUT/profile"
+    bench cpu-quest2-128k   "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 bench.context=131072
+    bench cpu-8k-segmented  "${QWEN[@]}" offload=cpu graph=segmented bench.context=8192
+    bench cpu-8k-eager      "${QWEN[@]}" offload=cpu graph=eager bench.context=8192
 }
 
 section_summary() {
@@ -250,9 +229,9 @@ section_summary() {
 [ $# -gt 0 ] || set -- info tests bench
 for SECTION in "$@"; do
     case "$SECTION" in
-        check|final|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
+        offload_graphs|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
         summary) ;;
-        *) echo "usage: OUT=dir $0 [check|final|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
+        *) echo "usage: OUT=dir $0 [offload_graphs|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
     esac
 done
 [ -d "$OUT/bench" ] && section_summary

@@ -136,7 +136,8 @@ def build_engine(cfg: DictConfig) -> LLMEngine:
     check_offload_config(cfg)
     graph_cfg = cfg.get("graph")
     check_graph_config(graph_cfg)
-    graph_mode = resolve_graph_mode(graph_settings(graph_cfg)[0], cfg.offload.mode, device)
+    decode_policy = policy if policy.supports_decode else registry().policies["full"]
+    graph_mode = resolve_graph_mode(graph_settings(graph_cfg)[0], cfg.offload.mode, device, decode_policy)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, spec, cls, device, dtype, cfg.seed)
     kv_store = build_kv_store(cfg, spec, dtype, device, max_model_len, policy)

@@ -53,6 +53,7 @@ def test_bench_tiny_cpu_end_to_end(tmp_path, capsys):
     assert record["decode_ms_per_token"] > 0 and record["decode_ms_per_token_mean"] > 0 and record["decode_tok_s"] > 0
     assert record["host_peak_rss_gib"] > 0
     assert record["decode_context"] == 302
+    assert record["graph"]["mode"] == "eager" and record["graph"]["num_graphs"] == 0  # graph=auto without CUDA
     # tiny, float32, tied: the weights are exactly param_count x 4 bytes
     spec = spec_from_model_config(record_cfg_model(record))
     assert record["weight_bytes"] == floors.param_count(spec) * 4
@@ -225,3 +226,6 @@ def test_gpu_bench_tiny_reports_floors_and_ratios(tmp_path):
         assert record[key] > 0, key
     assert record["decode_pcie_floor_ms"] is None  # offload=none
     assert record["prefill_ratio"] >= 1 and record["decode_ratio"] >= 1
+    graph = record["graph"]  # graph=auto: the whole step captured per batch size, replayed for every step
+    assert graph["mode"] == "cudagraph" and graph["capture_seconds"] > 0 and graph["graph_pool_bytes"] > 0
+    assert graph["replayed_steps"] >= 8

@@ -14,6 +14,7 @@ import torch
 from sparsekv import LLM, SamplingParams
 from sparsekv.config import GraphMode, OffloadMode
 from sparsekv.engine.cuda_graph import CudaGraphRunner, attach_graph_runner, capture_batch_sizes, resolve_graph_mode
+from sparsekv.engine.offload_graph import OffloadGraphRunner
 from sparsekv.engine.segmented_graph import SegmentedGraphRunner
 from sparsekv.policies.full import FullAttentionPolicy
 from tests.conftest import random_prompt
@@ -42,6 +43,7 @@ class TopHalfPolicy(FullAttentionPolicy):
     scores highest against the query (a host sync per selection), plus the newest block."""
     name: str = "test_top_half"
     requires_block_selection: ClassVar[bool] = True
+    decode_graph_safe: ClassVar[bool] = False  # its choice is a host list made from the query
 
     def initialize(self, num_layers, num_kv_heads, head_dim, num_cpu_blocks, dtype, device) -> None:
         self.means: dict[tuple[int, int], torch.Tensor] = {}
@@ -121,22 +123,26 @@ def test_auto_is_the_default_and_every_mode_composes():
 @pytest.mark.parametrize("offload", list(OffloadMode))
 def test_resolution_on_cuda(offload, monkeypatch):
     monkeypatch.delenv("SPARSEKV_ATTN_BACKEND", raising=False)
-    auto = resolve_graph_mode("auto", offload, CUDA)
-    assert auto == (GraphMode.cudagraph if offload == OffloadMode.none else GraphMode.segmented)
+    assert resolve_graph_mode("auto", offload, CUDA) == GraphMode.cudagraph
+    assert resolve_graph_mode("cudagraph", offload, CUDA) == GraphMode.cudagraph
     assert resolve_graph_mode("segmented", offload, CUDA) == GraphMode.segmented
     assert resolve_graph_mode("eager", offload, CUDA) == GraphMode.eager
-    if offload == OffloadMode.none:
-        assert resolve_graph_mode("cudagraph", offload, CUDA) == GraphMode.cudagraph
-    else:
-        with pytest.raises(ValueError, match=r"graph.mode=cudagraph .*use graph=segmented"):
-            resolve_graph_mode("cudagraph", offload, CUDA)
+    # a decode policy whose block choice needs per-token host state cannot have its steps captured offloaded
+    unsafe = TopHalfPolicy()
+    if offload == OffloadMode.cpu:
+        assert resolve_graph_mode("auto", offload, CUDA, unsafe) == GraphMode.segmented
+        with pytest.raises(ValueError, match=r"policy=test_top_half sets decode_graph_safe=False.*graph=segmented"):
+            resolve_graph_mode("cudagraph", offload, CUDA, unsafe)
+    else:  # offload=none decodes densely whatever the policy
+        assert resolve_graph_mode("cudagraph", offload, CUDA, unsafe) == GraphMode.cudagraph
 
 
-def test_cudagraph_needs_the_capturable_paged_kernel(monkeypatch):
-    monkeypatch.setenv("SPARSEKV_ATTN_BACKEND", "torch")  # the paged-decode reference syncs with the host
-    with pytest.raises(ValueError, match=r"graph.mode=cudagraph needs the Triton paged-decode kernel"):
-        resolve_graph_mode("cudagraph", "none", CUDA)
-    assert resolve_graph_mode("auto", "none", CUDA) == GraphMode.segmented
+@pytest.mark.parametrize("offload", list(OffloadMode))
+def test_cudagraph_needs_the_capturable_triton_kernels(offload, monkeypatch):
+    monkeypatch.setenv("SPARSEKV_ATTN_BACKEND", "torch")  # the decode references sync with the host
+    with pytest.raises(ValueError, match=r"graph.mode=cudagraph needs the Triton decode kernels"):
+        resolve_graph_mode("cudagraph", offload, CUDA)
+    assert resolve_graph_mode("auto", offload, CUDA) == GraphMode.segmented
 
 
 def test_auto_is_eager_without_cuda():
@@ -245,6 +251,52 @@ def test_emulated_segmented_with_a_block_selecting_policy(qwen3_ckpt, policy):
     assert want != dense_tokens or policy != "test_top_half"  # the selection matters for the tokens
 
 
+# ---------------------------------------------------------------- offload=cpu, graph=cudagraph: per-layout graphs
+@pytest.mark.parametrize("policy", ["full", "quest"])
+def test_emulated_offload_cudagraph_gives_the_eager_tokens_and_loads(qwen3_ckpt, policy):
+    """The whole offloaded step captured per layout and replayed: the eager tokens and h2d counts, for a batch whose
+    sequences fill blocks at different steps (the layout changes, a filling step runs eagerly), and at batch 1."""
+    extra = [] if policy == "full" else policy_overrides(policy)
+    eager = LLM(str(qwen3_ckpt), overrides=CPU + OFFLOAD + extra + ["graph=eager"])
+    want = (tokens(eager, SELECTING_PROMPTS), tokens(eager, ONE))
+    llm = emulated(qwen3_ckpt, OFFLOAD, "cudagraph", *extra)
+    runner = llm.engine.runner.graph_runner
+    assert isinstance(runner, OffloadGraphRunner) and llm.engine.kv_store.static_decode_inputs is not None
+    assert tokens(llm, SELECTING_PROMPTS) == want[0]
+    assert runner.replayed_steps + runner.eager_steps == DECODE_STEPS
+    assert runner.replayed_steps >= DECODE_STEPS // 2 and runner.stats["layout_captures"] >= 2
+    assert len(runner.graphs) <= runner.MAX_GRAPHS
+    assert tokens(llm, ONE) == want[1]
+    assert llm.engine.kv_store.transfer_stats == eager.engine.kv_store.transfer_stats  # replays count their loads
+
+    # a graph reads the device-side id lists it was captured with: once they are forgotten (a block filled, the
+    # engine went idle, or too many lists), the same sequences and blocks make a new layout, never an old graph's
+    engine = llm.engine
+    seq = engine.add_request(ONE[0], GREEDY)
+    engine.step()  # prefill
+    engine.step()  # a decode step: the sequence has a decode row now
+    store = engine.kv_store
+    layout = store.decode_layout([seq])
+    assert store.decode_layout([seq]) == layout
+    store.engine.forget_device_ids()
+    assert store.decode_layout([seq]) != layout
+    engine.abort(seq)
+
+
+def test_offload_cudagraph_falls_back_to_eager_when_a_capture_fails(qwen3_ckpt, eager_tokens, caplog):
+    llm = emulated(qwen3_ckpt, OFFLOAD, "cudagraph")
+    runner = llm.engine.runner.graph_runner
+
+    def failing_capture(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    runner.capturer.capture = failing_capture
+    with caplog.at_level("WARNING"):
+        assert tokens(llm, ONE) == eager_tokens["cpu"][0]
+    assert runner.disabled and runner.replayed_steps == 0 and runner.eager_steps == DECODE_STEPS
+    assert "decode_graph_safe=False" in caplog.text
+
+
 # ---------------------------------------------------------------- GPU: real graphs, exact tokens
 @gpu
 @needs_cuda
@@ -263,6 +315,29 @@ def test_gpu_graph_tokens_equal_eager(qwen3_ckpt, dtype, store, mode):
     assert got[1] == want[1], "batch of 3 (padded to 4)"
     runner = llm.engine.runner.graph_runner
     assert runner.replayed_steps == 2 * DECODE_STEPS and runner.eager_steps == 0
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("policy", ["full", "quest"])
+def test_gpu_offload_cudagraph_tokens_equal_eager(qwen3_ckpt, policy, dtype):
+    """Real per-layout graphs over the offloaded store (copy-engine loads on a branch of the graph, Quest's gathers
+    from pinned memory, copy streams and events around the replays): eager tokens and loads, batches whose blocks
+    fill at different steps, and batch 1."""
+    extra = [] if policy == "full" else policy_overrides(policy)
+    overrides = ["device=cuda", f"dtype={dtype}", *OFFLOAD, *extra]
+    eager = LLM(str(qwen3_ckpt), overrides=overrides + ["graph=eager"])
+    want = (tokens(eager, SELECTING_PROMPTS), tokens(eager, ONE))
+    loads = dict(eager.engine.kv_store.transfer_stats)
+    del eager
+    llm = LLM(str(qwen3_ckpt), overrides=overrides)  # graph=auto: cudagraph
+    runner = llm.engine.runner.graph_runner
+    assert isinstance(runner, OffloadGraphRunner)
+    assert tokens(llm, SELECTING_PROMPTS) == want[0], "batch of 3"
+    assert tokens(llm, ONE) == want[1], "batch of 1"
+    assert not runner.disabled and runner.replayed_steps >= DECODE_STEPS
+    assert llm.engine.kv_store.transfer_stats == loads
 
 
 @gpu
@@ -296,12 +371,12 @@ def test_gpu_segmented_with_a_block_selecting_policy(qwen3_ckpt, policy):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("store, mode", [("none", "cudagraph"), ("cpu", "segmented")])
+@pytest.mark.parametrize("store, mode", [("none", "cudagraph"), ("cpu", "cudagraph")])
 def test_gpu_auto_picks_the_mode_and_large_batches_fall_back(qwen3_ckpt, store, mode):
     overrides = ["device=cuda", "dtype=bfloat16", *(NONE if store == "none" else OFFLOAD)]
     eager = tokens(LLM(str(qwen3_ckpt), overrides=overrides + ["graph=eager"]), THREE)
     llm = LLM(str(qwen3_ckpt), overrides=overrides + ["graph.max_batch_size=2"])  # graph=auto
-    assert llm.engine.graph_stats["mode"] == mode and llm.engine.graph_stats["batch_sizes"] == [1, 2]
+    assert llm.engine.graph_stats["mode"] == mode and llm.engine.runner.graph_runner.max_batch_size == 2
     assert tokens(llm, THREE) == eager
     runner = llm.engine.runner.graph_runner
     assert runner.eager_steps == DECODE_STEPS and runner.replayed_steps == 0

@@ -15,7 +15,7 @@ import torch
 from sparsekv.kernels import _dispatch, flash_attn_with_lse, flash_attn_with_lse_reference
 from sparsekv.kernels import attention as attention_module
 from sparsekv.kernels import decode_attention as decode_module
-from sparsekv.kernels.decode_attention import DecodePartials, choose_num_splits, decode_attention
+from sparsekv.kernels.decode_attention import DecodePartials, choose_num_splits, decode_attention, launch_plan
 from tests.test_kernels import DEV, _check_attn, _qkv
 
 pytestmark = pytest.mark.usefixtures("triton_kernels")
@@ -161,6 +161,24 @@ def test_decode_partials_merge_key_sets(sizes, kernel_calls):
     _check_attn(partials.finish(), flash_attn_with_lse_reference(q, k, v, d ** -0.5), torch.float32)
     assert len(kernel_calls) == sum(1 for n in sizes if n), "one split-kernel launch per non-empty key set"
     assert partials.count <= 3 * len(sizes)
+
+
+@pytest.mark.parametrize("length", [1, 31, 64, 65, 200])
+def test_decode_partials_device_length(length, kernel_calls):
+    """add(..., length=t) over a 200-key buffer attends to its first t keys only, t read on the device: the same
+    launch (grid, splits) serves every t, as a replayed graph needs; the other keys may hold anything."""
+    q, k, v = _qkv(1, 200, 8, 2, 32, seed=length)
+    k[length:], v[length:] = 1e4, float("nan")  # never read as keys: they would swamp or poison the result
+    tail = torch.tensor([length], dtype=torch.int64, device=q.device)
+    partials = DecodePartials(q, 32 ** -0.5, max_sets=2, splits_per_set=4)
+    partials.add(k, v, length=tail)
+    _, head_k, head_v = _qkv(1, 50, 8, 2, 32, seed=99)
+    partials.add(head_k, head_v)
+    want = flash_attn_with_lse_reference(q, torch.cat([k[:length], head_k]), torch.cat([v[:length], head_v]),
+                                         32 ** -0.5)
+    _check_attn(partials.finish(), want, torch.float32)
+    _, _, row_tiles, splits, _ = launch_plan(1, 8, 2, 200, 32, 4, q.device, max_splits=4)
+    assert splits > 1 and kernel_calls[0] == (row_tiles, 2, splits)  # planned from the buffer, not from t
 
 
 def test_decode_partials_reuse_their_buffers_but_never_share_them(kernel_calls):

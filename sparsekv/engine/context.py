@@ -28,7 +28,7 @@ class Context:
     is_prefill: bool
     kv_store: Any
     seqs: list[Sequence]
-    slot_mapping: torch.Tensor  # [N] int64: block_id * block_size + offset of each new token
+    slot_mapping: torch.Tensor | None = None  # [N] int64: block_id * block_size + offset (paged store)
     chunks: list[PrefillChunk] = field(default_factory=list)  # prefill only
     block_tables: torch.Tensor | None = None  # decode: [B, max_blocks] int32
     context_lens: torch.Tensor | None = None  # decode: [B] int32, including the new token

@@ -8,6 +8,9 @@ holds the batch. Padding rows write their keys to the KV store's scratch slot an
 (context length 0). The paged decode kernel's split plan depends on `max_context_len`, so the graph passes the
 constant width * block_size: no host sync and the same kernels at every replay.
 
+cudagraph (offload=cpu): the whole decode step, host KV loads included, one graph per KV layout, in
+sparsekv/engine/offload_graph.py.
+
 segmented (offload=cpu): per-layer graphs around eager attention, in sparsekv/engine/segmented_graph.py.
 
 All graphs share one memory pool and are captured after the KV pools are allocated, before the first decode;
@@ -56,14 +59,16 @@ def _enum(value, cls):
     return value if isinstance(value, cls) else cls(getattr(value, "value", value))
 
 
-def resolve_graph_mode(mode, offload, device: torch.device) -> GraphMode:
+def resolve_graph_mode(mode, offload, device: torch.device, decode_policy=None) -> GraphMode:
     """The decode mode a run uses; a mode the run cannot use is a ValueError that names graph.mode and the fix.
 
-    auto: cudagraph for offload=none, segmented for offload=cpu on CUDA; eager without CUDA.
+    auto on CUDA: cudagraph when the Triton kernels are in use (and, offloaded, the decode policy allows captured
+    steps: SparsePolicy.decode_graph_safe), else segmented; eager without CUDA.
     """
     from sparsekv.kernels._dispatch import ENV_BACKEND, use_triton
 
     mode, offload = _enum(mode, GraphMode), _enum(offload, OffloadMode)
+    graph_safe = getattr(decode_policy, "decode_graph_safe", True)
     if mode == GraphMode.eager:
         return mode
     if device.type != "cuda":
@@ -71,19 +76,18 @@ def resolve_graph_mode(mode, offload, device: torch.device) -> GraphMode:
             return GraphMode.eager
         raise ValueError(f"graph.mode={mode.value} needs a CUDA device, but this run is on {device.type}: CUDA graphs "
                          "replay captured GPU kernels. Use graph=eager, or graph=auto (eager without CUDA)")
-    paged_kernel = use_triton(device)  # the torch reference of paged decode syncs with the host: not capturable
+    triton = use_triton(device)  # the torch references of the decode kernels sync with the host: not capturable
+    offloaded = offload == OffloadMode.cpu
     if mode == GraphMode.auto:
-        if offload == OffloadMode.none and paged_kernel:
-            return GraphMode.cudagraph
-        return GraphMode.segmented
-    if mode == GraphMode.cudagraph and offload == OffloadMode.cpu:
-        raise ValueError("graph.mode=cudagraph captures whole decode steps, but with offload=cpu the attention "
-                         "streams host KV blocks under host control and cannot be captured; use graph=segmented "
-                         "(or graph=auto) with offload=cpu")
-    if mode == GraphMode.cudagraph and not paged_kernel:
-        raise ValueError(f"graph.mode=cudagraph needs the Triton paged-decode kernel, but the attention backend is "
+        return GraphMode.cudagraph if triton and (graph_safe or not offloaded) else GraphMode.segmented
+    if mode == GraphMode.cudagraph and not triton:
+        raise ValueError(f"graph.mode=cudagraph needs the Triton decode kernels, but the attention backend is "
                          f"the torch reference (triton missing, or {ENV_BACKEND}=torch), which syncs with the host; "
                          "install triton / unset the variable, or use graph=segmented (attention stays eager)")
+    if mode == GraphMode.cudagraph and offloaded and not graph_safe:
+        raise ValueError(f"graph.mode=cudagraph replays captured decode steps, but policy="
+                         f"{getattr(decode_policy, 'name', decode_policy)} sets decode_graph_safe=False (its block "
+                         "choice depends on per-token host state); use graph=segmented or graph=auto")
     return mode
 
 
@@ -136,10 +140,15 @@ class _Capturer:
         self.graphs: list = []
         self.stream = None if emulate else torch.cuda.Stream(device)
 
-    def capture(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
-        out = fn()  # warm-up
+    def capture(self, fn: Callable[[], Any], warmup: bool = True,
+                private_pool: bool = False) -> tuple[Callable[[], None], Any]:
+        """(replay, outputs) of `fn` captured. warmup=False: the caller just ran `fn` eagerly (kernels compiled).
+        private_pool: the graph gets a pool of its own, freed with it (the caller keeps the replay alive); else it
+        shares this capturer's pool and lives as long as the capturer."""
+        out = fn() if warmup or self.emulate else None  # emulated: the "capture" runs fn
         if self.emulate:
-            self.graphs.append(fn)
+            if not private_pool:
+                self.graphs.append(fn)
             return functools.partial(self._emulated_replay, fn, out), out
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self.device)
@@ -147,12 +156,14 @@ class _Capturer:
         # capture_begin/end rather than `with torch.cuda.graph(...)`, which runs gc.collect() and empty_cache()
         # at every capture: hundreds of segmented captures would take many seconds.
         with torch.cuda.stream(self.stream):
-            graph.capture_begin(pool=self.pool)
+            graph.capture_begin(pool=None if private_pool else self.pool)
             try:
                 out = fn()
             finally:
                 graph.capture_end()
         current.wait_stream(self.stream)
+        if private_pool:
+            return graph.replay, out
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs.append(graph)
@@ -326,7 +337,11 @@ def attach_graph_runner(engine, mode, graph_cfg=None, *, emulate: bool = False) 
         _, max_batch, sizes = graph_settings(graph_cfg)
         max_num_seqs = int(engine.config.scheduler.max_num_seqs)
         sizes = capture_batch_sizes(min(max_batch or max_num_seqs, max_num_seqs), sizes)
-        if mode == GraphMode.cudagraph:
+        if mode == GraphMode.cudagraph and _enum(engine.config.offload.mode, OffloadMode) == OffloadMode.cpu:
+            from sparsekv.engine.offload_graph import OffloadGraphRunner  # imports this module
+
+            runner = OffloadGraphRunner(engine.model, engine.kv_store, engine.device, sizes[-1], emulate)
+        elif mode == GraphMode.cudagraph:
             runner = CudaGraphRunner(engine.model, engine.kv_store, engine.device, sizes, engine.max_model_len,
                                      emulate)
         else:
@@ -334,6 +349,7 @@ def attach_graph_runner(engine, mode, graph_cfg=None, *, emulate: bool = False) 
 
             runner = SegmentedGraphRunner(engine.model, engine.kv_store, engine.device, sizes, emulate)
         stats.update(runner.capture())
+        runner.stats = stats  # one live dict: a runner that captures later (per KV layout) keeps it current
         engine.runner.graph_runner = runner
     engine.graph_stats = stats
     return stats

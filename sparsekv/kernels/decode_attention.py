@@ -53,13 +53,15 @@ def _decode_split_kernel(
     stride_vn, stride_vh, stride_vd,
     stride_opm, stride_oph, stride_ops, stride_opd,
     stride_lpm, stride_lph, stride_lps,
-    Sq, Sk, qk_scale, split_len,
+    Sq, Sk, SK_PTR, qk_scale, split_len,
     GROUP: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
+    BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, DIRECT: tl.constexpr, SK_ON_DEVICE: tl.constexpr,
 ):
     row_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if SK_ON_DEVICE:  # the valid keys are a prefix of k/v whose length only the device knows (graph replays)
+        Sk = tl.load(SK_PTR).to(tl.int32)
     start = split * split_len
     end = tl.minimum(start + split_len, Sk)
 
@@ -147,16 +149,19 @@ def _launch_plan(sq: int, heads: int, kv_heads: int, seqlen_k: int, head_dim: in
     return block_n, block_r, row_tiles, cdiv(seqlen_k, split_len), split_len
 
 
-def _launch(q, k, v, out, out_strides, lse, lse_strides, scale: float, causal: bool, plan, direct: bool) -> None:
+def _launch(q, k, v, out, out_strides, lse, lse_strides, scale: float, causal: bool, plan, direct: bool,
+            length: torch.Tensor | None = None) -> None:
     """Phase 1 over k/v with launch_plan's `plan`: out/lse are the final o/lse (direct) or split partials, with
-    the (m, h, s, d) / (m, h, s) strides the kernel indexes them by."""
+    the (m, h, s, d) / (m, h, s) strides the kernel indexes them by. `length` (a device integer tensor, first
+    element used) makes only the first `length` keys of k/v valid, read on the device."""
     block_n, block_r, row_tiles, num_splits, split_len = plan
     Sq, H, D = q.shape
     Sk, KVH, _ = k.shape
     _decode_split_kernel[(row_tiles, KVH, num_splits)](
         q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out_strides, *lse_strides,
-        Sq, Sk, scale * LOG2E, split_len, GROUP=H // KVH, BLOCK_R=block_r, HEAD_DIM=D, BLOCK_N=block_n,
-        IS_CAUSAL=bool(causal), DIRECT=direct, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        Sq, Sk, q if length is None else length, scale * LOG2E, split_len, GROUP=H // KVH, BLOCK_R=block_r,
+        HEAD_DIM=D, BLOCK_N=block_n, IS_CAUSAL=bool(causal), DIRECT=direct, SK_ON_DEVICE=length is not None,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
@@ -221,8 +226,9 @@ class DecodePartials:
         self.triton = use_triton(q.device) and D in SUPPORTED_HEAD_DIMS and Sq > 0
         if self.triton:
             self.capacity = capacity = max(1, max_sets) * splits_per_set
-            self.key = (q.device, _stream_id(q.device), Sq, H, D)
-            parts = _WORKSPACES.pop(self.key, None)
+            # under CUDA-graph capture the buffers come from the graph's pool and stay its own
+            self.key = None if _capturing(q.device) else (q.device, _stream_id(q.device), Sq, H, D)
+            parts = _WORKSPACES.pop(self.key, None) if self.key is not None else None
             if parts is None or parts[1].shape[2] < capacity:
                 capacity = next_power_of_2(capacity)  # few sizes as the context grows
                 parts = (torch.empty((Sq, H, capacity, D), dtype=torch.float32, device=q.device),  # [Sq, H, S, D]
@@ -231,11 +237,16 @@ class DecodePartials:
         else:
             self.out: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def add(self, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> None:
-        """Attend q to k/v [Sk, KVH, D] (bottom-right causal if asked) and keep the result for finish()."""
+    def add(self, k: torch.Tensor, v: torch.Tensor, causal: bool = False, length: torch.Tensor | None = None) -> None:
+        """Attend q to k/v [Sk, KVH, D] (bottom-right causal if asked) and keep the result for finish().
+        `length` ([1] integer tensor on q's device, 1 <= length <= Sk): only the first `length` keys count, read
+        by the kernel on the device (a captured decode step replays with a new length every token)."""
         if k.shape[0] == 0:
             return
         if not self.triton:
+            if length is not None:  # the reference path: a host sync is fine here
+                n = int(length.reshape(-1)[0])
+                k, v = k[:n], v[:n]
             part = flash_attn_with_lse(self.q, k, v, self.scale, causal)
             self.out = part if self.out is None else merge_attention_outputs(*self.out, *part)
             return
@@ -249,7 +260,8 @@ class DecodePartials:
             raise RuntimeError(f"DecodePartials holds {self.capacity} splits; raise max_sets")
         o_part = self.o_part[:, :, first:first + num_splits]
         lse_part = self.lse_part[:, :, first:first + num_splits]
-        _launch(q, k, v, o_part, o_part.stride(), lse_part, lse_part.stride(), self.scale, causal, plan, direct=False)
+        _launch(q, k, v, o_part, o_part.stride(), lse_part, lse_part.stride(), self.scale, causal, plan, direct=False,
+                length=length)
         self.count = first + num_splits
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,21 +269,28 @@ class DecodePartials:
         if not self.triton:
             return self.out if self.out is not None else _empty_result(self.q)
         if self.count == 0:
-            _WORKSPACES[self.key] = (self.o_part, self.lse_part)
+            self._release()
             return _empty_result(self.q)
         Sq, H, D = self.q.shape
         o = alloc_output((Sq, H, D), self.q.dtype, self.q.device)
         lse = alloc_output((H, Sq), torch.float32, self.q.device)
         merge_splits(self.o_part[:, :, :self.count], self.lse_part[:, :, :self.count], o, lse)
-        # the reduce is queued on this stream: the next user on the same stream runs after it has read the parts
-        _WORKSPACES[self.key] = (self.o_part, self.lse_part)
+        self._release()  # the reduce is queued on this stream: the next user on it runs after the reduce read them
         return o, lse
+
+    def _release(self) -> None:
+        if self.key is not None:
+            _WORKSPACES[self.key] = (self.o_part, self.lse_part)
 
 
 # DecodePartials' split buffers, reused call after call (a decode step makes one per layer and sequence): keyed by
 # device, stream and query shape, grown to the next power of two when a call needs more; a DecodePartials takes
 # its buffers out while it is alive, so two never share them.
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _stream_id(device: torch.device) -> int:

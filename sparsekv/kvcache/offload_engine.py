@@ -12,6 +12,12 @@ keeps loading layer L+1's blocks while layer L computes.
 Two ways into the ring: copy engines for block lists the host knows (stream_block_groups), and a gather kernel
 reading pinned memory directly for lists that exist only on the device (gather_block_groups: a block-selecting
 policy's choice, loaded without a host sync).
+
+Decode steps can be captured into CUDA graphs (sparsekv/engine/offload_graph.py): between begin_capture and
+end_capture the copy-engine loads become memcpy nodes on a branch of the graph, ordered by events recorded inside
+the capture only (a slot's first load waits for a fork event at the start of the capture, later ones for the
+attention that last read the slot, as in eager steps), and nothing waits for offloads; the runner orders each
+replay after pending offloads and later loads after the replay (before_graph_replay / after_graph_replay).
 """
 from __future__ import annotations
 
@@ -75,6 +81,11 @@ class OffloadEngine:
         self.block_bytes = bs * kvh * d * dtype.itemsize  # one of K or V, one layer
         self.transfer_stats = {"h2d_bytes": 0, "d2h_bytes": 0, "h2d_blocks": 0, "d2h_blocks": 0}
         self._slab_offsets: torch.Tensor | None = None  # [2, num_slabs] int64 on the device, for the gather
+        self.capturing = False  # a decode step is being captured into a CUDA graph (begin_capture)
+        self._capture_fork: torch.cuda.Event | None = None  # recorded in the capture before its first load
+        self._device_ids: dict[tuple[int, ...], torch.Tensor] = {}  # block id lists -> [n] int64 on the device
+        self.device_ids_generation = 0  # bumped when those are forgotten: graphs captured before must not replay
+        self._replay_offloads = 0  # offloads the last replay waited for
 
     # ---- ring of GPU slots: load, wait, read, release
     def load_to_slot_layer(self, slot: int, layer: int, cpu_block: int) -> None:
@@ -125,7 +136,7 @@ class OffloadEngine:
         """Like stream_block_groups for host block ids held in a device tensor [n] int64: yields (first_slot, ids)
         with len(ids) blocks gathered into consecutive slots. The gather kernel runs on the compute stream, so it
         is ordered after the attention that last read those slots; the host never sees the ids."""
-        if self.streams.cuda:  # the blocks reached the host
+        if self.streams.cuda and not self.capturing:  # the blocks reached the host
             self.streams.wait_offloaded(torch.cuda.current_stream(self.device), layer)
         offsets = self._device_slab_offsets()
         for start in range(0, len(block_ids), self.num_slots):
@@ -135,6 +146,28 @@ class OffloadEngine:
             self.transfer_stats["h2d_bytes"] += 2 * self.block_bytes * len(group)
             self.transfer_stats["h2d_blocks"] += len(group)
             yield first, group
+
+    MAX_DEVICE_ID_LISTS = 256
+
+    def device_block_ids(self, blocks: list[int]) -> torch.Tensor:
+        """[n] int64 on the device holding `blocks`, one copy per distinct list, kept until forget_device_ids()
+        (a captured graph reads the tensor it was captured with)."""
+        key = tuple(blocks)
+        ids = self._device_ids.get(key)
+        if ids is None:
+            if self.capturing:
+                raise RuntimeError("OffloadEngine.device_block_ids: a new block list while capturing a CUDA graph; "
+                                   "the eager step before the capture must have made it")
+            if len(self._device_ids) >= self.MAX_DEVICE_ID_LISTS:
+                self.forget_device_ids()
+            ids = torch.tensor(key, dtype=torch.int64, pin_memory=self.streams.cuda).to(self.device,
+                                                                                       non_blocking=True)
+            self._device_ids[key] = ids
+        return ids
+
+    def forget_device_ids(self) -> None:
+        self._device_ids.clear()
+        self.device_ids_generation += 1
 
     def _device_slab_offsets(self) -> torch.Tensor:
         """Where each host slab starts, for the gather kernel; refreshed when the pool grows (rare)."""
@@ -156,14 +189,16 @@ class OffloadEngine:
         first = self._allocate_slots(size)
         s = self.streams
         if s.cuda:
+            fork = self._fork_event() if self.capturing else None  # recorded on the capturing stream
             with torch.cuda.stream(s.h2d):
                 last = None
                 for slot in range(first, first + len(blocks)):  # the attention that last read these slots is done
-                    event = s.slot_free[slot]
+                    event = s.slot_free[slot] or fork
                     if event is not None and event is not last:
                         s.h2d.wait_event(event)
                         last = event
-                s.wait_offloaded(s.h2d, layer)  # the blocks reached the host
+                if not self.capturing:
+                    s.wait_offloaded(s.h2d, layer)  # the blocks reached the host
                 self._copy_runs(layer, first, blocks)
                 s.slot_loaded[first].record(s.h2d)
         else:
@@ -230,7 +265,7 @@ class OffloadEngine:
         self._offload(layer, cpu_block, keys, self.prefill_v[layer, start:start + n])
 
     def wait_prefill_offload(self, layer: int) -> None:
-        if self.streams.cuda:
+        if self.streams.cuda and not self.capturing:
             self.streams.wait_offloaded(torch.cuda.current_stream(self.device), layer)
 
     # ---- decode buffer: each sequence's unfinished block
@@ -240,10 +275,15 @@ class OffloadEngine:
     def decode_slots(self, rows: list[int], offsets: list[int]) -> torch.Tensor:
         """[L, B] int64 on the device: where each sequence's new token goes in the decode buffer, per layer (flat
         index into [max_seqs * L * block_size]); built once per step so that each layer's write is one copy."""
+        table = self.decode_slot_table(rows, offsets)
+        return torch.tensor(table, dtype=torch.int64, pin_memory=self.streams.cuda).to(
+            self.device, non_blocking=True).view(-1, len(rows))
+
+    def decode_slot_table(self, rows: list[int], offsets: list[int]) -> list[int]:
+        """decode_slots' [L * B] values, layer-major, on the host."""
         num_layers, bs = self.decode_k.shape[1], self.block_size
-        table = [[(row * num_layers + layer) * bs + offset for row, offset in zip(rows, offsets)]
-                 for layer in range(num_layers)]
-        return torch.tensor(table, dtype=torch.int64, pin_memory=self.streams.cuda).to(self.device, non_blocking=True)
+        return [(row * num_layers + layer) * bs + offset for layer in range(num_layers)
+                for row, offset in zip(rows, offsets)]
 
     def write_decode_tokens(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots [B] int64 on the device (a row of decode_slots); k, v [B, KVH, D]
@@ -285,6 +325,45 @@ class OffloadEngine:
             host_v[:n].copy_(v)
         self.transfer_stats["d2h_bytes"] += 2 * n * self.block_bytes // self.block_size
         self.transfer_stats["d2h_blocks"] += 1
+
+    # ---- captured decode steps
+    def begin_capture(self) -> None:
+        """Work captured from now on runs at replay time: forget the events recorded outside the graph."""
+        self.capturing = True
+        if self.streams.cuda:
+            self.streams.slot_free = [None] * self.num_slots
+
+    def end_capture(self) -> None:
+        """Back to eager work: the events recorded during the capture mean nothing outside the graph; later loads
+        wait for everything queued on the compute stream so far."""
+        self.capturing = False
+        self._capture_fork = None
+        self.after_graph_replay({})
+
+    def _fork_event(self) -> "torch.cuda.Event":
+        if self._capture_fork is None:  # the copy stream joins the capture here
+            self._capture_fork = torch.cuda.Event()
+            self._capture_fork.record(torch.cuda.current_stream(self.device))
+        return self._capture_fork
+
+    def before_graph_replay(self) -> None:
+        """Order a replay after every offload issued so far (its gathers read those host blocks)."""
+        s = self.streams
+        if s.cuda and sum(s.offloads) != self._replay_offloads:
+            torch.cuda.current_stream(self.device).wait_stream(s.d2h)
+            self._replay_offloads = sum(s.offloads)
+
+    def after_graph_replay(self, moved: dict[str, int]) -> None:
+        """A replay read every ring slot and moved `moved` (its captured transfer counts): later loads into the
+        ring wait for it."""
+        for key, value in moved.items():
+            self.transfer_stats[key] += value
+        s = self.streams
+        if s.cuda:
+            event = s.free_pool[s.free_next]
+            s.free_next = (s.free_next + 1) % len(s.free_pool)
+            event.record(torch.cuda.current_stream(self.device))
+            s.slot_free = [event] * self.num_slots
 
     def synchronize(self) -> None:
         if self.streams.cuda:

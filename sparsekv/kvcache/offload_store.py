@@ -41,6 +41,9 @@ class OffloadKVStore(KVStore):
         self.decode_rows: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (seq, row of the decode buffer)
         self.free_rows = list(range(max_num_seqs))
         self.filled: list[int] = []  # decode: batch indices whose block fills this step
+        self.num_layers, self.max_num_seqs = num_layers, max_num_seqs
+        # captured decode steps (use_static_decode_inputs): each step's decode slots and tail lengths
+        self.static_decode_inputs: torch.Tensor | None = None
 
     @property
     def transfer_stats(self) -> dict[str, int]:
@@ -69,10 +72,27 @@ class OffloadKVStore(KVStore):
         """Decode: host blocks before the block of the token being computed."""
         return seq.block_table[: (len(seq) - 1) // self.block_size]
 
-    def decode_tail(self, seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode: the unfinished block's keys and values so far, the new token included."""
-        return self.engine.get_decode_layer_kv(self.decode_rows[seq.seq_id][1], layer,
-                                               (len(seq) - 1) % self.block_size + 1)
+    def decode_tail(self, seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Decode: (k, v, length) of the unfinished block, the new token included. Eager steps: k/v [n, KVH, D] hold
+        exactly its n tokens and length is None. Captured steps: k/v are the whole block [block_size, KVH, D] and
+        length [1] on the device counts the valid rows (a replay does not know n on the host)."""
+        row = self.decode_rows[seq.seq_id][1]
+        if self.static_decode_inputs is None:
+            return (*self.engine.get_decode_layer_kv(row, layer, (len(seq) - 1) % self.block_size + 1), None)
+        return (*self.engine.get_decode_layer_kv(row, layer, self.block_size), self._tail_lengths[seq.seq_id])
+
+    # ---- captured decode steps
+    def use_static_decode_inputs(self) -> None:
+        """Captured decode (graph.mode=cudagraph): each step's decode slots and tail lengths go to one fixed
+        device buffer, so a step replays with nothing but that buffer changed."""
+        self.static_decode_inputs = torch.zeros(self.max_num_seqs * (self.num_layers + 1), dtype=torch.int64,
+                                                device=self.device)
+
+    def decode_layout(self, seqs: list[Sequence]) -> tuple:
+        """What a captured decode step bakes in: per sequence its decode row and full host blocks, the host slabs
+        the gather reads, and the device-side id lists it was captured with."""
+        return (len(self.host.k_slabs), self.engine.device_ids_generation,
+                *((self.decode_rows[s.seq_id][1], *self.full_blocks(s)) for s in seqs))
 
     # ---- step
     def _row(self, seq: Sequence, in_step: set[int]) -> int:
@@ -96,7 +116,18 @@ class OffloadKVStore(KVStore):
             return
         offsets = [(len(seq) - 1) % self.block_size for seq in context.seqs]
         self.filled = [b for b, seq in enumerate(context.seqs) if len(seq) % self.block_size == 0]
-        self.decode_slots = self.engine.decode_slots(rows, offsets)  # [L, B]
+        if self.static_decode_inputs is None:
+            self.decode_slots = self.engine.decode_slots(rows, offsets)  # [L, B]
+            return
+        # one copy: [L * B] decode slots, then [B] tail lengths (a graph is captured per batch size, so the views
+        # of one B are the same buffers at every replay)
+        host = self.engine.decode_slot_table(rows, offsets) + [offset + 1 for offset in offsets]
+        static = self.static_decode_inputs[:len(host)]
+        static.copy_(torch.tensor(host, dtype=torch.int64, pin_memory=self.device.type == "cuda"), non_blocking=True)
+        batch = len(rows)
+        self.decode_slots = static[:-batch].view(-1, batch)  # [L, B]
+        self._tail_lengths = {seq.seq_id: static[len(host) - batch + b:len(host) - batch + b + 1]
+                              for b, seq in enumerate(context.seqs)}  # each [1]
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                context: Context) -> torch.Tensor:
@@ -137,6 +168,7 @@ class OffloadKVStore(KVStore):
         entry = self.decode_rows.pop(seq.seq_id, None)
         if entry is not None:
             self.free_rows.append(entry[1])
-        if not self.decode_rows:  # idle: per-sequence policy state can go
+        if not self.decode_rows:  # idle: per-sequence policy state and device-side id lists can go
+            self.engine.forget_device_ids()
             for policy in {id(p): p for p in (self.prefill_policy, self.decode_policy)}.values():
                 policy.reset()

@@ -44,6 +44,11 @@ class SparsePolicy:
     supports_prefill: ClassVar[bool] = True
     supports_decode: ClassVar[bool] = True
     requires_block_selection: ClassVar[bool] = False
+    # graph.mode=cudagraph with offload=cpu captures a decode step once per layout (each sequence's full host
+    # blocks) and replays it until a block fills: select_blocks / select_blocks_on_device must then depend only on
+    # the candidate list, the layer and device tensors (ctx.query), not on per-token host state such as
+    # ctx.total_kv_len. A policy that cannot promise this sets False and decodes with graph=segmented.
+    decode_graph_safe: ClassVar[bool] = True
 
     # ---- optional hooks
     def initialize(self, num_layers: int, num_kv_heads: int, head_dim: int, num_cpu_blocks: int,
@@ -103,7 +108,7 @@ class SparsePolicy:
     def compute_chunked_decode(self, q: torch.Tensor, layer_id: int, softmax_scale: float,
                                offload_engine: "OffloadEngine", kvcache_manager, seq: "Sequence") -> torch.Tensor:
         """q [1, H, D] of one sequence's new token -> [1, H, D]."""
-        k_tail, v_tail = kvcache_manager.decode_tail(seq, layer_id)
+        k_tail, v_tail, tail_length = kvcache_manager.decode_tail(seq, layer_id)
         blocks = kvcache_manager.full_blocks(seq)
         chosen = None
         if blocks:
@@ -117,7 +122,7 @@ class SparsePolicy:
             blocks, groups = chosen, offload_engine.gather_block_groups(layer_id, chosen)
         # one split buffer for the tail and every ring group, merged by one reduce (decode is launch-bound)
         partials = DecodePartials(q, softmax_scale, max_sets=1 + offload_engine.num_block_groups(len(blocks)))
-        partials.add(k_tail, v_tail)
+        partials.add(k_tail, v_tail, length=tail_length)
         for first, group in groups:
             k_slots, v_slots = offload_engine.get_kv_for_slots(first, len(group))  # [n * block_size, KVH, D]
             partials.add(k_slots, v_slots)

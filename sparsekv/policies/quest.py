@@ -136,21 +136,23 @@ class QuestPolicy(SparsePolicy):
                                 ctx: PolicyContext) -> torch.Tensor | None:
         """The chosen block ids [keep] int64 on the device (sink, newest, then the best of the middle), or None
         when every block loads (dense layer, short sequence, budget covering all)."""
-        return self._choose(available_blocks, ctx)
+        return self._choose(available_blocks, offload_engine, ctx)
 
     def select_blocks(self, available_blocks: list[int], offload_engine: "OffloadEngine",
                       ctx: PolicyContext) -> list[int]:
-        chosen = self._choose(available_blocks, ctx)
+        chosen = self._choose(available_blocks, offload_engine, ctx)
         return available_blocks if chosen is None else sorted(chosen.tolist())  # host sync
 
-    def _choose(self, available_blocks: list[int], ctx: PolicyContext) -> torch.Tensor | None:
+    def _choose(self, available_blocks: list[int], offload_engine: "OffloadEngine | None",
+                ctx: PolicyContext) -> torch.Tensor | None:
         n = len(available_blocks)
         if ctx.layer_id < self.dense_layers or n <= self.threshold_blocks:
             return None
         keep = max(self.budget_blocks(ctx.block_size), 2)
         if n <= keep:
             return None
-        ids = self._device_ids(available_blocks, ctx.query.device)
+        ids = (self._device_ids(available_blocks, ctx.query.device) if offload_engine is None
+               else offload_engine.device_block_ids(available_blocks))  # the engine's copies outlive graph captures
         if ctx.query.shape[0] == 1 and self._kmax is not None and self._kmin is not None:  # decode: one launch
             return quest_select(ctx.query[0], self._kmax.data[ctx.layer_id], self._kmin.data[ctx.layer_id], ids,
                                 ctx.query.shape[-1] ** -0.5, keep)

@@ -71,8 +71,8 @@ class SequenceKVViews:
     def full_blocks(self, seq) -> list[int]:
         return seq.block_table[: (len(seq) - 1) // self.block_size]
 
-    def decode_tail(self, seq, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.engine.get_decode_layer_kv(self.row, layer, (len(seq) - 1) % self.block_size + 1)
+    def decode_tail(self, seq, layer: int) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return (*self.engine.get_decode_layer_kv(self.row, layer, (len(seq) - 1) % self.block_size + 1), None)
 
 
 @dataclass

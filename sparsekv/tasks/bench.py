@@ -264,6 +264,10 @@ def run(cfg: DictConfig) -> dict:
         "decode_ratio": _ratio(decode_median_s, decode_floor_s),
     })
 
+    # decode graphs: capture time and memory (captured at build; offload=cpu captures per KV layout as it goes)
+    runner = engine.runner.graph_runner
+    figures["graph"] = {**engine.graph_stats, **({"replayed_steps": runner.replayed_steps,
+                                                   "eager_steps": runner.eager_steps} if runner else {})}
     figures.update(engine.peak_memory())
     figures.setdefault("gpu_peak_gib", None)
     figures["gpu_build_peak_gib"] = gpu_build_peak_gib
