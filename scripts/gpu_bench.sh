@@ -162,14 +162,20 @@ print(min(${LONGEST_CAP:-786432}, (pool_tokens - 16384) // 16384 * 16384))")
     BENCH_TIMEOUT="${BENCH_TIMEOUT_LONGEST:-575}" bench "cpu-longest-$ctx" "${QWEN[@]}" offload=cpu bench.context="$ctx"
 }
 
-section_graphs() {  # issue 5: CUDA-graph decode by batch size (GPU KV), eager vs segmented (offloaded) (~3 min)
+section_graphs() {  # issue 5: CUDA-graph decode by batch size (GPU KV); eager, segmented and cudagraph offloaded
+                   # at 8K and 32K, batch 1 and 4 (~5 min)
     for b in 1 8 32; do
         bench "none-4k-graph-b$b" "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096 bench.batch_size=$b scheduler.max_num_seqs=32
     done
-    bench cpu-8k-eager      "${QWEN[@]}" offload=cpu graph=eager bench.context=8192
-    bench cpu-8k-segmented  "${QWEN[@]}" offload=cpu graph=segmented bench.context=8192
-    bench cpu-32k-eager     "${QWEN[@]}" offload=cpu graph=eager bench.context=32768
-    # cpu-32k (section offload) is the segmented run at 32K
+    local mode ctx
+    for ctx in 8k 32k; do
+        for mode in eager segmented cudagraph; do
+            bench "cpu-$ctx-$mode" "${QWEN[@]}" offload=cpu graph=$mode bench.context=$((${ctx%k} * 1024))
+        done
+    done
+    for mode in eager segmented cudagraph; do
+        bench "cpu-8k-$mode-b4" "${QWEN[@]}" offload=cpu graph=$mode bench.context=8192 bench.batch_size=4
+    done
 }
 
 section_graph_micro() {  # per-segment capture choice and eager vs graph in one process (~2 min)
