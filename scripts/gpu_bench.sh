@@ -226,6 +226,17 @@ section_offload_graphs() {  # issues 4 and 5: offloaded decode captured per KV l
     bench cpu-8k-eager      "${QWEN[@]}" offload=cpu graph=eager bench.context=8192
 }
 
+section_segmented() {  # issue 5: segmented graphs with the attention captured per KV layout, beside cudagraph (~5 min)
+    timeout 200 python3 -m pytest -q -m gpu tests/test_cuda_graph.py tests/test_offload.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+    local mode
+    for mode in segmented cudagraph; do
+        bench "cpu-8k-$mode"    "${QWEN[@]}" offload=cpu graph=$mode bench.context=8192
+        bench "cpu-8k-$mode-b4" "${QWEN[@]}" offload=cpu graph=$mode bench.context=8192 bench.batch_size=4
+        bench "cpu-quest-128k-$mode" "${QWEN[@]}" offload=cpu graph=$mode policy=quest policy.token_budget=4096 \
+            policy.dense_layers=0 bench.context=131072
+    done
+}
+
 section_summary() {
     python3 -m sparsekv.tasks.bench summarize "$OUT/bench" 2>&1 | tee "$OUT/bench_summary.md"
     # the device tool returns at most 8 files: pack every run's record and log into one archive
@@ -235,9 +246,9 @@ section_summary() {
 [ $# -gt 0 ] || set -- info tests bench
 for SECTION in "$@"; do
     case "$SECTION" in
-        offload_graphs|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
+        offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
         summary) ;;
-        *) echo "usage: OUT=dir $0 [offload_graphs|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
+        *) echo "usage: OUT=dir $0 [offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
     esac
 done
 [ -d "$OUT/bench" ] && section_summary

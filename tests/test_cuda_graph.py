@@ -245,7 +245,10 @@ def test_emulated_segmented_with_a_block_selecting_policy(qwen3_ckpt, policy):
     want = tokens(expected, SELECTING_PROMPTS)
     llm = with_policy(emulated(qwen3_ckpt, OFFLOAD, "segmented", *extra), policy)
     assert tokens(llm, SELECTING_PROMPTS) == want
-    assert llm.engine.runner.graph_runner.replayed_steps == DECODE_STEPS
+    runner = llm.engine.runner.graph_runner
+    assert runner.replayed_steps == DECODE_STEPS
+    # each layer's attention is captured per KV layout too, unless the policy's choice needs the host
+    assert (runner.stats["layout_captures"] >= 2) == (policy == "quest")
     loads = [x.engine.kv_store.transfer_stats["h2d_blocks"] for x in (dense, expected, llm)]
     assert loads[2] == loads[1] < loads[0], loads  # the same selection, fewer loads than dense
     assert want != dense_tokens or policy != "test_top_half"  # the selection matters for the tokens
@@ -265,7 +268,7 @@ def test_emulated_offload_cudagraph_gives_the_eager_tokens_and_loads(qwen3_ckpt,
     assert tokens(llm, SELECTING_PROMPTS) == want[0]
     assert runner.replayed_steps + runner.eager_steps == DECODE_STEPS
     assert runner.replayed_steps >= DECODE_STEPS // 2 and runner.stats["layout_captures"] >= 2
-    assert len(runner.graphs) <= runner.MAX_GRAPHS
+    assert len(runner.layouts.graphs) <= runner.layouts.MAX_LAYOUTS
     assert tokens(llm, ONE) == want[1]
     assert llm.engine.kv_store.transfer_stats == eager.engine.kv_store.transfer_stats  # replays count their loads
 
@@ -293,7 +296,7 @@ def test_offload_cudagraph_falls_back_to_eager_when_a_capture_fails(qwen3_ckpt, 
     runner.capturer.capture = failing_capture
     with caplog.at_level("WARNING"):
         assert tokens(llm, ONE) == eager_tokens["cpu"][0]
-    assert runner.disabled and runner.replayed_steps == 0 and runner.eager_steps == DECODE_STEPS
+    assert runner.layouts.disabled and runner.replayed_steps == 0 and runner.eager_steps == DECODE_STEPS
     assert "decode_graph_safe=False" in caplog.text
 
 
@@ -315,6 +318,8 @@ def test_gpu_graph_tokens_equal_eager(qwen3_ckpt, dtype, store, mode):
     assert got[1] == want[1], "batch of 3 (padded to 4)"
     runner = llm.engine.runner.graph_runner
     assert runner.replayed_steps == 2 * DECODE_STEPS and runner.eager_steps == 0
+    if store == "cpu":  # offloaded: each layer's attention was captured per KV layout too, and replayed
+        assert not runner.layouts.disabled and stats["layout_captures"] >= 2
 
 
 @gpu
@@ -336,7 +341,7 @@ def test_gpu_offload_cudagraph_tokens_equal_eager(qwen3_ckpt, policy, dtype):
     assert isinstance(runner, OffloadGraphRunner)
     assert tokens(llm, SELECTING_PROMPTS) == want[0], "batch of 3"
     assert tokens(llm, ONE) == want[1], "batch of 1"
-    assert not runner.disabled and runner.replayed_steps >= DECODE_STEPS
+    assert not runner.layouts.disabled and runner.replayed_steps >= DECODE_STEPS
     assert llm.engine.kv_store.transfer_stats == loads
 
 

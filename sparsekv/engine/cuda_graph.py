@@ -140,14 +140,13 @@ class _Capturer:
         self.graphs: list = []
         self.stream = None if emulate else torch.cuda.Stream(device)
 
-    def capture(self, fn: Callable[[], Any], warmup: bool = True,
-                private_pool: bool = False) -> tuple[Callable[[], None], Any]:
+    def capture(self, fn: Callable[[], Any], warmup: bool = True, pool=None) -> tuple[Callable[[], None], Any]:
         """(replay, outputs) of `fn` captured. warmup=False: the caller just ran `fn` eagerly (kernels compiled).
-        private_pool: the graph gets a pool of its own, freed with it (the caller keeps the replay alive); else it
-        shares this capturer's pool and lives as long as the capturer."""
+        `pool` (torch.cuda.graph_pool_handle()): the graph allocates there and lives as long as the caller keeps
+        the replay; else it shares this capturer's pool and lives as long as the capturer."""
         out = fn() if warmup or self.emulate else None  # emulated: the "capture" runs fn
         if self.emulate:
-            if not private_pool:
+            if pool is None:
                 self.graphs.append(fn)
             return functools.partial(self._emulated_replay, fn, out), out
         graph = torch.cuda.CUDAGraph()
@@ -156,18 +155,22 @@ class _Capturer:
         # capture_begin/end rather than `with torch.cuda.graph(...)`, which runs gc.collect() and empty_cache()
         # at every capture: hundreds of segmented captures would take many seconds.
         with torch.cuda.stream(self.stream):
-            graph.capture_begin(pool=None if private_pool else self.pool)
+            graph.capture_begin(pool=pool if pool is not None else self.pool)
             try:
                 out = fn()
             finally:
                 graph.capture_end()
         current.wait_stream(self.stream)
-        if private_pool:
+        if pool is not None:
             return graph.replay, out
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs.append(graph)
         return graph.replay, out
+
+    def new_pool(self):
+        """A memory pool of its own for capture(..., pool=): graphs captured into it are freed together."""
+        return object() if self.emulate else torch.cuda.graph_pool_handle()
 
     @staticmethod
     def _emulated_replay(fn, out) -> None:
@@ -348,8 +351,8 @@ def attach_graph_runner(engine, mode, graph_cfg=None, *, emulate: bool = False) 
             from sparsekv.engine.segmented_graph import SegmentedGraphRunner  # imports this module
 
             runner = SegmentedGraphRunner(engine.model, engine.kv_store, engine.device, sizes, emulate)
-        stats.update(runner.capture())
-        runner.stats = stats  # one live dict: a runner that captures later (per KV layout) keeps it current
+        runner.stats = stats = {**stats, **runner.stats}  # one live dict: later (per-layout) captures update it
+        runner.capture()
         engine.runner.graph_runner = runner
     engine.graph_stats = stats
     return stats

@@ -13,10 +13,13 @@ What does change is the layout (OffloadKVStore.decode_layout): the sequences' de
 it. A step in which a block fills runs eagerly - its offload calls the policies' hooks and issues D2H copies -
 and drops the graphs of older layouts. Per block of decode: two eager steps and one capture, the rest replays.
 
-Each graph has its own memory pool, freed with the graph: at most MAX_GRAPHS layouts are kept (a batch whose
-sequences fill blocks at different steps cycles through layouts). Replays are ordered after pending offloads
-(their gathers read those host blocks) and later ring loads after the replay (OffloadEngine.before/after_graph_
-replay); a replay adds the transfers its capture counted to the engine's transfer_stats.
+The graphs of a layout have a memory pool of their own, freed with them: at most LayoutGraphs.MAX_LAYOUTS layouts
+are kept (a batch whose sequences fill blocks at different steps cycles through layouts), and forgetting the
+device-side id lists (OffloadEngine.forget_device_ids) changes every layout, so no graph reading freed lists ever
+replays. Replays are ordered after pending offloads (their loads read those host blocks) and later ring loads
+after the replay (OffloadEngine.before/after_graph_replay); a replay adds the transfers its capture counted to the
+engine's transfer_stats. LayoutGraphs is shared with graph.mode=segmented, which captures each layer's attention
+per layout the same way.
 """
 from __future__ import annotations
 
@@ -36,27 +39,85 @@ from sparsekv.engine.cuda_graph import DecodeGraphRunner, step_context
 log = logging.getLogger(__name__)
 
 
+class LayoutGraphs:
+    """Offloaded decode work captured per KV layout, what OffloadGraphRunner (the whole step) and
+    SegmentedGraphRunner (each layer's attention) share. lookup() says how to run a step:
+      (None, None)      eagerly, capturing nothing: a block fills (the graphs are dropped), or graphs are off
+      (layout, None)    eagerly, then capture(layout, fns) with the step's work as fns
+      (layout, entry)   replaying(entry): the entry's graphs, in capture order
+    All graphs of a layout share one memory pool, freed with them (replays run in capture order, never at once)."""
+    MAX_LAYOUTS = 4
+
+    def __init__(self, kv_store, capturer, stats: dict, emulate: bool):
+        kv_store.use_static_decode_inputs()
+        self.store, self.engine, self.capturer, self.stats, self.emulate = (kv_store, kv_store.engine, capturer,
+                                                                             stats, emulate)
+        # layout -> (replays, outputs of the captured functions, transfer counts a replay moves)
+        self.graphs: OrderedDict[tuple, tuple[list[Callable[[], None]], list, dict[str, int]]] = OrderedDict()
+        self.disabled = False  # a capture failed: every later step runs eagerly
+        stats.update(layout_captures=0, layout_capture_seconds=0.0)
+
+    def lookup(self, seqs) -> tuple[tuple | None, tuple | None]:
+        if self.disabled or not getattr(self.store.decode_policy, "decode_graph_safe", True):
+            return None, None
+        if self.store.filled:  # offloads and policy hooks run on the host; the next step has a new layout
+            self.graphs.clear()
+            self.engine.forget_device_ids()  # only the dropped graphs read the old lists
+            return None, None
+        layout = self.store.decode_layout(seqs)
+        entry = self.graphs.get(layout)
+        if entry is not None:
+            self.graphs.move_to_end(layout)
+        return layout, entry
+
+    def capture(self, layout: tuple, fns: list[Callable[[], object]]) -> None:
+        """Capture fns (the step just ran them eagerly: kernels compiled, id lists made) as the layout's graphs."""
+        start = time.perf_counter()
+        pool = self.capturer.new_pool()
+        captured, moved = [], {}
+        try:
+            for fn in fns:  # each graph orders its loads by events of its own capture
+                with _captured(self.engine) as counts:
+                    captured.append(self.capturer.capture(fn, warmup=False, pool=pool))
+                moved = {key: moved.get(key, 0) + value for key, value in counts.items()}
+        except RuntimeError as error:  # e.g. a policy that syncs with the host while choosing blocks
+            self.disabled = True
+            log.warning("capturing an offloaded decode step failed (%s); decoding without these graphs from now on. "
+                        "A policy whose block choice needs the host should set decode_graph_safe=False", error)
+            return
+        self.graphs[layout] = ([replay for replay, _ in captured], [out for _, out in captured], moved)
+        while len(self.graphs) > self.MAX_LAYOUTS:
+            self.graphs.popitem(last=False)
+        self.stats["layout_captures"] += 1
+        self.stats["layout_capture_seconds"] += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def replaying(self, entry: tuple):
+        """Yields the entry's replays: ordered after pending offloads, later ring loads ordered after them, and
+        their captured transfer counts added to the engine's."""
+        replays, _, moved = entry
+        self.engine.before_graph_replay()
+        with _captured(self.engine) if self.emulate else contextlib.nullcontext():
+            yield replays  # emulated, a replay re-runs the step's Python: as under capture, counting nothing
+        self.engine.after_graph_replay(moved)
+
+
 class OffloadGraphRunner(DecodeGraphRunner):
     """graph.mode=cudagraph over an OffloadKVStore: one graph of the whole decode step per KV layout."""
     mode = GraphMode.cudagraph
-    MAX_GRAPHS = 4
 
     def __init__(self, model, kv_store, device: torch.device, max_batch_size: int, emulate: bool = False):
         super().__init__(model, kv_store, device, [max_batch_size], emulate)  # resolve_graph_mode vetted the policy
-        # layout -> (replay, hidden [B, hidden] it writes, transfer counts it moves)
-        self.graphs: OrderedDict[tuple, tuple[Callable[[], None], torch.Tensor, dict[str, int]]] = OrderedDict()
-        self.stats.update(layout_captures=0, layout_capture_seconds=0.0)
-        self.disabled = False  # a capture failed: every later step runs eagerly
 
     def can_run(self, seqs) -> bool:
-        if self.disabled:
+        if self.layouts.disabled:
             self.eager_steps += 1
             return False
         return super().can_run(seqs)
 
     def _allocate(self) -> None:
         self.inputs = torch.zeros(2 * self.max_batch_size, dtype=torch.int64, device=self.device)  # ids, positions
-        self.kv_store.use_static_decode_inputs()
+        self.layouts = LayoutGraphs(self.kv_store, self.capturer, self.stats, self.emulate)
 
     def _capture(self, bs: int) -> None:
         """Nothing up front: a layout is captured when a step first runs it."""
@@ -74,56 +135,21 @@ class OffloadGraphRunner(DecodeGraphRunner):
         return ids, positions, Context(is_prefill=False, kv_store=self.kv_store, seqs=seqs), list(range(n))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
-        store = self.kv_store
-        if store.filled:  # offloads and policy hooks run on the host; the next step has a new layout
-            self._drop_graphs()
-            self.eager_steps += 1
-            return self._forward(input_ids, positions, context)
-        layout = store.decode_layout(context.seqs)
-        entry = self.graphs.get(layout)
+        layout, entry = self.layouts.lookup(context.seqs)
         if entry is None:
-            hidden = self._forward(input_ids, positions, context)  # also the warm-up of the capture
+            hidden = self._forward(input_ids, positions, context)  # also the warm-up of a capture
             self.eager_steps += 1
-            try:
-                self._capture_layout(layout, input_ids, positions, context)
-            except RuntimeError as error:  # e.g. a policy that syncs with the host while choosing blocks
-                self.disabled = True
-                log.warning("graph.mode=cudagraph: capturing an offloaded decode step failed (%s); decoding eagerly "
-                            "from now on. A policy whose block choice needs the host should set "
-                            "decode_graph_safe=False (graph=auto then picks segmented)", error)
+            if layout is not None:
+                self.layouts.capture(layout, [functools.partial(self._forward, input_ids, positions, context)])
             return hidden
-        self.graphs.move_to_end(layout)
-        replay, hidden, moved = entry
-        engine = store.engine
-        engine.before_graph_replay()
-        if self.emulate:  # the emulated replay re-runs the step's Python: as under capture, counting nothing
-            with _captured(engine):
-                replay()
-        else:
-            replay()
-        engine.after_graph_replay(moved)
+        with self.layouts.replaying(entry) as replays:
+            replays[0]()
         self.replayed_steps += 1
-        return hidden
+        return entry[1][0]  # the hidden state [B, hidden] the graph writes
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         with step_context(context):
             return self.model(ids, positions)  # [B, hidden]
-
-    def _capture_layout(self, layout: tuple, ids: torch.Tensor, positions: torch.Tensor, context: Context) -> None:
-        engine = self.kv_store.engine
-        start = time.perf_counter()
-        with _captured(engine) as moved:  # a private pool per graph: dropping a layout frees its memory
-            replay, hidden = self.capturer.capture(functools.partial(self._forward, ids, positions, context),
-                                                   warmup=False, private_pool=True)
-        self.graphs[layout] = (replay, hidden, moved)
-        while len(self.graphs) > self.MAX_GRAPHS:
-            self.graphs.popitem(last=False)
-        self.stats["layout_captures"] += 1
-        self.stats["layout_capture_seconds"] += time.perf_counter() - start
-
-    def _drop_graphs(self) -> None:
-        self.graphs.clear()
-        self.kv_store.engine.forget_device_ids()  # only the dropped graphs read the old lists
 
 
 @contextlib.contextmanager

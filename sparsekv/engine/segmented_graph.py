@@ -1,12 +1,13 @@
 """graph.mode=segmented: decode graphs around eager attention (see sparsekv/engine/cuda_graph.py for the
 capture, the batch-size ladder and the wiring).
 
-segmented (offload=cpu): attention streams host KV blocks through the OffloadEngine's GPU ring, under host
-control (block selection, copy streams, events), so it stays eager. Everything around it is captured: per batch
-size one graph for the embedding (+ the rotary cos/sin tables on the torch path), then for every layer one
-pre-attention graph (input norm, qkv projection, q/k norm, rotary) and one post-attention graph (o projection,
-residual, post norm, MLP, residual), and one for the final norm. A step replays embed, then per layer pre -> eager attention -> post,
-then the final norm. The hidden state lives in one static buffer that every layer's graphs read and update in
+segmented: per batch size one graph for the embedding (+ the rotary cos/sin tables on the torch path), then for
+every layer one pre-attention graph (input norm, qkv projection, q/k norm, rotary) and one post-attention graph
+(o projection, residual, post norm, MLP, residual), and one for the final norm. A step replays embed, then per
+layer pre -> attention -> post, then the final norm. The attention between them runs eagerly, except offloaded
+with the Triton kernels and a decode_graph_safe policy: then each layer's attention (its ring loads included) is
+also a graph, captured per KV layout as in graph=cudagraph (sparsekv.engine.offload_graph.LayoutGraphs): eager
+attention costs about 0.2 ms of host time per layer, which at 8K left the step at ~1.4x its PCIe floor. The hidden state lives in one static buffer that every layer's graphs read and update in
 place, so no copies run between the segments beyond the attention output.
 
 Per-layer graphs (2 x num_layers per batch size) rather than one graph per segment with the weights as inputs:
@@ -43,6 +44,14 @@ class SegmentedGraphRunner(DecodeGraphRunner):
         self.graphs: dict[int, tuple] = {}
 
     def _allocate(self) -> None:
+        from sparsekv.engine.offload_graph import LayoutGraphs
+        from sparsekv.kernels._dispatch import use_triton
+
+        store = self.kv_store  # offloaded, with a policy and kernels that allow it: attention captured per layout
+        self.layouts = None
+        if hasattr(store, "decode_layout") and getattr(store.decode_policy, "decode_graph_safe", True) and (
+                self.emulate or use_triton(self.device)):
+            self.layouts = LayoutGraphs(store, self.capturer, self.stats, self.emulate)
         mb, dev = self.max_batch_size, self.device
         self.inputs = torch.zeros(2 * mb, dtype=torch.int64, device=dev)  # [2 * bs]: input ids, positions
         with step_context(None):
@@ -84,11 +93,25 @@ class SegmentedGraphRunner(DecodeGraphRunner):
         static[1, :n].copy_(positions)
         embed, layers, (final, normed) = self.graphs[bs]
         embed()
-        attn_out = self.attn_out
-        for layer, pre, (q, k, v), post in layers:
-            pre()
-            attn_out[:n].copy_(layer.attention(q[:n], k[:n], v[:n]))  # eager: the KV store of the step's Context
-            post()
+        layout, entry = self.layouts.lookup(context.seqs) if self.layouts else (None, None)
+        if entry is None:
+            for layer, pre, qkv, post in layers:
+                pre()
+                self._attend(layer, qkv, n)
+                post()
+            if layout is not None:
+                self.layouts.capture(layout, [functools.partial(self._attend, layer, qkv, n)
+                                              for layer, _, qkv, _ in layers])
+        else:
+            with self.layouts.replaying(entry) as attention:
+                for (_, pre, _, post), attend in zip(layers, attention):
+                    pre()
+                    attend()
+                    post()
         final()
         self.replayed_steps += 1
         return normed[:n]
+
+    def _attend(self, layer, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n: int) -> None:
+        q, k, v = qkv
+        self.attn_out[:n].copy_(layer.attention(q[:n], k[:n], v[:n]))  # the KV store of the step's Context
