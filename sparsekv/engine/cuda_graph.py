@@ -141,10 +141,11 @@ class _Capturer:
         self.stream = None if emulate else torch.cuda.Stream(device)
 
     def capture(self, fn: Callable[[], Any], warmup: bool = True, pool=None) -> tuple[Callable[[], None], Any]:
-        """(replay, outputs) of `fn` captured. warmup=False: the caller just ran `fn` eagerly (kernels compiled).
-        `pool` (torch.cuda.graph_pool_handle()): the graph allocates there and lives as long as the caller keeps
-        the replay; else it shares this capturer's pool and lives as long as the capturer."""
-        out = fn() if warmup or self.emulate else None  # emulated: the "capture" runs fn
+        """(replay, outputs) of `fn` captured. warmup=False: the caller just ran `fn` eagerly (kernels compiled),
+        and the outputs are None when emulated (a capture computes nothing; fn should write static buffers).
+        `pool` (new_pool()): the graph allocates there and lives as long as the caller keeps the replay; else it
+        shares this capturer's pool and lives as long as the capturer."""
+        out = fn() if warmup else None
         if self.emulate:
             if pool is None:
                 self.graphs.append(fn)
@@ -174,7 +175,9 @@ class _Capturer:
 
     @staticmethod
     def _emulated_replay(fn, out) -> None:
-        _copy_into(out, fn())
+        result = fn()
+        if out is not None:
+            _copy_into(out, result)
 
 
 class DecodeGraphRunner:

@@ -52,8 +52,8 @@ class LayoutGraphs:
         kv_store.use_static_decode_inputs()
         self.store, self.engine, self.capturer, self.stats, self.emulate = (kv_store, kv_store.engine, capturer,
                                                                              stats, emulate)
-        # layout -> (replays, outputs of the captured functions, transfer counts a replay moves)
-        self.graphs: OrderedDict[tuple, tuple[list[Callable[[], None]], list, dict[str, int]]] = OrderedDict()
+        # layout -> (replays, transfer counts a replay moves)
+        self.graphs: OrderedDict[tuple, tuple[list[Callable[[], None]], dict[str, int]]] = OrderedDict()
         self.disabled = False  # a capture failed: every later step runs eagerly
         stats.update(layout_captures=0, layout_capture_seconds=0.0)
 
@@ -70,8 +70,9 @@ class LayoutGraphs:
             self.graphs.move_to_end(layout)
         return layout, entry
 
-    def capture(self, layout: tuple, fns: list[Callable[[], object]]) -> None:
-        """Capture fns (the step just ran them eagerly: kernels compiled, id lists made) as the layout's graphs."""
+    def capture(self, layout: tuple, fns: list[Callable[[], None]]) -> None:
+        """Capture fns (the step just ran them eagerly: kernels compiled, id lists made) as the layout's graphs;
+        they leave their results in static buffers."""
         start = time.perf_counter()
         pool = self.capturer.new_pool()
         captured, moved = [], {}
@@ -85,7 +86,7 @@ class LayoutGraphs:
             log.warning("capturing an offloaded decode step failed (%s); decoding without these graphs from now on. "
                         "A policy whose block choice needs the host should set decode_graph_safe=False", error)
             return
-        self.graphs[layout] = ([replay for replay, _ in captured], [out for _, out in captured], moved)
+        self.graphs[layout] = ([replay for replay, _ in captured], moved)
         while len(self.graphs) > self.MAX_LAYOUTS:
             self.graphs.popitem(last=False)
         self.stats["layout_captures"] += 1
@@ -94,11 +95,10 @@ class LayoutGraphs:
     @contextlib.contextmanager
     def replaying(self, entry: tuple):
         """Yields the entry's replays: ordered after pending offloads, later ring loads ordered after them, and
-        their captured transfer counts added to the engine's."""
-        replays, _, moved = entry
+        their captured transfer counts added to the engine's (emulated, the replays run the Python and count)."""
+        replays, moved = entry
         self.engine.before_graph_replay()
-        with _captured(self.engine) if self.emulate else contextlib.nullcontext():
-            yield replays  # emulated, a replay re-runs the step's Python: as under capture, counting nothing
+        yield replays
         self.engine.after_graph_replay(moved)
 
 
@@ -108,6 +108,7 @@ class OffloadGraphRunner(DecodeGraphRunner):
 
     def __init__(self, model, kv_store, device: torch.device, max_batch_size: int, emulate: bool = False):
         super().__init__(model, kv_store, device, [max_batch_size], emulate)  # resolve_graph_mode vetted the policy
+        self.hidden: torch.Tensor | None = None  # [max_batch, hidden]: where the graphs leave the step's output
 
     def can_run(self, seqs) -> bool:
         if self.layouts.disabled:
@@ -136,20 +137,26 @@ class OffloadGraphRunner(DecodeGraphRunner):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         layout, entry = self.layouts.lookup(context.seqs)
+        n = input_ids.shape[0]
         if entry is None:
             hidden = self._forward(input_ids, positions, context)  # also the warm-up of a capture
             self.eager_steps += 1
             if layout is not None:
-                self.layouts.capture(layout, [functools.partial(self._forward, input_ids, positions, context)])
+                if self.hidden is None:
+                    self.hidden = hidden.new_empty(self.max_batch_size, hidden.shape[1])
+                self.layouts.capture(layout, [functools.partial(self._forward, input_ids, positions, context,
+                                                                self.hidden[:n])])
             return hidden
         with self.layouts.replaying(entry) as replays:
             replays[0]()
         self.replayed_steps += 1
-        return entry[1][0]  # the hidden state [B, hidden] the graph writes
+        return self.hidden[:n]
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, context: Context,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         with step_context(context):
-            return self.model(ids, positions)  # [B, hidden]
+            hidden = self.model(ids, positions)  # [B, hidden]
+        return hidden if out is None else out.copy_(hidden)
 
 
 @contextlib.contextmanager

@@ -5,9 +5,12 @@ segmented: per batch size one graph for the embedding (+ the rotary cos/sin tabl
 every layer one pre-attention graph (input norm, qkv projection, q/k norm, rotary) and one post-attention graph
 (o projection, residual, post norm, MLP, residual), and one for the final norm. A step replays embed, then per
 layer pre -> attention -> post, then the final norm. The attention between them runs eagerly, except offloaded
-with the Triton kernels and a decode_graph_safe policy: then each layer's attention (its ring loads included) is
-also a graph, captured per KV layout as in graph=cudagraph (sparsekv.engine.offload_graph.LayoutGraphs): eager
-attention costs about 0.2 ms of host time per layer, which at 8K left the step at ~1.4x its PCIe floor. The hidden state lives in one static buffer that every layer's graphs read and update in
+with the Triton kernels and a decode_graph_safe policy: then, per KV layout, each whole layer (pre-attention,
+the attention with its ring loads, post-attention) is also captured, as in graph=cudagraph
+(sparsekv.engine.offload_graph.LayoutGraphs), and a step replays embed, one graph per layer, the final norm.
+Measured on an H100 at 8K (docs/benchmarks.md, session 5): eager attention costs about 0.2 ms of host time per
+layer (1.42x the PCIe floor); capturing only the attention left 1.31x, as its loads waited for the graph to start
+after the pre-attention GEMVs; a graph per layer lets them start with those GEMVs. The hidden state lives in one static buffer that every layer's graphs read and update in
 place, so no copies run between the segments beyond the attention output.
 
 Per-layer graphs (2 x num_layers per batch size) rather than one graph per segment with the weights as inputs:
@@ -67,10 +70,10 @@ class SegmentedGraphRunner(DecodeGraphRunner):
         ids, positions = self.inputs[:2 * bs].view(2, bs)
         hidden, attn_out = self.hidden[:bs], self.attn_out[:bs]
         capture = self.capturer.capture
-        embed, rope = capture(functools.partial(self._embed, ids, positions, hidden))
+        embed = capture(functools.partial(self._embed, ids, positions, hidden))
         layers = []
         for layer in self.model.layers:
-            pre, qkv = capture(functools.partial(layer.pre_attention, hidden, rope))
+            pre, qkv = capture(functools.partial(layer.pre_attention, hidden, rope := embed[1]))
             post, _ = capture(functools.partial(self._post, layer, hidden, attn_out))
             layers.append((layer, pre, qkv, post))
         final = capture(functools.partial(self.model.norm, hidden))
@@ -91,27 +94,28 @@ class SegmentedGraphRunner(DecodeGraphRunner):
         static = self.inputs[:2 * bs].view(2, bs)
         static[0, :n].copy_(input_ids)  # padding rows keep earlier (valid) ids and positions; rows never mix
         static[1, :n].copy_(positions)
-        embed, layers, (final, normed) = self.graphs[bs]
+        (embed, rope), layers, (final, normed) = self.graphs[bs]
         embed()
         layout, entry = self.layouts.lookup(context.seqs) if self.layouts else (None, None)
         if entry is None:
-            for layer, pre, qkv, post in layers:
+            for layer, pre, (q, k, v), post in layers:
                 pre()
-                self._attend(layer, qkv, n)
+                self.attn_out[:n].copy_(layer.attention(q[:n], k[:n], v[:n]))  # the store of the step's Context
                 post()
-            if layout is not None:
-                self.layouts.capture(layout, [functools.partial(self._attend, layer, qkv, n)
-                                              for layer, _, qkv, _ in layers])
+            if layout is not None:  # one graph per layer: its loads start with its pre-attention GEMVs
+                self.layouts.capture(layout, [functools.partial(self._layer, layer, rope, n, bs)
+                                              for layer in self.model.layers])
         else:
-            with self.layouts.replaying(entry) as attention:
-                for (_, pre, _, post), attend in zip(layers, attention):
-                    pre()
-                    attend()
-                    post()
+            with self.layouts.replaying(entry) as layer_graphs:
+                for replay in layer_graphs:
+                    replay()
         final()
         self.replayed_steps += 1
         return normed[:n]
 
-    def _attend(self, layer, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n: int) -> None:
-        q, k, v = qkv
-        self.attn_out[:n].copy_(layer.attention(q[:n], k[:n], v[:n]))  # the KV store of the step's Context
+    def _layer(self, layer, rope, n: int, bs: int) -> None:
+        """One decoder layer on the static hidden state (pre-attention, attention of the n real rows, post)."""
+        hidden, attn_out = self.hidden[:bs], self.attn_out[:bs]
+        q, k, v = layer.pre_attention(hidden, rope)
+        attn_out[:n].copy_(layer.attention(q[:n], k[:n], v[:n]))
+        self._post(layer, hidden, attn_out)
