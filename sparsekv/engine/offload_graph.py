@@ -18,8 +18,8 @@ are kept (a batch whose sequences fill blocks at different steps cycles through 
 device-side id lists (OffloadEngine.forget_device_ids) changes every layout, so no graph reading freed lists ever
 replays. Replays are ordered after pending offloads (their loads read those host blocks) and later ring loads
 after the replay (OffloadEngine.before/after_graph_replay); a replay adds the transfers its capture counted to the
-engine's transfer_stats. LayoutGraphs is shared with graph.mode=segmented, which captures each layer's attention
-per layout the same way.
+engine's transfer_stats. LayoutGraphs is shared with graph.mode=segmented, which captures each whole layer per
+layout the same way.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 class LayoutGraphs:
     """Offloaded decode work captured per KV layout, what OffloadGraphRunner (the whole step) and
-    SegmentedGraphRunner (each layer's attention) share. lookup() says how to run a step:
+    SegmentedGraphRunner (each layer) share. lookup() says how to run a step:
       (None, None)      eagerly, capturing nothing: a block fills (the graphs are dropped), or graphs are off
       (layout, None)    eagerly, then capture(layout, fns) with the step's work as fns
       (layout, entry)   replaying(entry): the entry's graphs, in capture order

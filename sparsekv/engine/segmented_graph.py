@@ -4,14 +4,16 @@ capture, the batch-size ladder and the wiring).
 segmented: per batch size one graph for the embedding (+ the rotary cos/sin tables on the torch path), then for
 every layer one pre-attention graph (input norm, qkv projection, q/k norm, rotary) and one post-attention graph
 (o projection, residual, post norm, MLP, residual), and one for the final norm. A step replays embed, then per
-layer pre -> attention -> post, then the final norm. The attention between them runs eagerly, except offloaded
-with the Triton kernels and a decode_graph_safe policy: then, per KV layout, each whole layer (pre-attention,
-the attention with its ring loads, post-attention) is also captured, as in graph=cudagraph
-(sparsekv.engine.offload_graph.LayoutGraphs), and a step replays embed, one graph per layer, the final norm.
-Measured on an H100 at 8K (docs/benchmarks.md, session 5): eager attention costs about 0.2 ms of host time per
-layer (1.42x the PCIe floor); capturing only the attention left 1.31x, as its loads waited for the graph to start
-after the pre-attention GEMVs; a graph per layer lets them start with those GEMVs. The hidden state lives in one static buffer that every layer's graphs read and update in
-place, so no copies run between the segments beyond the attention output.
+layer pre -> attention -> post, then the final norm. The hidden state lives in one static buffer that every
+layer's graphs read and update in place, so no copies run between the segments beyond the attention output.
+
+The attention between them runs eagerly, except offloaded with the Triton kernels and a decode_graph_safe policy:
+then, per KV layout, each whole layer (pre-attention, the attention with its ring loads, post-attention) is
+captured as well (sparsekv.engine.offload_graph.LayoutGraphs, as graph=cudagraph does for the whole step), and a
+step replays embed, one graph per layer, the final norm. On an H100 at 8K (docs/benchmarks.md, session 5) eager
+attention left the step at 1.42x its PCIe floor (about 0.2 ms of host time per layer); captured, 1.28-1.31x. A
+layer's loads cannot start before its graph does, so they never run under the previous layer's GEMVs as they do
+in the whole-step graph (1.07-1.09x).
 
 Per-layer graphs (2 x num_layers per batch size) rather than one graph per segment with the weights as inputs:
 a graph bakes in the addresses of its weights, so sharing one graph across layers would mean copying each
@@ -70,14 +72,14 @@ class SegmentedGraphRunner(DecodeGraphRunner):
         ids, positions = self.inputs[:2 * bs].view(2, bs)
         hidden, attn_out = self.hidden[:bs], self.attn_out[:bs]
         capture = self.capturer.capture
-        embed = capture(functools.partial(self._embed, ids, positions, hidden))
+        embed, rope = capture(functools.partial(self._embed, ids, positions, hidden))
         layers = []
         for layer in self.model.layers:
-            pre, qkv = capture(functools.partial(layer.pre_attention, hidden, rope := embed[1]))
+            pre, qkv = capture(functools.partial(layer.pre_attention, hidden, rope))
             post, _ = capture(functools.partial(self._post, layer, hidden, attn_out))
             layers.append((layer, pre, qkv, post))
         final = capture(functools.partial(self.model.norm, hidden))
-        self.graphs[bs] = (embed, layers, final)
+        self.graphs[bs] = ((embed, rope), layers, final)
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor):
         h, rope = self.model.embed(ids, positions)  # rope: positions (the static view), inv_freq, cos/sin or None
