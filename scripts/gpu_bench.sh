@@ -229,7 +229,7 @@ section_offload_graphs() {  # issues 4 and 5: offloaded decode captured per KV l
 section_segmented() {  # issue 5: segmented graphs with the attention captured per KV layout, beside cudagraph (~5 min)
     timeout 200 python3 -m pytest -q -m gpu tests/test_cuda_graph.py tests/test_offload.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
     local mode
-    for mode in ${SEGMENTED_MODES:-segmented cudagraph}; do
+    for mode in segmented cudagraph; do
         bench "cpu-8k-$mode"    "${QWEN[@]}" offload=cpu graph=$mode bench.context=8192
         bench "cpu-8k-$mode-b4" "${QWEN[@]}" offload=cpu graph=$mode bench.context=8192 bench.batch_size=4
         bench "cpu-quest-128k-$mode" "${QWEN[@]}" offload=cpu graph=$mode policy=quest policy.token_budget=4096 \

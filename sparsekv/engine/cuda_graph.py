@@ -143,9 +143,8 @@ class _Capturer:
     def capture(self, fn: Callable[[], Any], warmup: bool = True, pool=None) -> tuple[Callable[[], None], Any]:
         """(replay, outputs) of `fn` captured. warmup=False: the caller just ran `fn` eagerly (kernels compiled),
         and the outputs are None when emulated (a capture computes nothing; fn should write static buffers).
-        `pool` (new_pool()): the graph allocates there and lives as long as the caller keeps the replay (graphs
-        sharing a pool must leave their results in buffers allocated outside it); else it shares this capturer's
-        pool and lives as long as the capturer."""
+        `pool` (new_pool()): the graph allocates there and lives as long as the caller keeps the replay; else it
+        shares this capturer's pool and lives as long as the capturer."""
         out = fn() if warmup else None
         if self.emulate:
             if pool is None:
@@ -157,7 +156,7 @@ class _Capturer:
         # capture_begin/end rather than `with torch.cuda.graph(...)`, which runs gc.collect() and empty_cache()
         # at every capture: hundreds of segmented captures would take many seconds.
         with torch.cuda.stream(self.stream):
-            graph.capture_begin(pool=pool.id if pool is not None else self.pool)
+            graph.capture_begin(pool=pool if pool is not None else self.pool)
             try:
                 out = fn()
             finally:
@@ -171,10 +170,8 @@ class _Capturer:
         return graph.replay, out
 
     def new_pool(self):
-        """A memory pool for capture(..., pool=), apart from this capturer's own. Keep it as long as graphs may be
-        captured into it: it holds its memory while no graph does (a bare graph_pool_handle() would not, and could
-        not be captured into again once its last graph is gone)."""
-        return object() if self.emulate else torch.cuda.MemPool()
+        """A memory pool of its own for capture(..., pool=): graphs captured into it are freed together."""
+        return object() if self.emulate else torch.cuda.graph_pool_handle()
 
     @staticmethod
     def _emulated_replay(fn, out) -> None:

@@ -13,9 +13,8 @@ What does change is the layout (OffloadKVStore.decode_layout): the sequences' de
 it. A step in which a block fills runs eagerly - its offload calls the policies' hooks and issues D2H copies -
 and drops the graphs of older layouts. Per block of decode: two eager steps and one capture, the rest replays.
 
-All graphs share one memory pool that holds only a step's temporaries, so graph memory does not grow with the
-layouts captured; at most LayoutGraphs.MAX_LAYOUTS layouts are kept (a batch whose sequences fill blocks at
-different steps cycles through layouts), and forgetting the
+The graphs of a layout have a memory pool of their own, freed with them: at most LayoutGraphs.MAX_LAYOUTS layouts
+are kept (a batch whose sequences fill blocks at different steps cycles through layouts), and forgetting the
 device-side id lists (OffloadEngine.forget_device_ids) changes every layout, so no graph reading freed lists ever
 replays. Replays are ordered after pending offloads (their loads read those host blocks) and later ring loads
 after the replay (OffloadEngine.before/after_graph_replay); a replay adds the transfers its capture counted to the
@@ -46,7 +45,7 @@ class LayoutGraphs:
       (None, None)      eagerly, capturing nothing: a block fills (the graphs are dropped), or graphs are off
       (layout, None)    eagerly, then capture(layout, fns) with the step's work as fns
       (layout, entry)   replaying(entry): the entry's graphs, in capture order
-    All graphs share one memory pool: they leave their results in static buffers (replays never overlap)."""
+    All graphs of a layout share one memory pool, freed with them (replays run in capture order, never at once)."""
     MAX_LAYOUTS = 4
 
     def __init__(self, kv_store, capturer, stats: dict, emulate: bool):
@@ -56,9 +55,6 @@ class LayoutGraphs:
         # layout -> (replays, transfer counts a replay moves)
         self.graphs: OrderedDict[tuple, tuple[list[Callable[[], None]], dict[str, int]]] = OrderedDict()
         self.disabled = False  # a capture failed: every later step runs eagerly
-        # one pool for every layout's graphs: they leave results in static buffers, so all the pool holds is a
-        # step's temporaries, reused by each capture (replays never overlap): graph memory does not grow
-        self.pool = capturer.new_pool()
         stats.update(layout_captures=0, layout_capture_seconds=0.0)
 
     def lookup(self, seqs) -> tuple[tuple | None, tuple | None]:
@@ -78,11 +74,12 @@ class LayoutGraphs:
         """Capture fns (the step just ran them eagerly: kernels compiled, id lists made) as the layout's graphs;
         they leave their results in static buffers."""
         start = time.perf_counter()
+        pool = self.capturer.new_pool()
         captured, moved = [], {}
         try:
             for fn in fns:  # each graph orders its loads by events of its own capture
                 with _captured(self.engine) as counts:
-                    captured.append(self.capturer.capture(fn, warmup=False, pool=self.pool))
+                    captured.append(self.capturer.capture(fn, warmup=False, pool=pool))
                 moved = {key: moved.get(key, 0) + value for key, value in counts.items()}
         except RuntimeError as error:  # e.g. a policy that syncs with the host while choosing blocks
             self.disabled = True
