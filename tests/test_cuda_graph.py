@@ -347,6 +347,26 @@ def test_gpu_offload_cudagraph_tokens_equal_eager(qwen3_ckpt, policy, dtype):
 
 @gpu
 @needs_cuda
+def test_gpu_offload_cudagraph_memory_does_not_creep_with_layouts(qwen3_ckpt):
+    """Every block that fills makes a new layout and a capture with a memory pool of its own: dozens per run here.
+    The pools of dropped graphs go back to the device, so the memory the caching allocator holds after a second
+    run is what it held after the first (each pool takes at least a 2 MiB segment: a leak would show)."""
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    llm = LLM(str(qwen3_ckpt), overrides=["device=cuda", "dtype=bfloat16", *OFFLOAD, "graph=cudagraph"])
+    prompts = SELECTING_PROMPTS[:2]
+    first = [o.token_ids for o in llm.generate(prompts, params)]
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    captures = llm.engine.graph_stats["layout_captures"]
+    assert captures >= 10
+    assert [o.token_ids for o in llm.generate(prompts, params)] == first
+    assert llm.engine.graph_stats["layout_captures"] >= 2 * captures - 2
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() <= reserved + 4 * 2**20
+
+
+@gpu
+@needs_cuda
 def test_gpu_cudagraph_long_contexts_equal_eager(qwen3_ckpt):
     """With a long max_model_len the captured split plan (from max_model_len) differs from the one the kernel's
     heuristic would pick from a step's lengths; the store plans eager steps the same way, so bf16 tokens of
