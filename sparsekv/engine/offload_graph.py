@@ -13,8 +13,9 @@ What does change is the layout (OffloadKVStore.decode_layout): the sequences' de
 it. A step in which a block fills runs eagerly - its offload calls the policies' hooks and issues D2H copies -
 and drops the graphs of older layouts. Per block of decode: two eager steps and one capture, the rest replays.
 
-The graphs of a layout have a memory pool of their own, freed with them: at most LayoutGraphs.MAX_LAYOUTS layouts
-are kept (a batch whose sequences fill blocks at different steps cycles through layouts), and forgetting the
+The graphs of a layout have a memory pool of their own, released with them (the caching allocator returns a
+dropped pool's memory only on empty_cache, which the step that drops the graphs calls): at most
+LayoutGraphs.MAX_LAYOUTS layouts are kept (a batch whose sequences fill blocks at different steps cycles through layouts), and forgetting the
 device-side id lists (OffloadEngine.forget_device_ids) changes every layout, so no graph reading freed lists ever
 replays. Replays are ordered after pending offloads (their loads read those host blocks) and later ring loads
 after the replay (OffloadEngine.before/after_graph_replay); a replay adds the transfers its capture counted to the
