@@ -62,10 +62,10 @@ class LayoutGraphs:
         if self.disabled or not getattr(self.store.decode_policy, "decode_graph_safe", True):
             return None, None
         if self.store.filled:  # offloads and policy hooks run on the host; the next step has a new layout
-            if self.graphs and not self.emulate:
-                self.graphs.clear()
-                torch.cuda.empty_cache()  # hand the dropped graphs' pools back: GPU memory must not creep per block
+            dropped = bool(self.graphs)
             self.graphs.clear()
+            if dropped and not self.emulate:
+                torch.cuda.empty_cache()  # hand the dropped graphs' pools back: GPU memory must not creep per block
             self.engine.forget_device_ids()  # only the dropped graphs read the old lists
             return None, None
         layout = self.store.decode_layout(seqs)
