@@ -106,21 +106,28 @@ def test_bad_layout_is_refused(bad, message):
         LLM("tiny", overrides=CPU + ["offload=cpu", "offload.block_size=16", *bad])
 
 
-@pytest.mark.parametrize("store", ["resident", "offloaded"])
+@pytest.mark.parametrize("store", ["resident", "offloaded", "offloaded-graphs"])
 def test_preemption_under_block_pressure_keeps_greedy_tokens(qwen3_ckpt, resident_tokens, store):
-    """Too few blocks for every sequence to grow: the newest is preempted, recomputed later, same tokens."""
+    """Too few blocks for every sequence to grow: the newest is preempted, recomputed later, same tokens (also with
+    the offloaded decode steps captured per KV layout, emulated: rows and layouts change under preemption)."""
     llm = LLM(str(qwen3_ckpt), overrides=CPU + ["offload.block_size=16"])
     block_bytes = llm.engine.kv_store.bytes_per_block
     blocks = 9  # the longest prompt needs 5 full-length blocks (75 + 24 tokens -> 7); all four together need 17
     layout = (["offload.num_kv_blocks=%d" % blocks] if store == "resident" else
               ["offload=cpu", "offload.host_pool_gib=%.12f" % ((blocks + 0.5) * block_bytes / 2**30)])
     llm = LLM(str(qwen3_ckpt), overrides=CPU + ["offload.block_size=16", *layout])
+    if store == "offloaded-graphs":
+        from sparsekv.engine.cuda_graph import attach_graph_runner
+
+        attach_graph_runner(llm.engine, "cudagraph", llm.config.graph, emulate=True)
     assert llm.engine.kv_store.num_blocks == blocks
     preempted = []
     original = llm.engine.scheduler.preempt
     llm.engine.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), original(seq))
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == resident_tokens
     assert preempted, "the pool was meant to be too small for all sequences at once"
+    if store == "offloaded-graphs":
+        assert llm.engine.runner.graph_runner.replayed_steps > 0
 
 
 def test_a_sequence_that_fills_the_pool_stops_with_length(qwen3_ckpt):
