@@ -114,12 +114,6 @@ class OffloadGraphRunner(DecodeGraphRunner):
         super().__init__(model, kv_store, device, [max_batch_size], emulate)  # resolve_graph_mode vetted the policy
         self.hidden: torch.Tensor | None = None  # [max_batch, hidden]: where the graphs leave the step's output
 
-    def can_run(self, seqs) -> bool:
-        if self.layouts.disabled:
-            self.eager_steps += 1
-            return False
-        return super().can_run(seqs)
-
     def _allocate(self) -> None:
         self.inputs = torch.zeros(2 * self.max_batch_size, dtype=torch.int64, device=self.device)  # ids, positions
         self.layouts = LayoutGraphs(self.kv_store, self.capturer, self.stats, self.emulate)

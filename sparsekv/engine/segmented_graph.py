@@ -52,10 +52,9 @@ class SegmentedGraphRunner(DecodeGraphRunner):
         from sparsekv.engine.offload_graph import LayoutGraphs
         from sparsekv.kernels._dispatch import use_triton
 
-        store = self.kv_store  # offloaded, with a policy and kernels that allow it: attention captured per layout
+        store = self.kv_store  # offloaded, on the Triton kernels: layers captured per layout (if the policy allows)
         self.layouts = None
-        if hasattr(store, "decode_layout") and getattr(store.decode_policy, "decode_graph_safe", True) and (
-                self.emulate or use_triton(self.device)):
+        if hasattr(store, "decode_layout") and (self.emulate or use_triton(self.device)):
             self.layouts = LayoutGraphs(store, self.capturer, self.stats, self.emulate)
         mb, dev = self.max_batch_size, self.device
         self.inputs = torch.zeros(2 * mb, dtype=torch.int64, device=dev)  # [2 * bs]: input ids, positions
