@@ -124,6 +124,20 @@ def use_fused_elementwise(device: torch.device | str) -> bool:
     return os.environ.get(ENV_FUSED, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+ENV_GEMV = "SPARSEKV_GEMV"
+GEMV_CHOICES = ("", "torch", "triton")
+
+
+def use_triton_gemv(device: torch.device | str) -> bool:
+    """Whether the model's linear layers run sparsekv.kernels.gemv's skinny kernel for few-row inputs: only when
+    SPARSEKV_GEMV=triton (off by default until timed against cuBLAS on a GPU) and the Triton kernels run on
+    ``device`` (:func:`use_triton`). SPARSEKV_GEMV=torch (or unset) keeps F.linear."""
+    choice = os.environ.get(ENV_GEMV, "").strip().lower()
+    if choice not in GEMV_CHOICES:
+        raise ValueError(f"{ENV_GEMV}={choice!r} is not one of {GEMV_CHOICES[1:]} (or unset)")
+    return choice == "triton" and use_triton(device)
+
+
 def alloc_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.empty, or a NaN-filled buffer when POISON_OUTPUTS is set (tests)."""
     if POISON_OUTPUTS:

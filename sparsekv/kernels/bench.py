@@ -1,4 +1,5 @@
-"""GPU micro-benchmarks of the kernels: ``python -m sparsekv.kernels.bench [--quick] [--elementwise] [--decode]``.
+"""GPU micro-benchmarks of the kernels:
+``python -m sparsekv.kernels.bench [--quick] [--elementwise] [--decode] [--gemv]``.
 
 Times every applicable attention backend (triton, sdpa, cudnn, flash_attn) on prefill/chunk shapes and
 the paged decode kernel over context lengths and split counts, so that the CUDA default in
@@ -6,6 +7,8 @@ the paged decode kernel over context lengths and split counts, so that the CUDA 
 elementwise kernels (RMSNorm, q/k norm + rotary, SiLU-and-mul) against the torch ops they replace.
 ``--decode`` times only the decode-shaped attention (Sq = 1): the flash-decoding kernel of decode_attention.py
 against the prefill kernel it replaced, the paged decode kernel, and both over candidate tuning constants.
+``--gemv`` times only the skinny linear of decode (gemv.skinny_linear against F.linear, M <= 16) and sweeps its
+config table (``--quick``: the sweep at M = 1 and 16 only).
 """
 
 from __future__ import annotations
@@ -249,7 +252,140 @@ def bench_elementwise(tokens: int, hidden: int = 2560, h: int = 32, kvh: int = 8
     return res
 
 
-def main() -> None:
+# ---------------------------------------------------------------------------------------------- skinny linear (--gemv)
+# (model, projection, N, K) of the decode linears: weight [N, K], bf16
+GEMV_SHAPES = (
+    ("qwen3-4b", "qkv", 6144, 2560), ("qwen3-4b", "o_proj", 2560, 4096), ("qwen3-4b", "gate_up", 19456, 2560),
+    ("qwen3-4b", "down", 2560, 9728), ("qwen3-4b", "lm_head", 151936, 2560),
+    ("llama3-8b", "qkv", 6144, 4096), ("llama3-8b", "o_proj", 4096, 4096), ("llama3-8b", "gate_up", 28672, 4096),
+    ("llama3-8b", "down", 4096, 14336), ("llama3-8b", "lm_head", 128256, 4096),
+)
+GEMV_MS = (1, 4, 8, 16)
+# Alternative CONFIGS rows (tensor cores, BLOCK_N, BLOCK_K, num_warps, num_stages) swept per (shape, M) at the
+# split heuristic, plus the default row at forced split counts. FMA rows apply to M = 1 (and, 3-d, to M <= 4).
+GEMV_FMA_CANDIDATES = ((False, 16, 256, 4, 1), (False, 16, 512, 4, 1), (False, 8, 512, 4, 1), (False, 32, 256, 8, 1),
+                       (False, 16, 1024, 8, 1), (False, 32, 128, 4, 1))
+GEMV_FMA3_CANDIDATES = ((False, 16, 128, 4, 1), (False, 32, 64, 4, 1))
+GEMV_DOT_CANDIDATES = ((True, 32, 256, 4, 3), (True, 32, 128, 4, 4), (True, 64, 128, 4, 4), (True, 64, 256, 4, 3),
+                       (True, 16, 256, 4, 4), (True, 32, 512, 4, 2), (True, 64, 128, 8, 3))
+GEMV_SPLITS = (1, 2, 4, 8)
+
+
+def _time_us(fn, device: torch.device, warmup: int = 5, rep: int = 25) -> float:
+    """Microseconds per call: triton's do_bench on CUDA (L2 flushed before every call, so a weight that would fit
+    in L2 is still read from HBM, as in a decode step); a wall-clock mean off-GPU (interpreter smoke runs)."""
+    if device.type == "cuda":
+        return _bench_ms(fn, warmup=warmup, rep=rep) * 1e3
+    fn()
+    start = time.perf_counter()
+    calls = 2
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def _gemv_candidates(m: int) -> list[tuple[str, tuple | None, int | None]]:
+    """(label, CONFIGS row or None for the default, split_k or None for the heuristic) to sweep at M rows."""
+    from . import gemv as G
+
+    default = G.table_row(m)
+    rows = [("default", None, None)] + [("split", None, s) for s in GEMV_SPLITS]
+    pool = GEMV_FMA_CANDIDATES if m == 1 else GEMV_DOT_CANDIDATES + (GEMV_FMA3_CANDIDATES if m <= 4 else ())
+    rows += [("tile", row, None) for row in pool if tuple(row) != tuple(default)]
+    return rows
+
+
+def bench_gemv(shapes=GEMV_SHAPES, ms=GEMV_MS, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
+               sweep: bool = True, sweep_ms=None, warmup: int = 5, rep: int = 25) -> list[dict]:
+    """F.linear (cuBLAS) vs gemv.skinny_linear on the decode linears: one table row per (shape, M) with
+    microseconds and GB/s (weight + x + out bytes / time), then, per (shape, M in sweep_ms), the best of the
+    candidate configs. Returns the rows as dicts."""
+    import torch.nn.functional as F
+
+    from . import gemv as G
+
+    device = torch.device(device)
+    sweep_ms = ms if sweep_ms is None else sweep_ms
+    gen = torch.Generator(device=device).manual_seed(0)
+    print(f"{'gemv':5s} {'model':10s} {'proj':8s} {'N':>6s} {'K':>6s} {'M':>3s} {'cublas us':>9s} {'GB/s':>6s} "
+          f"{'triton us':>9s} {'GB/s':>6s} {'ratio':>5s} {'rel err':>8s}  config   (ratio = cublas us / triton us)",
+          flush=True)
+    rows, sweeps = [], []
+    for model, proj, n, k in shapes:
+        weight = torch.randn(n, k, device=device, dtype=dtype, generator=gen) * k ** -0.5  # [N, K]
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=dtype, generator=gen)  # [M, K]
+            nbytes = (n * k + m * k + m * n) * weight.element_size()
+            ref = F.linear(x, weight)
+            out = G.skinny_linear(x, weight)
+            err = ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+            cublas_us = _time_us(lambda: F.linear(x, weight), device, warmup, rep)
+            triton_us = _time_us(lambda: G.skinny_linear(x, weight), device, warmup, rep)
+            config = G.choose_config(m, n, k, weight.element_size(), device)
+            row = dict(model=model, proj=proj, n=n, k=k, m=m, cublas_us=cublas_us, triton_us=triton_us,
+                       cublas_gbps=nbytes / cublas_us / 1e3, triton_gbps=nbytes / triton_us / 1e3, rel_err=err,
+                       config=config.describe())
+            rows.append(row)
+            print(f"gemv  {model:10s} {proj:8s} {n:6d} {k:6d} {m:3d} {cublas_us:9.1f} {row['cublas_gbps']:6.0f} "
+                  f"{triton_us:9.1f} {row['triton_gbps']:6.0f} {cublas_us / triton_us:5.2f} {err:8.1e}  "
+                  f"{row['config']}", flush=True)
+            if sweep and m in sweep_ms:
+                sweeps.append(_gemv_sweep(model, proj, x, weight, nbytes, triton_us, device, warmup, rep))
+        del weight
+    if rows and device.type == "cuda":
+        ratio = math.exp(sum(math.log(r["cublas_us"] / r["triton_us"]) for r in rows) / len(rows))
+        print(f"gemv  geometric-mean speed-up of skinny_linear over F.linear: {ratio:.2f}x over {len(rows)} cases",
+              flush=True)
+    for m in sorted({s["m"] for s in sweeps}):
+        wins: dict[str, int] = {}
+        for s in sweeps:
+            if s["m"] == m:
+                wins[s["best"]] = wins.get(s["best"], 0) + 1
+        text = ", ".join(f"{label} ({count}x)" for label, count in sorted(wins.items(), key=lambda kv: -kv[1])[:3])
+        print(f"gemv-best M={m:2d}: {text}", flush=True)
+    return rows
+
+
+def _gemv_sweep(model: str, proj: str, x: torch.Tensor, weight: torch.Tensor, nbytes: int, default_us: float,
+                device: torch.device, warmup: int, rep: int) -> dict:
+    """Time skinny_linear under each candidate config; print one line: the best against the default."""
+    from . import gemv as G
+
+    m, k = x.shape
+    n = weight.shape[0]
+    results, seen = [], set()
+    for label, row, split in _gemv_candidates(m):
+        configs = G.CONFIGS if row is None else ((G.MAX_M, *row),)
+        with override_constants(G, CONFIGS=configs):
+            config = G.choose_config(m, n, k, weight.element_size(), device, split_k=split)
+        if config in seen:
+            continue
+        seen.add(config)
+        try:
+            us = default_us if label == "default" else _time_us(lambda: G.skinny_linear(x, weight, config=config),
+                                                                device, warmup, rep)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report and go on
+            print(f"  gemv-sweep {model} {proj} M={m} {config.describe()} failed: {type(exc).__name__}: {exc}"[:200],
+                  flush=True)
+            continue
+        results.append((us, config.describe()))
+    best_us, best = min(results)
+    print(f"gemv-sweep {model:10s} {proj:8s} {n:6d} {k:6d} {m:3d} best {best_us:8.1f} us {nbytes / best_us / 1e3:6.0f} "
+          f"GB/s ({default_us / best_us:4.2f}x the default, {len(results)} configs)  {best}", flush=True)
+    return dict(model=model, proj=proj, m=m, best=best.rsplit(" split=", 1)[0], best_us=best_us)
+
+
+def run_gemv(quick: bool = False) -> None:
+    """``--gemv``: the HBM copy rate for reference, then bench_gemv (sweeps at M in {1, 16} only with quick)."""
+    from sparsekv import floors
+
+    start = time.perf_counter()
+    print(f"gemv  HBM device-to-device copy: {floors.hbm_gbps():.0f} GB/s (read + write bytes / time)", flush=True)
+    bench_gemv(sweep_ms=(1, 16) if quick else GEMV_MS)
+    print(f"gemv benchmarks took {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--elementwise", action="store_true",
@@ -257,10 +393,16 @@ def main() -> None:
     parser.add_argument("--decode", action="store_true",
                         help="only decode attention (Sq = 1): flash-decoding vs the prefill kernel, paged decode, "
                              "and tables over candidate tuning constants of both")
-    args = parser.parse_args()
+    parser.add_argument("--gemv", action="store_true",
+                        help="only the skinny linear of decode (M <= 16): F.linear (cuBLAS) vs gemv.skinny_linear on "
+                             "Qwen3-4B / Llama-3.1-8B shapes, GB/s against the HBM copy rate, and a config sweep")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.exit(2, "sparsekv.kernels.bench times GPU kernels and needs CUDA; torch sees no CUDA device here.\n")
     torch.manual_seed(0)
+    if args.gemv:
+        run_gemv(quick=args.quick)
+        return
     if args.decode:
         start = time.perf_counter()
         bench_decode()

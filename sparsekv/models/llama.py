@@ -7,6 +7,7 @@ from torch import nn
 from sparsekv.kernels.activation import silu_and_mul
 from sparsekv.kernels.rotary import apply_rotary
 from sparsekv.layers.attention import Attention
+from sparsekv.layers.linear import Linear
 from sparsekv.layers.norm import RMSNorm
 from sparsekv.layers.rotary import Rope, RotaryEmbedding
 from sparsekv.models.spec import ModelSpec
@@ -19,8 +20,8 @@ class SelfAttention(nn.Module):
                                                             spec.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.attention_bias)
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if qk_norm else None
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -56,8 +57,8 @@ class GatedMLP(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.intermediate_size = spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # silu(gate) * up, one kernel on Triton
@@ -104,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, i, self.qk_norm) for i in range(spec.num_hidden_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

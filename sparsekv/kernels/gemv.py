@@ -1,0 +1,297 @@
+"""Skinny linear: out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]) for the few rows of a decode step.
+
+At M <= 16 rows a linear layer is a stream of its weight: 2 * M FLOPs per weight element, far below what the
+tensor cores (or even the FMA units) can do per byte of HBM, so what counts is reading W once at full bandwidth.
+cuBLAS runs these shapes at about 2.5 TB/s on an H100 that copies at about 3.0 TB/s; this kernel is built
+only to stream W:
+
+* each program owns BLOCK_N rows of W (output columns) and a range of K, loops over it in [BLOCK_N, BLOCK_K] tiles
+  loaded coalesced along K (``evict_first``: W is read once) and multiplies them with the matching x tile
+  [BLOCK_M, BLOCK_K] (L2-resident, every program reads it), accumulating in fp32:
+  - M = 1 (a GEMV): FMAs into an fp32 [BLOCK_N, BLOCK_K] accumulator, reduced over K once at the end;
+  - rows of CONFIGS marked ``dot``: ``tl.dot(w, x^T)`` on the tensor cores, x padded to BLOCK_M = 16 rows (the
+    weight tile is the MMA's M side, the few tokens its N side);
+  - other rows: FMAs into [BLOCK_N, BLOCK_M, BLOCK_K], reduced at the end (BLOCK_K shrunk to bound registers).
+  Rows of W past N re-read row N - 1 (clamped) and are not stored, so W is loaded without masks unless K is
+  ragged; x's padding rows past M are masked.
+* split-K when N / BLOCK_N programs cannot fill the GPU (N = 2560 at K = 9728 is 160 programs of 16 rows): a
+  second grid axis of SPLIT_K programs per row block, each over its own BLOCK_K-aligned range of K, writes fp32
+  partials [SPLIT_K, M, N] and a small second kernel sums them in split order, adds the bias and casts. No
+  atomics: the result is bit-identical run to run, and the launch is CUDA-graph safe (fixed-size allocations
+  from the shapes, no host syncs).
+
+Configs: CONFIGS maps M to (tensor cores?, BLOCK_N, BLOCK_K, num_warps, num_stages); the split count aims at
+PROGRAMS_PER_SM programs per SM with each program streaming at least MIN_PROGRAM_BYTES of W. These constants are
+module globals read at each call, so ``python -m sparsekv.kernels.bench --gemv`` can override and sweep them.
+Semantics: fp32 products and accumulation, + bias in fp32, one rounding to x's dtype (what F.linear gives up to
+summation order).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ._dispatch import HAS_TRITON, alloc_output, cdiv, jit, next_power_of_2, num_sms, tl, triton_interpret, use_triton
+
+__all__ = ["GemvConfig", "MAX_M", "choose_config", "skinny_linear", "skinny_linear_reference"]
+
+# ---------------------------------------------------------------------------------------------- tuning constants
+MAX_M = 16  # rows up to which skinny_linear runs the kernel; more rows are a GEMM for cuBLAS
+# Rows (max M, tensor cores, BLOCK_N, BLOCK_K, num_warps, num_stages): the first row with M <= max M applies.
+# Starting values, not yet timed on a GPU (ptxas, sm_90a, bf16: no spills). The GEMV (FMA) path is not software
+# pipelined by Triton (no cp.async: num_stages does nothing there), so its loads in flight come from occupancy:
+# a [16, 256] tile is 4 16-byte loads per thread at 77 registers, ~6 programs (48 KB of loads) per SM; [16, 512]
+# doubles the loads per program but takes 165 registers. The tensor-core path pipelines W and x through shared
+# memory (cp.async): [32, 256] W + [16, 256] x tiles, 3 stages, 48 KB of shared memory, mma.sync.
+CONFIGS = (
+    (1, False, 16, 256, 4, 1),
+    (MAX_M, True, 32, 256, 4, 3),
+)
+PROGRAMS_PER_SM = 4  # split K until row blocks x splits >= PROGRAMS_PER_SM x SMs ...
+MIN_PROGRAM_BYTES = 32768  # ... as long as each program still streams this much of W
+MAX_SPLIT_K = 16
+FMA_MAX_ACC = 8192  # elements (BLOCK_N * BLOCK_M * BLOCK_K) of the 3-d FMA accumulator: 64 fp32 regs at 4 warps
+REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DOT_BLOCK_M = 16  # tl.dot needs >= 16 on each side
+
+
+class GemvConfig(NamedTuple):
+    """One launch: tile sizes, the code path, and SPLIT_K. ``block_m`` is 1 for the GEMV path, 16 with tl.dot."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+    use_dot: bool = False
+    block_m: int = 1
+
+    def describe(self) -> str:
+        return (f"{'dot' if self.use_dot else 'fma'} BN={self.block_n:<3d} BK={self.block_k:<4d} BM={self.block_m:<2d} "
+                f"warps={self.num_warps} stages={self.num_stages} split={self.split_k:<2d}")
+
+
+# ---------------------------------------------------------------------------------------------- reference
+def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                            ) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T + bias [N] in fp32, rounded once to x's dtype -> [M, N]."""
+    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+@jit
+def _skinny_linear_kernel(
+    X, W, B, OUT,
+    stride_xm, stride_wn, stride_om, stride_on, stride_os,
+    M, N, K, split_len,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,
+):
+    # X [M, K], W [N, K], both unit stride along K; OUT is out [M, N] or, with PARTIAL, partials [SPLIT_K, M, N]
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_ok = offs_n < N
+    rows_n = tl.where(n_ok, offs_n, N - 1).to(tl.int64)  # rows past N re-read row N - 1 and are not stored
+    offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    m_ok = offs_m < M  # x's padding rows are masked (no traffic), their outputs not stored
+    k_start = split * split_len
+    k_end = tl.minimum(k_start + split_len, K)
+    offs_k = k_start + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    w_ptrs = W + rows_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+
+    if BLOCK_M == 1:  # GEMV: x is one row
+        x_ptrs = X + offs_k  # [BLOCK_K]
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+                x = tl.load(x_ptrs, eviction_policy="evict_last")
+            else:
+                k_ok = (k0 + tl.arange(0, BLOCK_K)) < k_end
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+                x = tl.load(x_ptrs, mask=k_ok, other=0.0, eviction_policy="evict_last")
+            acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
+    else:
+        x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        if USE_DOT:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc3 = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]
+                x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0, eviction_policy="evict_last")  # [BLOCK_M, BLOCK_K]
+            else:
+                k_ok = (k0 + tl.arange(0, BLOCK_K)) < k_end
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+                x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_last")
+            if USE_DOT:
+                if DOT_F32:  # fp32 inputs (exact products: no tf32), or bf16 under the interpreter
+                    acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w, tl.trans(x), acc)  # [BLOCK_N, BLOCK_M]
+            else:
+                acc3 += w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        if not USE_DOT:
+            acc = tl.sum(acc3, axis=2)  # [BLOCK_N, BLOCK_M]
+
+    out_ptrs = OUT + split * stride_os + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on  # [BN, BM]
+    ok = n_ok[:, None] & m_ok[None, :]
+    if PARTIAL:
+        tl.store(out_ptrs, acc, mask=ok)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(B + rows_n).to(tl.float32)[:, None]
+        tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=ok)
+
+
+@jit
+def _splitk_reduce_kernel(P, B, OUT, MN, N, SPLIT_K, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    # P partials [SPLIT_K, M, N] fp32 contiguous, OUT [M, N] contiguous: summed in split order (deterministic)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] flat (m, n)
+    ok = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(SPLIT_K):  # a runtime count: one compiled reduction for every split count
+        acc += tl.load(P + s * MN + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(B + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------- configs
+def table_row(m: int, configs=None) -> tuple[bool, int, int, int, int]:
+    """(tensor cores, BLOCK_N, BLOCK_K, num_warps, num_stages) of CONFIGS (or `configs`) for M rows."""
+    configs = CONFIGS if configs is None else configs
+    for max_m, *row in configs:
+        if m <= max_m:
+            return tuple(row)
+    return tuple(configs[-1][1:])
+
+
+def choose_config(m: int, n: int, k: int, element_size: int, device: torch.device | str | None = None,
+                  split_k: int | None = None) -> GemvConfig:
+    """The launch for x [m, k] @ W [n, k]^T: CONFIGS' row for m, tiles clamped to the problem, and the split
+    count (``split_k`` overrides the heuristic; either way it is cut so that no split is empty)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        sms = num_sms(None)
+    # memoised (a decode step asks the same few questions every layer); the tuning globals are part of the key
+    configs = tuple(tuple(row) for row in CONFIGS)
+    return _choose_config(m, n, k, element_size, sms, split_k, configs, PROGRAMS_PER_SM, MIN_PROGRAM_BYTES,
+                          MAX_SPLIT_K, FMA_MAX_ACC)
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose_config(m: int, n: int, k: int, element_size: int, sms: int, split_k: int | None, configs,
+                   programs_per_sm: int, min_program_bytes: int, max_split_k: int, fma_max_acc: int) -> GemvConfig:
+    use_dot, block_n, block_k, warps, stages = table_row(m, configs)
+    use_dot = bool(use_dot) and m > 1
+    block_m = DOT_BLOCK_M if use_dot else next_power_of_2(m)
+    low = 16 if use_dot else 1  # tl.dot's smallest side
+    block_n = max(low, min(block_n, next_power_of_2(n)))
+    block_k = max(16, min(block_k, next_power_of_2(k)))
+    if not use_dot and block_m > 1:
+        block_k = max(16, min(block_k, fma_max_acc // (block_n * block_m)))
+    if split_k is None:
+        row_blocks = cdiv(n, block_n)
+        by_parallelism = cdiv(programs_per_sm * sms, row_blocks)
+        by_bytes = (block_n * k * element_size) // max(1, min_program_bytes)
+        split_k = max(1, min(by_parallelism, by_bytes, max_split_k))
+    split_len = cdiv(cdiv(k, max(1, int(split_k))), block_k) * block_k
+    return GemvConfig(block_n, block_k, warps, stages, cdiv(k, split_len), use_dot, block_m)
+
+
+def split_length(k: int, config: GemvConfig) -> int:
+    """Elements of K per split: BLOCK_K-aligned, so only the last split can end mid-tile."""
+    return cdiv(cdiv(k, config.split_k), config.block_k) * config.block_k
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"skinny_linear expects x [M, K] and weight [N, K]; got x {tuple(x.shape)}, weight "
+                         f"{tuple(weight.shape)} (flatten leading dims of x first: x.reshape(-1, K))")
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"skinny_linear: x {tuple(x.shape)} has K={x.shape[1]} but weight {tuple(weight.shape)} "
+                         f"has K={weight.shape[1]}; weight must be [out_features, in_features] like nn.Linear's")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"skinny_linear expects bias [N={weight.shape[0]}]; got {tuple(bias.shape)}")
+    # cheap comparisons first (a decode step checks every layer); the message is built only on failure
+    same_device = x.device == weight.device and (bias is None or bias.device == x.device)
+    same_dtype = x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype) and x.dtype.is_floating_point
+    if not (same_device and same_dtype):
+        tensors = {"x": x, "weight": weight, **({"bias": bias} if bias is not None else {})}
+        if not same_device:
+            raise ValueError("skinny_linear expects every tensor on one device; got "
+                             + ", ".join(f"{name} on {t.device}" for name, t in tensors.items()))
+        raise ValueError("skinny_linear expects x, weight (and bias) of one floating dtype; got "
+                         + ", ".join(f"{name} {t.dtype}" for name, t in tensors.items())
+                         + " (cast the activations to the weight's dtype)")
+
+
+def _kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    m, k = x.shape
+    return (HAS_TRITON and 0 < m <= MAX_M and k > 0 and weight.shape[0] > 0 and x.dtype in KERNEL_DTYPES
+            and use_triton(x.device))
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation.
+
+    The Triton kernel where :func:`use_triton` says so (CUDA, or CPU under the interpreter) for 1 <= M <= MAX_M
+    and fp32/fp16/bf16; otherwise ``F.linear``. ``config`` replaces :func:`choose_config` (tests, tuning).
+    """
+    _check(x, weight, bias)
+    if not _kernel_applies(x, weight):
+        return F.linear(x, weight, bias)
+    return skinny_linear_triton(x, weight, bias, config)
+
+
+def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         config: GemvConfig | None = None) -> torch.Tensor:
+    """The launch, unchecked: x [M, K], weight [N, K] of one kernel dtype on one device, 1 <= M <= 16, N, K > 0."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()  # a copy per call: nn.Linear weights are contiguous
+    if config is None:
+        config = choose_config(m, n, k, x.element_size(), x.device)
+    if config.block_m < m:
+        raise ValueError(f"skinny_linear: config {config.describe()} holds {config.block_m} rows; x has M={m}")
+    split_len = split_length(k, config)
+    splits = cdiv(k, split_len)
+    out = alloc_output((m, n), x.dtype, x.device)  # [M, N]
+    partial = splits > 1
+    dest = alloc_output((splits, m, n), torch.float32, x.device) if partial else out  # [S, M, N] fp32 partials
+    has_bias = bias is not None
+    dot_f32 = config.use_dot and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and triton_interpret()))
+    _skinny_linear_kernel[(cdiv(n, config.block_n), splits)](
+        x, weight, bias if has_bias else x, dest,
+        x.stride(0), weight.stride(0), dest.stride(-2), dest.stride(-1), dest.stride(0) if partial else 0,
+        m, n, k, split_len,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_DOT=config.use_dot,
+        DOT_F32=dot_f32, EVEN_K=k % config.block_k == 0, HAS_BIAS=has_bias, PARTIAL=partial,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if partial:
+        _splitk_reduce_kernel[(cdiv(m * n, REDUCE_BLOCK),)](
+            dest, bias if has_bias else dest, out, m * n, n, SPLIT_K=splits, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK,
+            num_warps=4)
+    return out

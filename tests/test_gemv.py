@@ -1,0 +1,295 @@
+"""Tests of sparsekv.kernels.gemv (the skinny linear of decode) and of the Linear layer that switches to it.
+
+On CPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set by conftest) with
+SPARSEKV_ATTN_BACKEND=triton (the `triton_kernels` fixture, which also poisons every output buffer the launchers
+allocate, split-K partials included). The interpreter rounds fp32 -> bf16 toward zero (GPUs round to nearest
+even), so bf16 gets one bf16 ulp of slack; under the interpreter bf16 tl.dot runs on operands upcast to fp32
+(numpy has no bf16 matmul). Real sizes run in the GPU-marked tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparsekv.kernels import _dispatch
+from sparsekv.kernels import gemv as G
+from sparsekv.kernels.gemv import GemvConfig, choose_config, skinny_linear, skinny_linear_reference
+from sparsekv.layers.linear import Linear
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+pytestmark = pytest.mark.usefixtures("triton_kernels", "one_thread")
+
+# elementwise |out - ref| <= ATOL + RTOL * |ref| for outputs of magnitude ~1
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+QWEN3_4B = ((6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (151936, 2560))
+LLAMA_8B = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))
+
+
+class _CountLaunches:
+    """Wraps a Triton kernel: counts `kernel[grid](...)` launches and passes them on."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, 0
+
+    def __getitem__(self, grid):
+        self.calls += 1
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    counter = _CountLaunches(G._skinny_linear_kernel)
+    monkeypatch.setattr(G, "_skinny_linear_kernel", counter)
+    return counter
+
+
+def _inputs(m: int, n: int, k: int, dtype: torch.dtype, bias: bool = False, seed: int = 0):
+    """x [m, k], weight [n, k] scaled so that outputs are ~1, bias [n] or None; fresh random values per seed."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(DEV, dtype)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(DEV, dtype)
+    b = torch.randn(n, generator=g).to(DEV, dtype) if bias else None
+    return x, w, b
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype and out.device == ref.device
+    assert not out.isnan().any(), "an output element was not written (poisoned buffer)"
+    atol, rtol = TOL[ref.dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+# ---------------------------------------------------------------------------------------------- kernel vs reference
+# The three code paths (name, M, config) with small tiles, so that N = 50 and K = 100 are ragged in both: 4 row
+# blocks of 16, 7 K tiles of 16 (the last one 4 wide); split_k = 3 gives splits of 48, 48 and 4.
+PATHS = [("gemv", 1, GemvConfig(16, 16, 4, 1, 1, False, 1))]
+PATHS += [("fma3d", m, GemvConfig(16, 16, 4, 1, 1, False, G.next_power_of_2(m))) for m in (3, 8, 16)]
+PATHS += [("dot", m, GemvConfig(16, 16, 4, 2, 1, True, 16)) for m in (1, 3, 8, 16)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("path,m,config", PATHS, ids=[f"{p}-M{m}" for p, m, _ in PATHS])
+def test_paths_match_reference(path, m, config, dtype, split, bias, launches):
+    n, k = 50, 100
+    x, w, b = _inputs(m, n, k, dtype, bias, seed=m * 7 + split)
+    config = config._replace(split_k=split)
+    assert G.split_length(k, config) == (48 if split == 3 else 112)
+    out = skinny_linear(x, w, b, config=config)
+    assert launches.calls == 1
+    _check(out, skinny_linear_reference(x, w, b))
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("n,k", [(50, 100), (20, 2048), (70, 48)])
+def test_default_config_matches_reference(m, n, k, launches):
+    """The heuristic's config (the table's tiles clamped to the problem; at N = 20, K = 2048 it splits K)."""
+    x, w, b = _inputs(m, n, k, torch.float32, bias=m % 2 == 1, seed=m + n)
+    config = choose_config(m, n, k, 4, DEV)
+    assert config.block_m >= m and config.block_k <= max(16, G.next_power_of_2(k))
+    if (n, k) == (20, 2048):
+        assert config.split_k > 1
+    _check(skinny_linear(x, w, b), skinny_linear_reference(x, w, b))
+    assert launches.calls == 1
+
+
+def test_split_k_is_deterministic_and_close_to_no_split():
+    x, w, b = _inputs(5, 40, 300, torch.float32, bias=True, seed=3)
+    base = GemvConfig(16, 32, 4, 2, 1, True, 16)
+    whole = skinny_linear(x, w, b, config=base)
+    split = base._replace(split_k=4)
+    first, second = skinny_linear(x, w, b, config=split), skinny_linear(x, w, b, config=split)
+    assert torch.equal(first, second)  # partials summed in split order: bit-identical run to run
+    _check(first, whole)
+
+
+def test_strided_inputs(launches):
+    """x as a column slice of a wider buffer (row stride != K) and a transposed (non-contiguous) weight."""
+    g = torch.Generator().manual_seed(5)
+    big = torch.randn(4, 90, generator=g).to(DEV)
+    x = big[:, 10:74]  # [4, 64], row stride 90
+    w = (torch.randn(64, 36, generator=g) * 0.125).to(DEV).t()  # [36, 64], stride (1, 36)
+    _check(skinny_linear(x, w), skinny_linear_reference(x, w))
+    assert launches.calls == 1
+
+
+def test_fallback_beyond_max_m_and_for_empty_inputs(launches):
+    x, w, b = _inputs(G.MAX_M + 1, 24, 40, torch.float32, bias=True)
+    assert torch.equal(skinny_linear(x, w, b), F.linear(x, w, b))
+    assert skinny_linear(x[:0], w).shape == (0, 24)
+    empty_k = skinny_linear(torch.zeros(2, 0, device=DEV), torch.zeros(24, 0, device=DEV), b)
+    assert torch.equal(empty_k, b.expand(2, 24))
+    assert launches.calls == 0
+    skinny_linear(x[:G.MAX_M], w, b)
+    assert launches.calls == 1
+
+
+def test_bad_inputs_raise_value_error():
+    x, w, b = _inputs(2, 8, 16, torch.float32, bias=True)
+    cases = [
+        ((x, w[:, :12]), "K=16"),  # mismatched K
+        ((x[None], w), r"x \[M, K\]"),  # 3-d x
+        ((x, w[0]), r"weight \[N, K\]"),  # 1-d weight
+        ((x, w, b[:5]), r"bias \[N=8\]"),
+        ((x, w.to(torch.float16)), "one floating dtype"),
+        ((x.to(torch.float16), w, b), "one floating dtype"),
+        ((x.to(torch.int32), w.to(torch.int32)), "one floating dtype"),
+        ((x, w.to("meta")), "one device"),
+        ((x, w, b.to("meta")), "one device"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            skinny_linear(*args)
+    with pytest.raises(ValueError, match="holds 1 rows"):
+        skinny_linear(x, w, config=GemvConfig(16, 16, 4, 1))
+
+
+# ---------------------------------------------------------------------------------------------- config heuristic
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_heuristic_on_the_decode_shapes(m):
+    """Pure Python: at the Qwen3-4B / Llama-3.1-8B shapes (bf16, 132 SMs) the split count fills the GPU without
+    cutting any program below MIN_PROGRAM_BYTES, splits are BLOCK_K-aligned and none is empty."""
+    target = G.PROGRAMS_PER_SM * 132
+    for n, k in QWEN3_4B + LLAMA_8B:
+        config = choose_config(m, n, k, 2, "cpu")
+        assert config.block_m >= m and config.use_dot == (m > 1)
+        row_blocks = -(-n // config.block_n)
+        split_len = G.split_length(k, config)
+        assert split_len % config.block_k == 0 and (config.split_k - 1) * split_len < k  # the last split is not empty
+        if config.split_k > 1:
+            assert config.block_n * split_len * 2 >= G.MIN_PROGRAM_BYTES, (n, k, config)
+            assert row_blocks * (config.split_k - 1) < target  # one split fewer would not have filled the GPU
+        else:
+            assert row_blocks >= target or config.block_n * k * 2 < 2 * G.MIN_PROGRAM_BYTES, (n, k, config)
+    assert choose_config(m, 2560, 9728, 2, "cpu").split_k > 1  # down_proj: 160 or 80 row blocks alone
+    assert choose_config(m, 151936, 2560, 2, "cpu").split_k == 1  # lm_head
+
+
+def test_heuristic_follows_overridden_constants(monkeypatch):
+    before = choose_config(1, 2560, 9728, 2, "cpu")
+    monkeypatch.setattr(G, "CONFIGS", ((16, False, 8, 512, 8, 1),))
+    monkeypatch.setattr(G, "MAX_SPLIT_K", 2)
+    after = choose_config(1, 2560, 9728, 2, "cpu")
+    assert after != before and (after.block_n, after.block_k, after.num_warps) == (8, 512, 8) and after.split_k == 2
+    fma3 = choose_config(4, 2560, 9728, 2, "cpu")  # a 3-d FMA row: BLOCK_K cut to FMA_MAX_ACC
+    assert not fma3.use_dot and fma3.block_m == 4 and fma3.block_k * 8 * 4 <= G.FMA_MAX_ACC
+
+
+# ---------------------------------------------------------------------------------------------- the Linear layer
+def test_linear_layer_switch(monkeypatch, launches):
+    torch.manual_seed(0)
+    layer = Linear(40, 24, bias=True).to(DEV)
+    plain = torch.nn.Linear(40, 24, bias=True).to(DEV)
+    assert layer.state_dict().keys() == plain.state_dict().keys()  # checkpoint names unchanged
+    x = torch.randn(2, 3, 40, device=DEV)  # 6 rows
+    monkeypatch.delenv(_dispatch.ENV_GEMV, raising=False)
+    expected = F.linear(x, layer.weight, layer.bias)
+    assert torch.equal(layer(x), expected) and launches.calls == 0  # off by default
+    monkeypatch.setenv(_dispatch.ENV_GEMV, "torch")
+    assert torch.equal(layer(x), expected) and launches.calls == 0
+    monkeypatch.setenv(_dispatch.ENV_GEMV, "triton")
+    out = layer(x)
+    assert launches.calls == 1 and out.shape == (2, 3, 24)
+    _check(out, skinny_linear_reference(x.reshape(6, 40), layer.weight, layer.bias).view(2, 3, 24))
+    layer(torch.randn(G.MAX_M + 1, 40, device=DEV))  # prefill-sized: F.linear
+    assert launches.calls == 1
+    monkeypatch.setenv(_dispatch.ENV_GEMV, "cublas")
+    with pytest.raises(ValueError, match="SPARSEKV_GEMV"):
+        layer(x)
+
+
+def test_linear_builds_on_meta_and_materialises():
+    """The loader builds on the meta device, then to_empty: a Linear does the same as nn.Linear."""
+    with torch.device("meta"):
+        layer = Linear(16, 8, bias=False)
+    layer = layer.to_empty(device=DEV).to(torch.bfloat16)
+    assert layer.weight.device.type == DEV.type and layer.weight.dtype == torch.bfloat16 and layer.bias is None
+    assert isinstance(layer, torch.nn.Linear)
+
+
+def test_tiny_model_greedy_unchanged_with_triton_gemv(qwen3_ckpt, monkeypatch):
+    """A prefill (6 rows: also <= MAX_M) and decode steps of the tiny Qwen3 with SPARSEKV_GEMV=triton: the same
+    greedy tokens and last logits as the torch path; every projection and the lm_head ran the kernel."""
+    from sparsekv import LLM, SamplingParams
+    from tests.conftest import random_prompt
+
+    counter = _CountLaunches(G._skinny_linear_kernel)
+    monkeypatch.setattr(G, "_skinny_linear_kernel", counter)
+    prompt = random_prompt(6, seed=13)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    overrides = [f"device={DEV.type}", "dtype=float32", "offload.block_size=16", "graph=eager"]
+    results = {}
+    for backend, gemv in (("torch", "torch"), ("triton", "triton")):
+        monkeypatch.setenv(_dispatch.ENV_BACKEND, backend)
+        monkeypatch.setenv(_dispatch.ENV_GEMV, gemv)
+        llm = LLM(str(qwen3_ckpt), overrides=overrides)
+        results[backend] = llm.generate([prompt], params)[0].token_ids, llm.engine.runner.last_logits[0].clone()
+        if backend == "torch":
+            assert counter.calls == 0
+    # 3 steps x (3 layers x 4 projections + the lm_head)
+    assert counter.calls == 3 * (3 * 4 + 1)
+    (torch_tokens, torch_logits), (triton_tokens, triton_logits) = results["torch"], results["triton"]
+    assert triton_tokens == torch_tokens
+    atol = 1e-4 if DEV.type == "cpu" else 1e-2  # on GPU the Triton attention's fp32 tl.dot runs in tf32
+    assert torch.allclose(triton_logits, torch_logits, atol=atol, rtol=0), (triton_logits - torch_logits).abs().max()
+
+
+def test_bench_gemv_smoke_on_a_tiny_shape():
+    """The --gemv timing helper end to end at a tiny shape (interpreted off-GPU): a row per M, a sweep line."""
+    from sparsekv.kernels import bench
+
+    rows = bench.bench_gemv(shapes=(("tiny", "proj", 48, 80),), ms=(1, 3), dtype=torch.float32, device=DEV.type,
+                            sweep_ms=(1,), warmup=1, rep=2)
+    assert [r["m"] for r in rows] == [1, 3]
+    assert all(r["rel_err"] < 1e-5 and r["triton_us"] > 0 and r["cublas_us"] > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    if DEV.type == "cpu":
+        with pytest.raises(SystemExit) as exc:  # --gemv parses, then says that it needs CUDA
+            bench.main(["--gemv", "--quick"])
+        assert exc.value.code == 2
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 4, 8, 16])
+def test_gpu_qwen3_4b_shapes_match_cublas(m):
+    """bf16 at the real decode shapes against F.linear (cuBLAS): within bf16 rounding of each other."""
+    for n, k in QWEN3_4B:
+        x, w, _ = _inputs(m, n, k, torch.bfloat16, seed=n + m)
+        out, ref = skinny_linear(x, w), F.linear(x, w)
+        exact = skinny_linear_reference(x, w)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.float(), exact.float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 5e-3
+
+
+@gpu
+@needs_cuda
+def test_gpu_replays_inside_a_cuda_graph():
+    """Capture-safe (no host syncs, fixed allocations): replays on new inputs equal eager, bit for bit."""
+    x, w, b = _inputs(4, 2560, 9728, torch.bfloat16, bias=True, seed=1)  # split-K at the default config
+    assert choose_config(4, 2560, 9728, 2, DEV).split_k > 1
+    skinny_linear(x, w, b)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        skinny_linear(x, w, b)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = skinny_linear(x, w, b)
+    for seed in (2, 3):
+        x.copy_(_inputs(4, 2560, 9728, torch.bfloat16, seed=seed)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, skinny_linear(x, w, b))
