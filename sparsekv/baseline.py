@@ -97,7 +97,7 @@ def build_hf_model(cfg) -> tuple[torch.nn.Module, str]:
     dtype = resolve_dtype(cfg, device)
     model_cfg = cfg.model
     path = Path(model_cfg.path).expanduser() if model_cfg.path else None
-    if path is not None and model_cfg.load_format != LoadFormat.dummy:
+    if path is not None and not LoadFormat(model_cfg.load_format).is_dummy:
         model = _with_dtype(AutoModelForCausalLM.from_pretrained, str(path), dtype=dtype).to(device)
         source = f"from_pretrained({path})"
     else:

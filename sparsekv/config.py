@@ -30,6 +30,13 @@ class DType(str, enum.Enum):
 class LoadFormat(str, enum.Enum):
     auto = "auto"  # safetensors from model.path
     dummy = "dummy"  # random weights at the configured dimensions, no files
+    # random weights plus planted attention structure (distance decay, vertical stripes) for sparse-policy
+    # benchmarks: sparsekv/models/structured_dummy.py
+    dummy_structured = "dummy_structured"
+
+    @property
+    def is_dummy(self) -> bool:
+        return self in (LoadFormat.dummy, LoadFormat.dummy_structured)
 
 
 class OffloadMode(str, enum.Enum):

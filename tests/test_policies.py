@@ -140,7 +140,7 @@ def test_phase_pairing_with_small_budgets(name, prefill, decode, ckpt):
         before = store.transfer_stats["h2d_blocks"]
         llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         assert store.transfer_stats["h2d_blocks"] - before == sum(map(len, chosen)) > 0
-        assert 0.0 < policy.last_density <= 1.0 and policy.visible_blocks >= policy.kept_blocks
+        assert 0.0 < policy.last_density <= 1.0 and 0.0 < policy.mean_density <= 1.0
     out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
 
@@ -346,6 +346,9 @@ def test_threshold_keep_keeps_the_heaviest_until_the_threshold():
     assert threshold_keep(mass, 1.0).tolist() == [[[True, True, True, True]]]
     visible = torch.tensor([[True, True, False, False]])
     assert threshold_keep(mass, 0.9, visible).tolist() == [[[True, True, False, False]]]
+    # mass kept anyway (the chunk's own keys) counts toward the threshold and the total: (1 + 0.5) / 2 >= 0.7
+    assert threshold_keep(mass, 0.7, kept=torch.tensor([[1.0]])).tolist() == [[[False, True, False, False]]]
+    assert threshold_keep(mass, 0.5, kept=torch.tensor([[1.0]])).tolist() == [[[False, False, False, False]]]
 
 
 def test_majority_vote_across_kv_heads():

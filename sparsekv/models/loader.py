@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from sparsekv.config import LoadFormat
+from sparsekv.models.structured_dummy import init_structured_dummy
 from sparsekv.models.spec import ModelSpec, spec_from_hf_config, spec_from_model_config
 
 
@@ -22,7 +23,7 @@ def resolve_spec(model_cfg) -> ModelSpec:
             raise ModelLoadError(f"model.path={model_cfg.path} is not a directory; pass a local Hugging Face "
                                  "checkpoint directory (config.json + *.safetensors)")
         return spec_from_hf_config(path)
-    if model_cfg.load_format != LoadFormat.dummy:
+    if not LoadFormat(model_cfg.load_format).is_dummy:
         raise ModelLoadError(f"model={model_cfg.name} has no weights: pass model.path=/dir/of/checkpoint, or "
                              "model.load_format=dummy for random weights at the same dimensions")
     return spec_from_model_config(model_cfg)
@@ -44,10 +45,13 @@ def build_model(model_cfg, spec: ModelSpec, cls: type, device: torch.device, dty
         device)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    if model_cfg.path and model_cfg.load_format != LoadFormat.dummy:
+    load_format = LoadFormat(model_cfg.load_format)
+    if model_cfg.path and not load_format.is_dummy:
         load_safetensors(model, Path(model_cfg.path).expanduser())
     else:
         init_dummy(model, seed, model_cfg.dummy_init_std)
+        if load_format == LoadFormat.dummy_structured:
+            init_structured_dummy(model, seed, model_cfg.dummy_init_std)
     return model.eval().requires_grad_(False)
 
 

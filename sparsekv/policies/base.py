@@ -36,6 +36,7 @@ class PolicyContext:
     is_prefill: bool
     block_size: int
     total_kv_len: int  # keys the query may attend to, this chunk/token included
+    keys: torch.Tensor | None = None  # prefill: the chunk's own keys [Nq, KVH, D], on the device
 
 
 @dataclass
@@ -67,6 +68,27 @@ class SparsePolicy:
 
     def reset(self) -> None:
         """Forget per-sequence state."""
+
+    # ---- reporting (task=bench, task=quality): how much of the causally visible attention was computed
+    def record_density(self, kept, visible) -> None:
+        """Note one attention call that computed `kept` of `visible` units (blocks or (query, key) pairs: one
+        kind per policy). Either may be a device tensor; nothing syncs until a density is read."""
+        self._last_density_counts = (kept, visible)
+        total_kept, total_visible = getattr(self, "_density_totals", None) or (0, 0)
+        self._density_totals = (total_kept + kept, total_visible + visible)
+
+    def reset_density(self) -> None:
+        self._last_density_counts = self._density_totals = None
+
+    @property
+    def last_density(self) -> float | None:
+        """Computed / visible of the last attention call that recorded one (None before any)."""
+        return _ratio(getattr(self, "_last_density_counts", None))
+
+    @property
+    def mean_density(self) -> float | None:
+        """Computed / visible over every call since construction or reset_density (None before any)."""
+        return _ratio(getattr(self, "_density_totals", None))
 
     # ---- selection
     def select_blocks(self, available_blocks: list[int], offload_engine: "OffloadEngine",
@@ -100,7 +122,7 @@ class SparsePolicy:
         blocks = kvcache_manager.prefix_blocks(seq)
         if blocks:
             ctx = PolicyContext(current_chunk_idx, kvcache_manager.num_chunks(seq), layer_id, q, True,
-                                offload_engine.block_size, seq.num_computed_tokens + num_tokens)
+                                offload_engine.block_size, seq.num_computed_tokens + num_tokens, keys=k)
             out, lse = self.attend_host_blocks(q, layer_id, softmax_scale, offload_engine,
                                                self.select_blocks(blocks, offload_engine, ctx), out, lse)
         return out
@@ -140,3 +162,10 @@ class SparsePolicy:
             offload_engine.record_slots_compute_done(first, len(group))
             out, lse = merge_attention_outputs(group_out, group_lse, out, lse)
         return out, lse
+
+
+def _ratio(counts) -> float | None:
+    if not counts:
+        return None
+    kept, visible = (float(x) for x in counts)
+    return kept / visible if visible else 1.0

@@ -99,19 +99,6 @@ class MInferencePolicy(SparsePolicy):
             if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0.0 < budget <= 1.0 \
                     or math.isnan(budget):
                 raise ValueError(f"policy.adaptive_budget={budget!r}: must be a fraction in (0, 1] or null")
-        self._pairs: torch.Tensor | int = 0
-        self._visible = 0
-
-    # ---------------------------------------------------------------------------------------- reporting
-    @property
-    def last_density(self) -> float | None:
-        """Fraction of the causally visible (query, key) pairs that the last prefill call computed."""
-        if not self._visible:
-            return None
-        return float(self._pairs) / self._visible
-
-    def _set_density(self, pairs, visible: int) -> None:
-        self._pairs, self._visible = pairs, visible
 
     def budgets(self, num_keys: int) -> tuple[int, int]:
         """(columns, diagonals) kept per head when the chunk sees num_keys keys; forced ones included."""
@@ -132,11 +119,12 @@ class MInferencePolicy(SparsePolicy):
         if n == 0:
             return torch.empty_like(q)
         if self.dense_when_all_kept and self.budgets(S) == (S, S):
-            self._set_density(1, 1)
+            visible = H * visible_pair_count(n, S, S - n)
+            self.record_density(visible, visible)
             return super().compute_prefill(q, k, v, layer_id, softmax_scale)
         vertical_idx, slash_offsets = self.estimate_pattern(q, k, softmax_scale)
         out, _ = vertical_slash_attention(q, k, v, vertical_idx, slash_offsets, softmax_scale, S - n)
-        self._set_density(vertical_slash_pair_count(n, S, S - n, vertical_idx, slash_offsets).sum(),
+        self.record_density(vertical_slash_pair_count(n, S, S - n, vertical_idx, slash_offsets).sum(),
                           H * visible_pair_count(n, S, S - n))
         return out
 
@@ -183,7 +171,8 @@ class MInferencePolicy(SparsePolicy):
         T = c0 + n
         V, NS = self.budgets(T)
         if self.dense_when_all_kept and (V, NS) == (T, T):
-            self._set_density(1, 1)
+            visible = H * (n * c0 + visible_pair_count(n, n, 0))
+            self.record_density(visible, visible)
             return super().compute_chunked_prefill(q, k, v, layer_id, softmax_scale, offload_engine,
                                                    kvcache_manager, current_chunk_idx, seq, num_tokens)
         L = min(self.last_q, n)
@@ -241,7 +230,7 @@ class MInferencePolicy(SparsePolicy):
         pairs = pairs + vertical_slash_pair_count(n, n, 0, vertical_idx, slash_offsets).sum()
         if out is not None:
             own_out, _ = merge_attention_outputs(out, lse, own_out, own_lse)
-        self._set_density(pairs, H * (n * c0 + visible_pair_count(n, n, 0)))
+        self.record_density(pairs, H * (n * c0 + visible_pair_count(n, n, 0)))
         return own_out
 
 

@@ -41,7 +41,7 @@ densely by the pipeline and are not part of the estimate, so the threshold is ta
 
 Decode is dense (supports_decode=False: the factory pairs it with `full`). `last_density` is the last
 selection's kept fraction: kept prefix blocks / prefix blocks (offload=cpu), computed (query block, key block)
-pairs / causally visible pairs (offload=none); kept_blocks / visible_blocks accumulate the same counts.
+pairs / causally visible pairs (offload=none); `mean_density` is the same over every selection (base class).
 """
 from __future__ import annotations
 
@@ -65,9 +65,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def threshold_keep(mass: torch.Tensor, threshold: float, visible: torch.Tensor | None = None) -> torch.Tensor:
+def threshold_keep(mass: torch.Tensor, threshold: float, visible: torch.Tensor | None = None,
+                   kept: torch.Tensor | None = None) -> torch.Tensor:
     """mass [..., R, C] >= 0 -> bool [..., R, C]: per row, the columns in descending mass until the kept mass reaches
-    `threshold` of the row's total (the column that crosses it included); only `visible` [R, C] columns count."""
+    `threshold` of the row's total (the column that crosses it included); only `visible` [R, C] columns count.
+    `kept` [..., R]: mass the row keeps anyway (outside these columns), counted in the kept mass and the total."""
     if visible is not None:
         mass = mass.masked_fill(~visible, 0.0)
     if threshold >= 1.0:
@@ -75,7 +77,10 @@ def threshold_keep(mass: torch.Tensor, threshold: float, visible: torch.Tensor |
     else:
         ordered, order = mass.sort(dim=-1, descending=True)
         before = ordered.cumsum(dim=-1) - ordered  # mass kept before each column joins
-        keep_sorted = before < threshold * mass.sum(dim=-1, keepdim=True)
+        total = mass.sum(dim=-1, keepdim=True)
+        if kept is not None:
+            before, total = before + kept[..., None], total + kept[..., None]
+        keep_sorted = before < threshold * total
         keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
     return keep & visible if visible is not None else keep
 
@@ -123,23 +128,10 @@ class XAttentionPolicy(SparsePolicy):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
                     or not 0.0 < value <= 1.0:
                 raise ValueError(f"policy.{name}={value!r}: must be a number in (0, 1]")
-        self.last_density: float | None = None
-        self.kept_blocks = 0  # totals over every selection since construction (reports)
-        self.visible_blocks = 0
         self._summary: BlockMetadata | None = None  # [L, blocks, groups, KVH, D] key means
         self._groups: BlockMetadata | None = None  # [L, blocks] valid summary groups per block
         self._layout: tuple[int, int, int, torch.dtype, torch.device] | None = None
         self._max_blocks: int | None = None  # the host pool's block count (caps the tables' doubling)
-
-    # ---------------------------------------------------------------------------------------- reporting
-    @property
-    def mean_density(self) -> float | None:
-        return self.kept_blocks / self.visible_blocks if self.visible_blocks else None
-
-    def _note_density(self, kept: int, visible: int) -> None:
-        self.last_density = kept / visible if visible else 1.0
-        self.kept_blocks += kept
-        self.visible_blocks += visible
 
     # ---------------------------------------------------------------------------------------- shared
     def _vote(self, keep: torch.Tensor) -> torch.Tensor:
@@ -236,12 +228,12 @@ class XAttentionPolicy(SparsePolicy):
         qb0 = (seq - n) // bs
         visible = sum(qb + 1 for qb in range(qb0, nkb))
         if nkb <= 2 or self.threshold >= 1.0:  # every visible block is the sink or a diagonal / all kept
-            self._note_density(visible, visible)
+            self.record_density(visible, visible)
             return super().compute_prefill(q, k, v, layer_id, softmax_scale)
         keep, _ = self.select_prefill_blocks(q, k)
         plan = self.attention_plan(keep, qb0)
         computed = sum(len(others) + qb - run + 1 for first, end, run, others in plan for qb in range(first, end))
-        self._note_density(computed, visible)
+        self.record_density(computed, visible)
         if computed == visible:
             return super().compute_prefill(q, k, v, layer_id, softmax_scale)
         return self._block_sparse_attention(q, k, v, softmax_scale, plan)
@@ -319,48 +311,65 @@ class XAttentionPolicy(SparsePolicy):
             table.data[:, :old.capacity, :old.item_shape[0]] = old.data
         self._summary = table
 
-    def prefix_block_mass(self, query: torch.Tensor, block_ids: torch.Tensor, layer_id: int,
-                          block_size: int) -> torch.Tensor:
+    def prefix_block_mass(self, query: torch.Tensor, block_ids: torch.Tensor, layer_id: int, block_size: int,
+                          chunk_keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Estimated mass of the chunk's queries [n, H, D] (block-aligned, after the prefix) on each prefix host
-        block, from the key summaries -> [KVH, nqb, nb] fp32 (query blocks of block_size rows)."""
+        block, from the key summaries -> ([KVH, nqb, nb] fp32, query blocks of block_size rows; own).
+
+        With the chunk's own keys [n, KVH, D], their group means (causal at group granularity) join the softmax,
+        so the masses are shares of the whole row, as in XAttention, and own [KVH, nqb] is the mass on the chunk's
+        own keys (computed densely anyway); without them own is None and the prefix shares sum to 1."""
         assert self._summary is not None and self._groups is not None
         n, heads, dim = query.shape
         summary = self._summary.gather(layer_id, block_ids)  # [nb, groups, KVH, D]
         nb, groups, kv_heads, _ = summary.shape
         group = heads // kv_heads
-        valid = torch.arange(groups, device=query.device)[None, :] < self._groups.gather(layer_id, block_ids)[:, None]
-        cols = nb * groups
-        keys_t = summary.permute(2, 3, 0, 1).reshape(kv_heads, dim, cols)  # [KVH, D, nb * groups], key dtype
-        width = self.stride
+        dev = query.device
+        valid = torch.arange(groups, device=dev)[None, :] < self._groups.gather(layer_id, block_ids)[:, None]
+        prefix_cols = nb * groups
+        keys_t = summary.permute(2, 3, 0, 1).reshape(kv_heads, dim, prefix_cols)  # [KVH, D, nb * groups]
+        width, own_width = self.stride, self.summary_group
         rows = _cdiv(n, width)
+        own_cols = 0
+        if chunk_keys is not None:
+            own = _group_means(chunk_keys, own_width).to(summary.dtype)  # [own_cols, KVH, D]
+            own_cols = own.shape[0]
+            keys_t = torch.cat([keys_t, own.permute(1, 2, 0)], dim=2)  # [KVH, D, prefix_cols + own_cols]
         q_mean = (_group_means(query, width) * dim ** -0.5).to(summary.dtype)  # [rows, H, D], scaled
         q_mean = q_mean.view(rows, kv_heads, group, dim).permute(1, 2, 0, 3)  # [KVH, G, rows, D]
-        q_block = torch.div(torch.arange(rows, device=query.device) * width, block_size, rounding_mode="floor")
+        q_block = torch.div(torch.arange(rows, device=dev) * width, block_size, rounding_mode="floor")
         nqb = _cdiv(n, block_size)
-        col_ok = valid.flatten()  # [nb * groups]
-        mass = torch.zeros(kv_heads, nqb, nb, dtype=torch.float32, device=query.device)
+        cols = prefix_cols + own_cols
+        # [rows, cols]: prefix columns by validity; own group j when its first key is at or before the row's last query
+        col_ok = torch.cat([valid.flatten()[None, :].expand(rows, -1),
+                            torch.arange(own_cols, device=dev)[None, :] * own_width
+                            <= torch.arange(rows, device=dev)[:, None] * width + width - 1], dim=1)
+        mass = torch.zeros(kv_heads, nqb, nb, dtype=torch.float32, device=dev)
+        own_mass = torch.zeros(kv_heads, nqb, dtype=torch.float32, device=dev) if own_cols else None
         step = max(1, SCORE_ELEMENTS // max(1, heads * cols))
         for r0 in range(0, rows, step):
             r1 = min(r0 + step, rows)
             scores = torch.bmm(q_mean[:, :, r0:r1].reshape(kv_heads, group * (r1 - r0), dim), keys_t)
-            scores = scores.view(kv_heads, group, r1 - r0, cols).masked_fill_(~col_ok, float("-inf"))
-            p = torch.softmax(scores, dim=-1, dtype=torch.float32)  # [KVH, G, rows, nb * groups]
-            p = p.view(kv_heads, group, r1 - r0, nb, groups).sum(dim=(1, 4))  # per host block -> [KVH, rows, nb]
-            mass.index_add_(1, q_block[r0:r1], p)
-        return mass
+            scores = scores.view(kv_heads, group, r1 - r0, cols).masked_fill_(~col_ok[r0:r1], float("-inf"))
+            p = torch.softmax(scores, dim=-1, dtype=torch.float32).sum(dim=1)  # [KVH, rows, cols]
+            mass.index_add_(1, q_block[r0:r1], p[..., :prefix_cols].unflatten(-1, (nb, groups)).sum(-1))
+            if own_mass is not None:
+                own_mass.index_add_(1, q_block[r0:r1], p[..., prefix_cols:].sum(-1))
+        return mass, own_mass
 
     def select_blocks(self, available_blocks: list[int], offload_engine: "OffloadEngine",
                       ctx: PolicyContext) -> list[int]:
         nb = len(available_blocks)
         if nb <= 2 or self.threshold >= 1.0 or self._summary is None:
-            self._note_density(nb, nb)
+            self.record_density(nb, nb)
             return available_blocks
         ids = torch.tensor(available_blocks, dtype=torch.int64).to(ctx.query.device, non_blocking=True)
-        mass = self.prefix_block_mass(ctx.query, ids, ctx.layer_id, ctx.block_size)  # [KVH, nqb, nb]
-        chosen = self._vote(threshold_keep(mass, self.threshold)).any(dim=0)  # union over query blocks -> [nb]
+        mass, own = self.prefix_block_mass(ctx.query, ids, ctx.layer_id, ctx.block_size, ctx.keys)  # [KVH, nqb, nb]
+        keep = threshold_keep(mass, self.threshold, kept=own)
+        chosen = self._vote(keep).any(dim=0)  # union over query blocks -> [nb]
         chosen[:1].fill_(True)  # attention sink (fill_ on a view: no host-to-device copy)
         chosen[-1:].fill_(True)  # newest prefix block
         flags = chosen.tolist()  # the one host sync per (layer, chunk)
         selected = [block for block, keep in zip(available_blocks, flags) if keep]
-        self._note_density(len(selected), nb)
+        self.record_density(len(selected), nb)
         return selected

@@ -86,7 +86,10 @@ class PhaseRun:
 
 
 def _clear_density(policy) -> None:
-    if hasattr(policy, "last_density") and not isinstance(getattr(type(policy), "last_density", None), property):
+    reset = getattr(policy, "reset_density", None)
+    if callable(reset):
+        reset()
+    elif hasattr(policy, "last_density") and not isinstance(getattr(type(policy), "last_density", None), property):
         try:
             policy.last_density = None
         except AttributeError:

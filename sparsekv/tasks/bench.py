@@ -177,6 +177,9 @@ def run(cfg: DictConfig) -> dict:
         engine.kv_store, "reserve") else None
 
     prompts = random_prompts(batch, context, spec.vocab_size, cfg.seed)
+    policy = engine.policy
+    if hasattr(policy, "reset_density"):  # the timed run's density only, not the warm-up's
+        policy.reset_density()
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     start_transfers = _transfer_snapshot(engine)
     progress = _Progress(batch * context, steps, bool(bench.progress), start_transfers)
@@ -212,6 +215,8 @@ def run(cfg: DictConfig) -> dict:
         "decode_ms_per_token_mean": 1e3 * decode_mean_s if decode_mean_s is not None else None,
         "decode_tok_s": batch / decode_median_s if decode_median_s else None,  # all sequences, median step
         "decode_tok_s_mean": stats.decode_tok_s,
+        # a policy that records densities: share of the causally visible attention it computed (its own unit)
+        "policy_density": getattr(policy, "mean_density", None),
     }
 
     # ---- work and floors

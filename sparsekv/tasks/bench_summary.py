@@ -17,6 +17,7 @@ SUMMARY_COLUMNS = [
     ("prefill floor s", "prefill_floor_s", ".3f"), ("prefill ratio", "prefill_ratio", ".2f"),
     ("decode ms/token", "decode_ms_per_token", ".2f"), ("decode floor ms", "decode_floor_ms", ".2f"),
     ("decode ratio", "decode_ratio", ".2f"), ("GPU peak GiB", "gpu_peak_gib", ".2f"),
+    ("policy density", "policy_density", ".3f"),
 ]
 
 
@@ -29,7 +30,9 @@ def _fmt(value: Any, spec: str = ".3g", unit: str = "") -> str:
 def print_table(f: dict) -> None:
     floors = f.get("floors") or {}
     on = f"{f['device']}" + (f" ({f['gpu_name']})" if f.get("gpu_name") else "")
-    print(f"bench {f['name']}: model={f['model']} offload={f['offload']} policy={f['policy']} on {on}, "
+    density = f" (density {f['policy_density']:.3f})" if f.get("policy_density") is not None else ""
+    weights = f" [{f['load_format']}]" if f.get("load_format") else ""
+    print(f"bench {f['name']}: model={f['model']}{weights} offload={f['offload']} policy={f['policy']}{density} on {on}, "
           f"{f['dtype']}, batch {f['batch_size']}, context {f['context']}, {f['decode_steps']} decode steps")
     rows = [("", "achieved", "floor", "ratio"),
             (f"prefill {f['prompt_tokens']} tok",

@@ -41,6 +41,7 @@ def run_identity(cfg: DictConfig, engine, name: str | None) -> dict[str, Any]:
     return {
         "name": name or f"{cfg.model.name} {enum_value(cfg.offload.mode)} {cfg.policy.name}",
         "model": cfg.model.name,
+        "load_format": enum_value(cfg.model.load_format),
         "offload": enum_value(cfg.offload.mode),
         "policy": cfg.policy.name,
         "device": str(engine.device),
