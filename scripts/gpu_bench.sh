@@ -237,6 +237,59 @@ section_segmented() {  # issue 5: segmented graphs with the attention captured p
     done
 }
 
+section_decode_kernels() {  # issue 5: the GPU-resident 4K step's kernels: Triton GEMV against cuBLAS, paged-attention
+                           # split plans at 4K, and the whole step with each GEMV (~6 min)
+    timeout 240 python3 -m pytest -q -m gpu tests/test_gemv.py tests/test_cuda_graph.py tests/test_offload.py \
+        tests/test_policies.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+    timeout 150 python3 -m sparsekv.kernels.bench --gemv --quick 2>&1 | tee "$OUT/gemv_bench.log" | tail -45
+    timeout 90 python3 -c "from sparsekv.kernels.bench import bench_paged_decode; bench_paged_decode((4096,))" \
+        2>&1 | tee "$OUT/paged_bench.log" | tail -25
+    bench none-4k-graph-b1 "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096
+    SPARSEKV_GEMV=triton bench none-4k-graph-b1-gemv "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096
+    SPARSEKV_GEMV=triton bench none-4k-graph-b8-gemv "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096 \
+        bench.batch_size=8 scheduler.max_num_seqs=32
+}
+
+section_decode_resident() {  # issue 5: GPU-resident decode with the default GEMV choice, batch 1/8/32, and a profile
+                            # of the batch-1 step; MInference/xattn prefill pieces timed apart (~5 min)
+    timeout 120 python3 -m pytest -q -m gpu tests/test_gemv.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+    timeout 150 python3 scripts/profile_sparse_prefill.py 2>&1 | tee "$OUT/sparse_prefill_profile.log"
+    local b
+    for b in 1 8 32; do
+        bench "none-4k-graph-b$b" "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096 bench.batch_size=$b \
+            scheduler.max_num_seqs=32
+    done
+    mkdir -p "$OUT/profile"
+    timeout 150 python3 scripts/profile_decode.py --name none-4k-graph --context 4096 --out "$OUT/profile" \
+        offload=none graph=cudagraph 2>&1 | grep -v '^\s*$' | head -60 | tee "$OUT/profile_decode.log"
+    rm -rf "$OUT/profile"
+}
+
+section_ab_gemv() {  # issue 5: batch-1 4K decode with cuBLAS and with the Triton GEMV, interleaved; sparse prefill
+                    # pieces on random and on structured-dummy q/k (~5 min)
+    timeout 150 python3 scripts/profile_sparse_prefill.py 2>&1 | tee "$OUT/sparse_prefill_profile.log"
+    local i layer
+    for layer in 0 35; do
+        timeout 150 python3 scripts/profile_sparse_prefill.py --structured-layer $layer 2>&1 \
+            | tee -a "$OUT/sparse_prefill_profile.log"
+    done
+    for i in 1 2; do
+        SPARSEKV_GEMV=torch bench "none-4k-b1-cublas-$i" "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096
+        SPARSEKV_GEMV=auto bench "none-4k-b1-triton-$i" "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096
+    done
+}
+
+section_sparse_prefill() {  # issue 4: 128K prefill, full vs xattn_bsa vs minference, on structured dummy weights
+                            # (model.load_format=dummy_structured: distance decay + stripes), both offload modes (~7 min)
+    local S=(model=qwen3_4b model.load_format=dummy_structured bench.decode_steps=4 bench.context=131072)
+    local mode policy
+    for mode in none cpu; do
+        for policy in full xattn_bsa minference; do
+            BENCH_TIMEOUT=120 bench "$mode-$policy-128k-structured" "${S[@]}" offload=$mode policy=$policy
+        done
+    done
+}
+
 section_summary() {
     python3 -m sparsekv.tasks.bench summarize "$OUT/bench" 2>&1 | tee "$OUT/bench_summary.md"
     # the device tool returns at most 8 files: pack every run's record and log into one archive
@@ -246,9 +299,9 @@ section_summary() {
 [ $# -gt 0 ] || set -- info tests bench
 for SECTION in "$@"; do
     case "$SECTION" in
-        offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
+        decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
         summary) ;;
-        *) echo "usage: OUT=dir $0 [offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
+        *) echo "usage: OUT=dir $0 [decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
     esac
 done
 [ -d "$OUT/bench" ] && section_summary

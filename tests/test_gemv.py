@@ -88,13 +88,13 @@ def test_paths_match_reference(path, m, config, dtype, split, bias, launches):
 
 
 @pytest.mark.parametrize("m", [1, 3, 8, 16])
-@pytest.mark.parametrize("n,k", [(50, 100), (20, 2048), (70, 48)])
+@pytest.mark.parametrize("n,k", [(50, 100), (20, 4096), (70, 48)])
 def test_default_config_matches_reference(m, n, k, launches):
-    """The heuristic's config (the table's tiles clamped to the problem; at N = 20, K = 2048 it splits K)."""
+    """The heuristic's config (the table's tiles clamped to the problem; at N = 20, K = 4096 it splits K)."""
     x, w, b = _inputs(m, n, k, torch.float32, bias=m % 2 == 1, seed=m + n)
     config = choose_config(m, n, k, 4, DEV)
     assert config.block_m >= m and config.block_k <= max(16, G.next_power_of_2(k))
-    if (n, k) == (20, 2048):
+    if (n, k) == (20, 4096):
         assert config.split_k > 1
     _check(skinny_linear(x, w, b), skinny_linear_reference(x, w, b))
     assert launches.calls == 1
@@ -176,6 +176,7 @@ def test_heuristic_follows_overridden_constants(monkeypatch):
     before = choose_config(1, 2560, 9728, 2, "cpu")
     monkeypatch.setattr(G, "CONFIGS", ((16, False, 8, 512, 8, 1),))
     monkeypatch.setattr(G, "MAX_SPLIT_K", 2)
+    monkeypatch.setattr(G, "MIN_PROGRAM_BYTES", 32768)
     after = choose_config(1, 2560, 9728, 2, "cpu")
     assert after != before and (after.block_n, after.block_k, after.num_warps) == (8, 512, 8) and after.split_k == 2
     fma3 = choose_config(4, 2560, 9728, 2, "cpu")  # a 3-d FMA row: BLOCK_K cut to FMA_MAX_ACC
@@ -191,7 +192,12 @@ def test_linear_layer_switch(monkeypatch, launches):
     x = torch.randn(2, 3, 40, device=DEV)  # 6 rows
     monkeypatch.delenv(_dispatch.ENV_GEMV, raising=False)
     expected = F.linear(x, layer.weight, layer.bias)
-    assert torch.equal(layer(x), expected) and launches.calls == 0  # off by default
+    assert torch.equal(layer(x), expected) and launches.calls == 0  # auto: 6 rows take cuBLAS
+    one_row = x[:1, :1]
+    auto = layer(one_row)  # auto: one row takes the kernel on CUDA only
+    assert launches.calls == (1 if DEV.type == "cuda" else 0)
+    _check(auto, F.linear(one_row, layer.weight, layer.bias))
+    launches.calls = 0
     monkeypatch.setenv(_dispatch.ENV_GEMV, "torch")
     assert torch.equal(layer(x), expected) and launches.calls == 0
     monkeypatch.setenv(_dispatch.ENV_GEMV, "triton")

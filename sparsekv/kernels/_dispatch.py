@@ -125,17 +125,24 @@ def use_fused_elementwise(device: torch.device | str) -> bool:
 
 
 ENV_GEMV = "SPARSEKV_GEMV"
-GEMV_CHOICES = ("", "torch", "triton")
+GEMV_CHOICES = ("", "auto", "torch", "triton")
+# auto: the rows counts at which the skinny kernel measured faster than cuBLAS on an H100 inside the whole decode
+# step (docs/benchmarks.md, session 6: batch 1 gained, batch 8 did not)
+AUTO_GEMV_MAX_ROWS = 1
 
 
-def use_triton_gemv(device: torch.device | str) -> bool:
-    """Whether the model's linear layers run sparsekv.kernels.gemv's skinny kernel for few-row inputs: only when
-    SPARSEKV_GEMV=triton (off by default until timed against cuBLAS on a GPU) and the Triton kernels run on
-    ``device`` (:func:`use_triton`). SPARSEKV_GEMV=torch (or unset) keeps F.linear."""
+def use_triton_gemv(device: torch.device | str, rows: int, max_rows: int) -> bool:
+    """Whether a linear layer with `rows` input rows runs sparsekv.kernels.gemv's skinny kernel on ``device``.
+    SPARSEKV_GEMV=auto (or unset): on CUDA for up to AUTO_GEMV_MAX_ROWS rows; =triton: wherever the Triton
+    kernels run (:func:`use_triton`, the interpreter included) for up to `max_rows` rows; =torch: never (F.linear)."""
     choice = os.environ.get(ENV_GEMV, "").strip().lower()
     if choice not in GEMV_CHOICES:
         raise ValueError(f"{ENV_GEMV}={choice!r} is not one of {GEMV_CHOICES[1:]} (or unset)")
-    return choice == "triton" and use_triton(device)
+    if choice == "torch" or rows <= 0 or not use_triton(device):
+        return False
+    if choice == "triton":
+        return rows <= max_rows
+    return torch.device(device).type == "cuda" and rows <= min(max_rows, AUTO_GEMV_MAX_ROWS)
 
 
 def alloc_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -42,7 +42,10 @@ __all__ = ["GemvConfig", "MAX_M", "choose_config", "skinny_linear", "skinny_line
 # ---------------------------------------------------------------------------------------------- tuning constants
 MAX_M = 16  # rows up to which skinny_linear runs the kernel; more rows are a GEMM for cuBLAS
 # Rows (max M, tensor cores, BLOCK_N, BLOCK_K, num_warps, num_stages): the first row with M <= max M applies.
-# Starting values, not yet timed on a GPU (ptxas, sm_90a, bf16: no spills). The GEMV (FMA) path is not software
+# Timed on an H100 (session 6, `python -m sparsekv.kernels.bench --gemv --quick`): the sweep's best M = 1 config beat
+# cuBLAS on every Qwen3-4B shape; it split K only for down_proj, so the split rule below (programs stream >= 128 KB)
+# follows it. With it the whole batch-1 4K decode step took 5.32-5.35 ms against 5.43-5.57 with cuBLAS; batch 8
+# gained nothing, hence _dispatch.AUTO_GEMV_MAX_ROWS = 1. (ptxas, sm_90a, bf16: no spills.) The GEMV (FMA) path is not software
 # pipelined by Triton (no cp.async: num_stages does nothing there), so its loads in flight come from occupancy:
 # a [16, 256] tile is 4 16-byte loads per thread at 77 registers, ~6 programs (48 KB of loads) per SM; [16, 512]
 # doubles the loads per program but takes 165 registers. The tensor-core path pipelines W and x through shared
@@ -52,7 +55,7 @@ CONFIGS = (
     (MAX_M, True, 32, 256, 4, 3),
 )
 PROGRAMS_PER_SM = 4  # split K until row blocks x splits >= PROGRAMS_PER_SM x SMs ...
-MIN_PROGRAM_BYTES = 32768  # ... as long as each program still streams this much of W
+MIN_PROGRAM_BYTES = 131072  # ... as long as each program still streams this much of W
 MAX_SPLIT_K = 16
 FMA_MAX_ACC = 8192  # elements (BLOCK_N * BLOCK_M * BLOCK_K) of the 3-d FMA accumulator: 64 fp32 regs at 4 warps
 REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
