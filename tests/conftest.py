@@ -111,3 +111,14 @@ def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> tuple[list[
 def random_prompt(length: int, vocab: int = 128, seed: int = 0) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (length,), generator=generator).tolist()
+
+
+class CountLaunches:
+    """Wraps a Triton kernel: counts `kernel[grid](...)` launches and passes them on."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, 0
+
+    def __getitem__(self, grid):
+        self.calls += 1
+        return self.kernel[grid]

@@ -18,6 +18,7 @@ from sparsekv.kernels.activation import silu_and_mul, silu_and_mul_reference
 from sparsekv.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from sparsekv.kernels.rotary import apply_rotary, apply_rotary_reference, rotary_cos_sin_reference
 from sparsekv.layers.rotary import rope_inv_freq
+from tests.conftest import CountLaunches
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 gpu = pytest.mark.gpu
@@ -223,17 +224,6 @@ def test_references_reproduce_hf_bit_for_bit(dtype, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- end to end
-class _CountLaunches:
-    """Wraps a Triton kernel: counts `kernel[grid](...)` launches and passes them on."""
-
-    def __init__(self, kernel):
-        self.kernel, self.calls = kernel, 0
-
-    def __getitem__(self, grid):
-        self.calls += 1
-        return self.kernel[grid]
-
-
 @pytest.mark.parametrize("ckpt", ["qwen3_ckpt", "llama_ckpt"])
 def test_model_forward_with_fused_kernels_matches_torch_path(ckpt, request, monkeypatch):
     """A prefill and two decode steps of a tiny model: the Triton path (every kernel, attention included;
@@ -248,7 +238,7 @@ def test_model_forward_with_fused_kernels_matches_torch_path(ckpt, request, monk
     launches = {}
     for module, name in ((rmsnorm_module, "_rms_norm_kernel"), (rotary_module, "_rotary_kernel"),
                          (activation_module, "_silu_and_mul_kernel")):
-        launches[name] = _CountLaunches(getattr(module, name))
+        launches[name] = CountLaunches(getattr(module, name))
         monkeypatch.setattr(module, name, launches[name])
     results = {}
     for backend in ("torch", "triton"):

@@ -17,6 +17,7 @@ from sparsekv.kernels import _dispatch
 from sparsekv.kernels import gemv as G
 from sparsekv.kernels.gemv import GemvConfig, choose_config, skinny_linear, skinny_linear_reference
 from sparsekv.layers.linear import Linear
+from tests.conftest import CountLaunches
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 gpu = pytest.mark.gpu
@@ -31,20 +32,9 @@ QWEN3_4B = ((6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (151936, 25
 LLAMA_8B = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))
 
 
-class _CountLaunches:
-    """Wraps a Triton kernel: counts `kernel[grid](...)` launches and passes them on."""
-
-    def __init__(self, kernel):
-        self.kernel, self.calls = kernel, 0
-
-    def __getitem__(self, grid):
-        self.calls += 1
-        return self.kernel[grid]
-
-
 @pytest.fixture
 def launches(monkeypatch):
-    counter = _CountLaunches(G._skinny_linear_kernel)
+    counter = CountLaunches(G._skinny_linear_kernel)
     monkeypatch.setattr(G, "_skinny_linear_kernel", counter)
     return counter
 
@@ -226,7 +216,7 @@ def test_tiny_model_greedy_unchanged_with_triton_gemv(qwen3_ckpt, monkeypatch):
     from sparsekv import LLM, SamplingParams
     from tests.conftest import random_prompt
 
-    counter = _CountLaunches(G._skinny_linear_kernel)
+    counter = CountLaunches(G._skinny_linear_kernel)
     monkeypatch.setattr(G, "_skinny_linear_kernel", counter)
     prompt = random_prompt(6, seed=13)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
