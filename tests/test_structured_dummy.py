@@ -98,4 +98,4 @@ def test_other_model_layouts_are_refused_with_the_fix():
             self.proj = nn.Linear(4, 4)
 
     with pytest.raises(ValueError, match="model.load_format=dummy"):
-        init_structured_dummy(Other(), 0, 0.02)
+        init_structured_dummy(Other(), 0)

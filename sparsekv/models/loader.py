@@ -51,7 +51,7 @@ def build_model(model_cfg, spec: ModelSpec, cls: type, device: torch.device, dty
     else:
         init_dummy(model, seed, model_cfg.dummy_init_std)
         if load_format == LoadFormat.dummy_structured:
-            init_structured_dummy(model, seed, model_cfg.dummy_init_std)
+            init_structured_dummy(model, seed)
     return model.eval().requires_grad_(False)
 
 

@@ -67,7 +67,7 @@ def _check_model(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def init_structured_dummy(model: nn.Module, seed: int, std: float) -> None:
+def init_structured_dummy(model: nn.Module, seed: int) -> None:
     """Overwrite plain dummy weights (already drawn by init_dummy) with the planted structure above."""
     _check_model(model)
     spec = model.spec
