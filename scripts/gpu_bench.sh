@@ -290,6 +290,22 @@ section_sparse_prefill() {  # issue 4: 128K prefill, full vs xattn_bsa vs minfer
     done
 }
 
+section_minference() {  # issue 4: MInference kernels' GPU tests, per-chunk profile (random and structured q/k), 128K
+                         # prefill full vs minference, offload=none (~6 min)
+    timeout 150 python3 -m pytest -q -m gpu tests/test_minference.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+    local layer
+    timeout 150 python3 scripts/profile_sparse_prefill.py 2>&1 | tee "$OUT/sparse_prefill_profile.log"
+    for layer in 0 35; do
+        timeout 150 python3 scripts/profile_sparse_prefill.py --structured-layer $layer 2>&1 \
+            | tee -a "$OUT/sparse_prefill_profile.log"
+    done
+    local S=(model=qwen3_4b model.load_format=dummy_structured bench.decode_steps=4 bench.context=131072)
+    local policy
+    for policy in full minference; do
+        BENCH_TIMEOUT=120 bench "none-$policy-128k-structured" "${S[@]}" offload=none policy=$policy
+    done
+}
+
 section_summary() {
     python3 -m sparsekv.tasks.bench summarize "$OUT/bench" 2>&1 | tee "$OUT/bench_summary.md"
     # the device tool returns at most 8 files: pack every run's record and log into one archive
@@ -299,9 +315,9 @@ section_summary() {
 [ $# -gt 0 ] || set -- info tests bench
 for SECTION in "$@"; do
     case "$SECTION" in
-        decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
+        minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
         summary) ;;
-        *) echo "usage: OUT=dir $0 [decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
+        *) echo "usage: OUT=dir $0 [minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
     esac
 done
 [ -d "$OUT/bench" ] && section_summary

@@ -16,6 +16,7 @@ import statistics
 import torch
 
 from sparsekv.kernels.vertical_slash import vertical_slash_attention
+from sparsekv.kernels.vertical_slash_estimate import vertical_slash_masses
 from sparsekv.policies.full import FullAttentionPolicy as FullPolicy
 from sparsekv.policies.minference import MInferencePolicy
 from sparsekv.policies.xattn_bsa import XAttentionPolicy
@@ -68,7 +69,13 @@ def main() -> None:
     print(f"dense chunk attention (Sq={n}, Sk={S}): {dense_ms:8.2f} ms")
 
     estimate_ms = timed(lambda: minf.estimate_pattern(q, k, scale), args.reps)
-    print(f"minference estimate_pattern:             {estimate_ms:8.2f} ms")
+    L = minf.last_q
+    masses_ms = timed(lambda: vertical_slash_masses(q[-L:], k, scale), args.reps)
+    print(f"minference estimate_pattern:             {estimate_ms:8.2f} ms (fused masses kernel {masses_ms:.2f} ms, "
+          f"the rest is top-k and sort)")
+    minf_ms = timed(lambda: minf.compute_prefill(q, k, v, 0, scale), args.reps)
+    print(f"minference compute_prefill:              {minf_ms:8.2f} ms ({minf_ms / dense_ms:.2f}x dense, "
+          f"density {minf.last_density:.3f})")
     vidx, soff = minf.estimate_pattern(q, k, scale)
     V, NS = minf.budgets(S)
     clustered_s = torch.arange(NS, device=dev, dtype=torch.int32)[None].expand(H, -1).contiguous()

@@ -21,6 +21,7 @@ from sparsekv.kernels import (
     vertical_slash_attention_reference,
     vertical_slash_pair_count,
 )
+from sparsekv.kernels.vertical_slash_estimate import vertical_slash_masses, vertical_slash_masses_reference
 from sparsekv.kvcache.host_pool import HostPool
 from sparsekv.kvcache.offload_engine import OffloadEngine
 from sparsekv.policies.minference import MInferencePolicy, _diagonal_sums
@@ -122,6 +123,21 @@ def test_kernel_matches_reference(sq, sk, h, kvh, d, q_offset, nv, ns):
     assert vertical_slash_pair_count(sq, sk, q_offset, vertical, slash).tolist() == mask.sum((1, 2)).tolist()
 
 
+@pytest.mark.skipif(DEV.type == "cuda", reason="tile shapes of the CPU interpreter")
+@pytest.mark.parametrize("tiles", [(32, 32, 4, 1), (64, 32, 4, 1), (64, 64, 4, 1), (128, 64, 4, 1), (128, 128, 4, 1)])
+def test_kernel_tile_shapes_pack_the_offset_bits(tiles, monkeypatch):
+    """Tiles spanning 63 to 255 offsets: one to four selection words per tile, q_offset not tile-aligned."""
+    from sparsekv.kernels import vertical_slash as module
+    monkeypatch.setattr(module, "INTERPRET_CONFIG", tiles)
+    gen = torch.Generator().manual_seed(tiles[0] + tiles[1])
+    sq, sk, h, kvh, d, q_offset = 150, 300, 2, 1, 16, 150 + 37
+    q, k, v = (torch.randn(n, hh, d, generator=gen).to(DEV) for n, hh in ((sq, h), (sk, kvh), (sk, kvh)))
+    vertical = _random_selection(h, sk, 9, gen, pad=2)
+    slash = _random_selection(h, q_offset + sq, 60, gen, pad=2)
+    ref = vertical_slash_attention_reference(q, k, v, vertical, slash, 0.25, q_offset)
+    _check(vertical_slash_attention(q, k, v, vertical, slash, 0.25, q_offset), ref)
+
+
 def test_kernel_every_column_or_every_diagonal_is_dense_attention():
     # a key on a selected column and a selected diagonal must count once: the union is then all keys
     gen = torch.Generator().manual_seed(7)
@@ -173,11 +189,67 @@ def test_diagonal_sums_helper():
     assert d_first == 20 - 4 - 8 and torch.allclose(sums, expected, atol=1e-6)
 
 
+# ------------------------------------------------------------------------------------------- pattern estimate
+def test_masses_reference_by_definition():
+    gen = torch.Generator().manual_seed(3)
+    L, H, KVH, D, Sk, row0 = 5, 4, 2, 8, 23, 15  # keys past the last row (20..22) are never seen
+    q, k = torch.randn(L, H, D, generator=gen), torch.randn(Sk, KVH, D, generator=gen)
+    col, diag = vertical_slash_masses_reference(q, k, 0.5, row0)
+    expected_col, expected_diag = torch.zeros(H, Sk), torch.zeros(H, row0 + L)
+    for h in range(H):
+        for i in range(L):
+            p = row0 + i
+            w = torch.softmax(k[:p + 1, h // 2] @ q[i, h] * 0.5, dim=0)
+            expected_col[h, :p + 1] += w
+            for j in range(p + 1):
+                expected_diag[h, p - j] += w[j]
+    assert torch.allclose(col, expected_col, atol=1e-5) and torch.allclose(diag, expected_diag, atol=1e-5)
+    assert col[:, 20:].abs().max() == 0
+
+
+@pytest.mark.parametrize("L,H,KVH,D,Sk,row0", [
+    (8, 4, 2, 16, 50, 42),  # the last 8 of 50 keys
+    (5, 2, 1, 32, 37, 20),  # rows before the end of the keys, L not a power of two
+    (16, 4, 4, 16, 100, 84),
+    (3, 2, 2, 24, 10, 30),  # rows after every key (offloaded chunks' prefix blocks), D not a power of two
+])
+def test_masses_kernel_matches_reference(L, H, KVH, D, Sk, row0):
+    gen = torch.Generator().manual_seed(L * Sk + row0)
+    q, k = torch.randn(L, H, D, generator=gen).to(DEV), torch.randn(Sk, KVH, D, generator=gen).to(DEV)
+    col, diag = vertical_slash_masses(q, k, 0.3, row0)
+    ref_col, ref_diag = vertical_slash_masses_reference(q, k, 0.3, row0)
+    assert col.shape == (H, Sk) and diag.shape == (H, row0 + L)
+    assert torch.allclose(col, ref_col, atol=1e-5) and torch.allclose(diag, ref_diag, atol=1e-5)
+    assert torch.allclose(diag.sum(1), torch.full((H,), float(L), device=DEV), atol=1e-4)  # each row sums to 1
+
+
+def test_masses_exclude_columns_from_the_diagonals():
+    gen = torch.Generator().manual_seed(4)
+    q, k = torch.randn(6, 4, 16, generator=gen).to(DEV), torch.randn(40, 2, 16, generator=gen).to(DEV)
+    cols = torch.tensor([[0, 5, 33], [7, 8, 1 << 30], [39, 40, 41], [2, 3, 4]], dtype=torch.int32, device=DEV)
+    col, diag = vertical_slash_masses(q, k, 0.4, 34, exclude_columns=cols)
+    ref_col, ref_diag = vertical_slash_masses_reference(q, k, 0.4, 34, exclude_columns=cols)
+    all_col, all_diag = vertical_slash_masses_reference(q, k, 0.4, 34)
+    assert torch.allclose(col, ref_col, atol=1e-5) and torch.allclose(diag, ref_diag, atol=1e-5)
+    assert torch.allclose(col, all_col, atol=1e-5)  # the column masses are unchanged
+    for h in range(4):  # the diagonals lose exactly the excluded (in-range) columns' mass
+        kept = [c for c in cols[h].tolist() if c < 40]
+        assert diag[h].sum().item() == pytest.approx(all_diag[h].sum().item() - all_col[h, kept].sum().item(), abs=1e-4)
+
+
+def test_masses_reject_bad_input():
+    q, k = torch.randn(4, 2, 8), torch.randn(10, 1, 8)
+    with pytest.raises(ValueError, match="row0"):
+        vertical_slash_masses(q, k, 1.0, -1)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        vertical_slash_masses(torch.randn(4, 3, 8), torch.randn(10, 2, 8), 1.0, 6)
+
+
 # ------------------------------------------------------------------------------------------------ policy
 def test_hyperparameter_validation_names_the_field():
     for field, value in [("last_q", 0), ("vertical_size", -1), ("slash_size", -5), ("sink_tokens", -1),
                          ("recent_diagonals", 1.5), ("adaptive_budget", 0.0), ("adaptive_budget", 1.5),
-                         ("last_q", True)]:
+                         ("last_q", True), ("slash_excludes_vertical", 1)]:
         with pytest.raises(ValueError, match=field):
             MInferencePolicy(**{field: value})
     assert MInferencePolicy(adaptive_budget=0.1).budgets(1000) == (100, 100)
@@ -280,6 +352,27 @@ def test_planted_pattern_is_found_and_density_is_low():
     assert _rel_err(policy.compute_prefill(q.to(DEV), k.to(DEV), v.to(DEV), 0, 1.0).cpu(), dense) > 0.1
 
 
+def test_slash_budget_is_not_spent_on_a_selected_column():
+    # a column every last-q row reads strongly lifts one diagonal per row; a weaker true diagonal must still win
+    S, L, d, column, offset = 200, 16, 32, 50, 30
+    gen = torch.Generator().manual_seed(2)
+    u = torch.nn.functional.normalize(torch.randn(S, d, generator=gen), dim=-1)
+    w = torch.nn.functional.normalize(torch.randn(d, generator=gen), dim=-1)
+    k = u.clone()
+    k[column] = w
+    pos = torch.arange(S - L, S)
+    q = 9.0 * w + 4.5 * u[pos - offset]  # the column dominates each row; the diagonal keys are second
+    q, k = q[:, None, :].contiguous().to(DEV), k[:, None, :].contiguous().to(DEV)
+    found = {}
+    for exclude in (True, False):
+        policy = MInferencePolicy(last_q=L, vertical_size=1, slash_size=3, sink_tokens=0, recent_diagonals=2,
+                                  slash_excludes_vertical=exclude)
+        vertical, slash = policy.estimate_pattern(q, k, 1.0)
+        assert vertical.tolist() == [[column]]
+        found[exclude] = offset in slash[0].tolist()
+    assert found == {True: True, False: False}
+
+
 def test_planted_pattern_through_the_offloaded_chunks():
     S, n, column, offset = 192, 64, 20, 100  # column in the oldest block; the diagonal crosses 3 blocks
     q, k, v = _planted(S, n, column, offset, seed=1)
@@ -348,3 +441,16 @@ def test_gpu_kernel_bf16_realistic():
     assert not o.isnan().any() and not lse.isnan().any()
     assert _rel_err(o, ro) < 1e-2
     assert (lse - rlse).abs().max().item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("sk", [8192, 32768 + 77])
+def test_gpu_masses_bf16_realistic(sk):
+    h, kvh, d, L = 32, 8, 128, 64
+    gen = torch.Generator().manual_seed(sk)
+    q = torch.randn(L, h, d, generator=gen).to(DEV, torch.bfloat16)
+    k = torch.randn(sk, kvh, d, generator=gen).to(DEV, torch.bfloat16)
+    col, diag = vertical_slash_masses(q, k, 1 / math.sqrt(d))
+    ref_col, ref_diag = vertical_slash_masses_reference(q, k, 1 / math.sqrt(d), sk - L)
+    assert _rel_err(col, ref_col) < 1e-2 and _rel_err(diag, ref_diag) < 1e-2

@@ -20,8 +20,10 @@ Triton kernel, one program per (block of BLOCK_M query rows, head), online softm
      offsets a tile covers depend only on t = (q_offset // BLOCK_N + (BLOCK_M // BLOCK_N) * m_block) - n_block,
      so sorted t-lists per head serve every query block. Two lists, two loops without branches: tiles whose
      every offset is selected (the recent band) need only the causal mask; in the others the keys not on a
-     selected diagonal are masked by a lookup in a dense per-offset byte mask. The next list entry is loaded
-     one iteration ahead so that the K/V loads can be software-pipelined.
+     selected diagonal are masked through the tile's selection bits: a tile spans BLOCK_M + BLOCK_N - 1
+     consecutive offsets (row i, key j sits on bit i + BLOCK_N - 1 - j of its window), which the launcher packs
+     into int64 words per (head, t), so the mask is a shift and an AND per score, no memory gather. The next
+     list entry is loaded one iteration ahead so that the K/V loads can be software-pipelined.
   2. vertical columns: the selected columns are gathered BLOCK_N at a time by index (causally visible ones
      only: the launcher counts them per query block), masking keys that lie on a selected diagonal of the row
      (already counted in loop 1).
@@ -73,12 +75,16 @@ def _kv_mask(row_ok, dim_ok, EVEN_D: tl.constexpr):
 
 @jit
 def _slash_tiles(
-    acc, m_i, l_i, q, pos, offs_n, offs_d, dim_ok, k_base, v_base, smask, tlist, t_lo, t_hi, tq,
-    Sk, d_lo, d_hi, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
-    BLOCK_N: tl.constexpr, LOOKUP: tl.constexpr, EVEN_D: tl.constexpr,
+    acc, m_i, l_i, q, pos, rows, offs_n, offs_d, dim_ok, k_base, v_base, words, tlist, t_lo, t_hi, tq,
+    Sk, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+    BLOCK_N: tl.constexpr, LOOKUP: tl.constexpr, EVEN_D: tl.constexpr, NUM_WORDS: tl.constexpr,
 ):
     # key blocks n_block = tq - t for the entries t_lo..t_hi of the sorted t-list. The next entry is loaded
     # one iteration ahead, so the K/V addresses are loop-carried and the compiler can pipeline their loads.
+    if LOOKUP:  # bit of (row i, key j) in the tile's offset window, and its word
+        bit = (rows[:, None] + (BLOCK_N - 1) - offs_n[None, :]).to(tl.int64)  # rows: 0..BLOCK_M-1
+        word = bit >> 6
+        bit = bit & 63
     t = tl.load(tlist + t_lo, mask=t_lo < t_hi, other=0)
     for it in range(t_lo, t_hi):
         t_next = tl.load(tlist + it + 1, mask=it + 1 < t_hi, other=0)
@@ -93,8 +99,10 @@ def _slash_tiles(
         diag = pos[:, None] - cols[None, :]  # offset of each (row, key)
         keep = col_ok[None, :] & (diag >= 0)
         if LOOKUP:  # partial tile: keep the keys on a selected diagonal only
-            on_slash = tl.load(smask + (diag - d_lo), mask=keep & (diag >= d_lo) & (diag < d_hi), other=0)
-            keep = keep & (on_slash != 0)
+            w = tl.load(words + NUM_WORDS * t)
+            for extra in tl.static_range(1, NUM_WORDS):
+                w = tl.where(word == extra, tl.load(words + NUM_WORDS * t + extra), w)
+            keep = keep & (((w >> bit) & 1) != 0)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, keep, v)
         t = t_next
     return acc, m_i, l_i
@@ -103,16 +111,16 @@ def _slash_tiles(
 @jit
 def _vs_fwd_kernel(
     Q, K, V, O, LSE,
-    VIDX, SMASK, TLIST_FULL, TLIST_PART, RANGES,
+    VIDX, SMASK, WORDS, TLIST_FULL, TLIST_PART, RANGES,
     stride_qm, stride_qh, stride_qd,
     stride_kn, stride_kh, stride_kd,
     stride_vn, stride_vh, stride_vd,
     stride_om, stride_oh, stride_od,
     stride_lh, stride_lm,
-    stride_vih, stride_smh, stride_tlh, stride_rh, stride_rm,
+    stride_vih, stride_smh, stride_wh, stride_tlh, stride_rh, stride_rm,
     Sq, Sk, D, q_offset, d_lo, d_hi, tq0, qk_scale,
     GROUP: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RATIO: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RATIO: tl.constexpr, NUM_WORDS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -130,6 +138,7 @@ def _vs_fwd_kernel(
     k_base = K + kv_head.to(tl.int64) * stride_kh
     v_base = V + kv_head.to(tl.int64) * stride_vh
     smask = SMASK + head.to(tl.int64) * stride_smh
+    words = WORDS + head.to(tl.int64) * stride_wh  # [NT, NUM_WORDS] selection bits of each tile's offset window
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -140,14 +149,14 @@ def _vs_fwd_kernel(
     tq = tq0 + RATIO * pid_m
     # ---- 1a. slash tiles whose every offset is selected (the recent band): causal mask only
     acc, m_i, l_i = _slash_tiles(
-        acc, m_i, l_i, q, pos, offs_n, offs_d, dim_ok, k_base, v_base, smask,
+        acc, m_i, l_i, q, pos, tl.arange(0, BLOCK_M), offs_n, offs_d, dim_ok, k_base, v_base, words,
         TLIST_FULL + head.to(tl.int64) * stride_tlh, tl.load(ranges), tl.load(ranges + 1), tq,
-        Sk, d_lo, d_hi, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, BLOCK_N, False, EVEN_D)
-    # ---- 1b. slash tiles with some offsets selected: per-key lookup in the offset mask
+        Sk, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, BLOCK_N, False, EVEN_D, NUM_WORDS)
+    # ---- 1b. slash tiles with some offsets selected: the tile's selection bits mask the keys
     acc, m_i, l_i = _slash_tiles(
-        acc, m_i, l_i, q, pos, offs_n, offs_d, dim_ok, k_base, v_base, smask,
+        acc, m_i, l_i, q, pos, tl.arange(0, BLOCK_M), offs_n, offs_d, dim_ok, k_base, v_base, words,
         TLIST_PART + head.to(tl.int64) * stride_tlh, tl.load(ranges + 2), tl.load(ranges + 3), tq,
-        Sk, d_lo, d_hi, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, BLOCK_N, True, EVEN_D)
+        Sk, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, BLOCK_N, True, EVEN_D, NUM_WORDS)
 
     # ---- 2. vertical columns visible to this query block, BLOCK_N at a time, minus those on a slash
     v_cnt = tl.load(ranges + 4)
@@ -216,6 +225,19 @@ def _slash_mask(slash_offsets: torch.Tensor, d_lo: int, d_hi: int) -> torch.Tens
     mask = torch.zeros((H, width + 1), dtype=torch.int8, device=s.device)
     mask.scatter_(1, idx, 1)
     return mask[:, :width].contiguous()
+
+
+def _window_words(smask: torch.Tensor, starts: torch.Tensor, width: int) -> torch.Tensor:
+    """smask [H, W] int8 per-offset selection, starts [NT] (index into smask of each tile's first offset, may lie
+    outside [0, W)) -> [H, NT, ceil(width / 64)] int64: bit b of word b // 64 is smask[h, starts + b] (0 outside)."""
+    H, W = smask.shape
+    span = 64 * cdiv(width, 64)
+    bits = starts[:, None] + torch.arange(span, device=smask.device)[None, :]  # [NT, span]
+    valid = (bits >= 0) & (bits < W) & (torch.arange(span, device=smask.device) < width)[None, :]
+    picked = smask[:, bits.clamp(0, max(W - 1, 0))].to(torch.int64) * valid  # [H, NT, span]
+    weights = torch.ones(64, dtype=torch.int64, device=smask.device).bitwise_left_shift(
+        torch.arange(64, device=smask.device))  # 1 << b; 1 << 63 is negative, the sum stays exact (no overflow)
+    return (picked.view(H, bits.shape[0], -1, 64) * weights).sum(-1).contiguous()
 
 
 def _vertical_mask(vertical_idx: torch.Tensor, Sk: int) -> torch.Tensor:
@@ -349,6 +371,7 @@ def _vertical_slash_triton(q, k, v, vertical_idx, slash_offsets, scale, q_offset
     lo_i = (lo - d_lo).clamp(0, d_hi - d_lo)
     hi_i = torch.maximum(lo_i, (hi - d_lo).clamp(0, d_hi - d_lo))
     count = cs[:, hi_i] - cs[:, lo_i]  # [H, NT] selected offsets in each tile's window
+    words = _window_words(smask, phi + (t - 1) * block_n + 1 - d_lo, block_m + block_n - 1)  # [H, NT, words]
     needed = count > 0
     full = count == width[None, :]
     t_rel = (t - t_min).to(torch.int32)[None, :]
@@ -380,12 +403,12 @@ def _vertical_slash_triton(q, k, v, vertical_idx, slash_offsets, scale, q_offset
     lse = alloc_output((H, Sq), torch.float32, dev)
     _vs_fwd_kernel[(num_m, H)](
         q, k, v, o, lse,
-        vidx, smask, tlists[0], tlists[1], ranges,
+        vidx, smask, words, tlists[0], tlists[1], ranges,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
-        vidx.stride(0), smask.stride(0), tlists.stride(1), ranges.stride(0), ranges.stride(1),
+        vidx.stride(0), smask.stride(0), words.stride(0), tlists.stride(1), ranges.stride(0), ranges.stride(1),
         Sq, Sk, D, q_offset, d_lo, d_hi, qb - t_min, scale * LOG2E,
         GROUP=H // KVH, BLOCK_D=block_d, EVEN_D=block_d == D,
-        BLOCK_M=block_m, BLOCK_N=block_n, RATIO=ratio,
+        BLOCK_M=block_m, BLOCK_N=block_n, RATIO=ratio, NUM_WORDS=words.shape[2],
         num_warps=warps, num_stages=stages,
     )
     return o, lse

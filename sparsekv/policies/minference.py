@@ -8,7 +8,11 @@ offsets next to the main diagonal, always kept), through sparsekv.kernels.vertic
 Decode is not sparse: the factory pairs this policy with `full` for decode.
 
 offload=none (compute_prefill): all keys are on the device, so the selection is MInference's own: softmax of
-the last-q scores over every key they may see, column sums and diagonal sums, top-k of each.
+the last-q scores over every key they may see, column sums and diagonal sums, top-k of each, computed by the fused
+kernels of sparsekv.kernels.vertical_slash_estimate (the scores are never materialised). With
+`slash_excludes_vertical` (default) the diagonal sums leave out the selected columns: a column read by the last-q
+rows otherwise adds its mass to the 64 diagonals it crosses, and those diagonals, each costing a key tile per query
+block, win slash budget for mass the column already keeps.
 
 offload=cpu (compute_chunked_prefill), one pass over the host blocks
 ---------------------------------------------------------------------
@@ -49,6 +53,7 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 import torch
 
 from sparsekv.kernels import merge_attention_outputs
+from sparsekv.kernels.vertical_slash_estimate import vertical_slash_masses
 from sparsekv.kernels.vertical_slash import (
     vertical_slash_attention,
     vertical_slash_pair_count,
@@ -60,7 +65,6 @@ if TYPE_CHECKING:
     from sparsekv.engine.sequence import Sequence
     from sparsekv.kvcache.offload_engine import OffloadEngine
 
-ESTIMATE_ELEMENTS = 1 << 25  # fp32 last-q scores materialised at once (per group of kv heads)
 _SENTINEL = 1 << 30  # pads ragged per-head index lists (ignored by the kernel: out of range)
 _INF = float("inf")
 
@@ -75,6 +79,9 @@ class MInferencePolicy(SparsePolicy):
     adaptive_budget: Optional[float] = None  # if set: both budgets = this fraction of the keys the chunk sees
     sink_tokens: int = 30  # always-kept columns at the start of the sequence
     recent_diagonals: int = 100  # always-kept diagonals next to the main one (offsets 0..recent-1)
+    # offload=none: rank the diagonals by the mass the selected columns leave (a strong column otherwise also lifts
+    # the 64 diagonals it crosses in the last-q rows, and the slash budget goes to mass that is already kept)
+    slash_excludes_vertical: bool = True
 
     supports_prefill: ClassVar[bool] = True
     supports_decode: ClassVar[bool] = False
@@ -94,6 +101,8 @@ class MInferencePolicy(SparsePolicy):
         whole("slash_size", 0)
         whole("sink_tokens", 0)
         whole("recent_diagonals", 0)
+        if not isinstance(self.slash_excludes_vertical, bool):
+            raise ValueError(f"policy.slash_excludes_vertical={self.slash_excludes_vertical!r}: must be true or false")
         budget = self.adaptive_budget
         if budget is not None:
             if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0.0 < budget <= 1.0 \
@@ -135,25 +144,14 @@ class MInferencePolicy(SparsePolicy):
         Returns (vertical_idx [H, V], slash_offsets [H, NS]) sorted int32: the top columns by softmax mass of
         the last `last_q` queries (sinks forced in) and the top offsets q_pos - k_pos by diagonal mass (recent
         offsets forced in)."""
-        n, H, _ = q.shape
-        S, KVH, _ = k.shape
-        L = min(self.last_q, n)
-        V, NS = self.budgets(S)
-        row0 = S - L  # position of the first last-q row
-        ql = q[-L:]
-        cols, diags = [], []
-        for heads in _kv_head_chunks(KVH, (H // KVH) * L * S):
-            s = _scores(ql, k, softmax_scale, heads)  # [h, L, S]
-            causal = torch.arange(S, device=q.device)[None, :] > row0 + torch.arange(L, device=q.device)[:, None]
-            p = torch.softmax(s.masked_fill(causal, -_INF), dim=-1)
-            cols.append(p.sum(1))  # [h, S]
-            sums, d_first = _diagonal_sums(p, row0, 0)  # offsets d_first .. S-1
-            diags.append(sums[:, -d_first:])  # offsets 0 .. S-1
-        col = torch.cat(cols)
-        diag = torch.cat(diags)
+        L = min(self.last_q, q.shape[0])
+        V, NS = self.budgets(k.shape[0])
+        col, diag = vertical_slash_masses(q[-L:], k, softmax_scale)  # [H, S] each: offsets 0 .. S-1
         col[:, :self.sink_tokens] = _INF
-        diag[:, :self.recent_diagonals] = _INF
         vertical_idx = torch.topk(col, V, dim=1).indices.sort(dim=1).values.to(torch.int32)
+        if self.slash_excludes_vertical and V > 0:
+            _, diag = vertical_slash_masses(q[-L:], k, softmax_scale, exclude_columns=vertical_idx)
+        diag[:, :self.recent_diagonals] = _INF
         slash_offsets = torch.topk(diag, NS, dim=1).indices.sort(dim=1).values.to(torch.int32)
         return vertical_idx, slash_offsets
 
@@ -235,11 +233,6 @@ class MInferencePolicy(SparsePolicy):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _kv_head_chunks(num_kv_heads: int, elements_per_kv_head: int) -> list[slice]:
-    per = max(1, ESTIMATE_ELEMENTS // max(1, elements_per_kv_head))
-    return [slice(h, min(num_kv_heads, h + per)) for h in range(0, num_kv_heads, per)]
-
-
 def _scores(ql: torch.Tensor, k: torch.Tensor, scale: float, kv_heads: slice = slice(None)) -> torch.Tensor:
     """fp32 scaled scores [h, L, W] of the queries ql [L, H, D] against k [W, KVH, D], q head h on kv head
     h // (H // KVH), restricted to the q heads of kv_heads."""
