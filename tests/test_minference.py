@@ -133,7 +133,10 @@ def test_kernel_tile_shapes_pack_the_offset_bits(tiles, monkeypatch):
     sq, sk, h, kvh, d, q_offset = 150, 300, 2, 1, 16, 150 + 37
     q, k, v = (torch.randn(n, hh, d, generator=gen).to(DEV) for n, hh in ((sq, h), (sk, kvh), (sk, kvh)))
     vertical = _random_selection(h, sk, 9, gen, pad=2)
-    slash = _random_selection(h, q_offset + sq, 60, gen, pad=2)
+    # two fully selected runs of offsets (full tiles) and scattered offsets (partial tiles)
+    runs = torch.cat([torch.arange(70), torch.arange(200, 300)])
+    slash = torch.stack([torch.cat([runs, torch.randperm(q_offset + sq - 300, generator=gen)[:20] + 300]).sort().values
+                         for _ in range(h)]).to(DEV, torch.int32)
     ref = vertical_slash_attention_reference(q, k, v, vertical, slash, 0.25, q_offset)
     _check(vertical_slash_attention(q, k, v, vertical, slash, 0.25, q_offset), ref)
 

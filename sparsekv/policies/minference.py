@@ -10,8 +10,8 @@ Decode is not sparse: the factory pairs this policy with `full` for decode.
 offload=none (compute_prefill): all keys are on the device, so the selection is MInference's own: softmax of
 the last-q scores over every key they may see, column sums and diagonal sums, top-k of each, computed by the fused
 kernels of sparsekv.kernels.vertical_slash_estimate (the scores are never materialised). With
-`slash_excludes_vertical` (default) the diagonal sums leave out the selected columns: a column read by the last-q
-rows otherwise adds its mass to the 64 diagonals it crosses, and those diagonals, each costing a key tile per query
+`slash_excludes_vertical` the diagonal sums leave out the selected columns: a column read by the last-q rows
+otherwise adds its mass to the last_q diagonals it crosses, and those diagonals, each costing a key tile per query
 block, win slash budget for mass the column already keeps.
 
 offload=cpu (compute_chunked_prefill), one pass over the host blocks
@@ -80,8 +80,9 @@ class MInferencePolicy(SparsePolicy):
     sink_tokens: int = 30  # always-kept columns at the start of the sequence
     recent_diagonals: int = 100  # always-kept diagonals next to the main one (offsets 0..recent-1)
     # offload=none: rank the diagonals by the mass the selected columns leave (a strong column otherwise also lifts
-    # the 64 diagonals it crosses in the last-q rows, and the slash budget goes to mass that is already kept)
-    slash_excludes_vertical: bool = True
+    # the last_q diagonals it crosses, and the slash budget goes to mass that is already kept). Off by default: a
+    # second estimate pass, measured slower end to end at 128K on structured dummy weights (docs/benchmarks.md)
+    slash_excludes_vertical: bool = False
 
     supports_prefill: ClassVar[bool] = True
     supports_decode: ClassVar[bool] = False
