@@ -61,7 +61,7 @@ CASES: dict[str, Case] = {
                        ("dense_layers", -2), ("token_budget", 1.5)]),
     "xattn_bsa": Case(covering=["policy.threshold=1.0"], planted="xattn_bsa",
                       bad=[("threshold", 1.5), ("threshold", 0.0), ("stride", 0), ("block_size", 100),
-                           ("vote_fraction", 0.0), ("summary_stride", 0), ("query_group_size", 0)]),
+                           ("vote_fraction", 0.0), ("summary_stride", 0)]),
     "streaming_llm": Case(covering=["policy.recent_blocks=1000"], planted="streaming_llm",
                           bad=[("sink_blocks", -1), ("recent_blocks", -1), ("block_size", 0)]),
 }
@@ -237,15 +237,11 @@ def _reference_block_sparse(q, k, v, scale, allowed) -> torch.Tensor:
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vv)
 
 
-def _plan_mask(plan, q_start: int, seq: int, bs: int) -> torch.Tensor:
-    """[n, S] (query, key) pairs an attention plan computes, from its definition."""
-    allowed = torch.zeros(seq - q_start, seq, dtype=torch.bool)
-    for first, end, run, others in plan:
-        for p in range(max(q_start, first * bs), min(seq, end * bs)):
-            allowed[p - q_start, run * bs:p + 1] = True
-            for j in others:
-                allowed[p - q_start, j * bs:(j + 1) * bs] = True
-    return allowed
+def _kept_pairs(keep: torch.Tensor, qb0: int, q_start: int, seq: int, bs: int) -> torch.Tensor:
+    """[n, S] (query, key) pairs that attending to exactly each query block's kept blocks computes."""
+    pos = torch.arange(q_start, seq, device=keep.device)[:, None]
+    key = torch.arange(seq, device=keep.device)[None, :]
+    return (key <= pos) & keep[pos // bs - qb0, key // bs]
 
 
 def _planted_xattn_device(policy_cls) -> None:
@@ -259,25 +255,20 @@ def _planted_xattn_device(policy_cls) -> None:
     v = torch.randn(seq, kv_heads, dim, generator=gen)
     q_all = 4.0 * u + 0.3 * torch.randn(seq, heads, dim, generator=gen)
     scale = dim ** -0.5
-    for group in (bs, 4 * bs):  # every query block its own set; groups of 4 query blocks share one call
-        policy = policy_cls(threshold=0.6, stride=4, block_size=bs, query_group_size=group)
-        for n in (seq, seq - 3 * bs - 7):  # the whole prompt, then a chunk after an unaligned prefix
-            q = q_all[seq - n:]
-            keep, qb0 = policy.select_prefill_blocks(q, k)
-            for row, qb in enumerate(range(qb0, keep.shape[1])):
-                assert keep[row, 0] and keep[row, qb] and not keep[row, qb + 1:].any()
-                if qb > 3:
-                    assert keep[row, 3], (qb, keep[row])
-            plan = policy.attention_plan(keep, qb0)
-            allowed = _plan_mask(plan, seq - n, seq, bs)
-            if group == bs:  # the plan computes exactly the kept blocks
-                pos = torch.arange(seq - n, seq)[:, None]
-                key = torch.arange(seq)[None, :]
-                assert torch.equal(allowed, (key <= pos) & keep[pos // bs - qb0, key // bs])
-            out = policy.compute_prefill(q, k, v, 0, scale)
-            assert policy.last_density < 0.8  # the sparse path ran
-            expected = _reference_block_sparse(q, k, v, scale, allowed)
-            assert torch.allclose(out, expected, atol=1e-5), (out - expected).abs().max()
+    policy = policy_cls(threshold=0.6, stride=4, block_size=bs)
+    for n in (seq, seq - 3 * bs - 7):  # the whole prompt, then a chunk after an unaligned prefix
+        q = q_all[seq - n:]
+        keep, qb0 = policy.select_prefill_blocks(q, k)
+        for row, qb in enumerate(range(qb0, keep.shape[1])):
+            assert keep[row, 0] and keep[row, qb] and not keep[row, qb + 1:].any()
+            if qb > 3:
+                assert keep[row, 3], (qb, keep[row])
+        out = policy.compute_prefill(q, k, v, 0, scale)
+        visible = sum(qb + 1 for qb in range(qb0, keep.shape[1]))
+        assert policy.last_density == pytest.approx(keep.sum().item() / visible)  # exactly the computed pairs
+        assert policy.last_density < 0.8  # the sparse path ran
+        expected = _reference_block_sparse(q, k, v, scale, _kept_pairs(keep, qb0, seq - n, seq, bs))
+        assert torch.allclose(out, expected, atol=1e-5), (out - expected).abs().max()
 
 
 def test_xattn_block_mass_is_the_antidiagonal_definition():
@@ -505,21 +496,15 @@ def test_gpu_bf16_xattn_block_sparse_prefill_is_exact():
     k[2048:2176] += 3.0 * u  # a needle block
     q = (3.0 * u + 0.5 * torch.randn(seq, heads, dim, device=dev, generator=gen)).to(dt)
     k, v = k.to(dt), torch.randn(seq, kv_heads, dim, device=dev, generator=gen).to(dt)
-    policy = XAttentionPolicy(threshold=0.3, query_group_size=256)
+    policy = XAttentionPolicy(threshold=0.3)
     scale = dim ** -0.5
     for n in (seq, 3000):
         out = policy.compute_prefill(q[seq - n:], k, v, 0, scale)
         assert policy.last_density < 1.0
         keep, qb0 = policy.select_prefill_blocks(q[seq - n:], k)
-        plan = policy.attention_plan(keep, qb0)
-        first, end, run, others = plan[-1]  # check the last group's rows against a masked fp32 reference
-        rows = slice(max(seq - n, first * 128) - (seq - n), n)
-        pos = torch.arange(seq - n, seq, device=dev)[rows, None]
-        key = torch.arange(seq, device=dev)[None, :]
-        kept = torch.zeros(-(-seq // 128), dtype=torch.bool, device=dev)
-        kept[others] = True
-        allowed = (key <= pos) & ((key >= run * 128) | kept[key // 128])
-        assert 16 in others or run <= 16  # the needle block is attended
+        rows = slice(n - 1000, n)  # check the last 1000 rows against a masked fp32 reference
+        allowed = _kept_pairs(keep, qb0, seq - n, seq, 128)[rows]
+        assert keep[-8:, 16].all()  # the needle block is attended by the checked query blocks
         expected = _reference_block_sparse(q[seq - n:][rows].float(), k.float(), v.float(), scale, allowed)
         err = (out[rows].float() - expected).norm() / expected.norm()
         assert err < 2e-2, err

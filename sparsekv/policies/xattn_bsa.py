@@ -14,13 +14,10 @@ block is kept when at least `vote_fraction` of the KV heads keep it (majority vo
 and the diagonal block are always kept.
 
 offload=none (compute_prefill; the keys are all on the device): the scoring runs on the real keys at
-`block_size` granularity. Attention is then computed exactly over the kept blocks, one call per group of
-query_group_size // block_size consecutive query blocks (a Python loop of one call per 128-token query block
-costs more in launches than dense attention saves; with query_group_size = block_size every query block gets
-exactly its own set): the group attends to the union of its query blocks' kept blocks before it, plus its own
-blocks causally. The contiguous run of kept blocks that reaches the group is attended causally on a view of the
-keys (no copy), the other kept blocks are gathered and attended without a mask, and the two partials merge by
-log-sum-exp. When that covers every visible block the dense path runs.
+`block_size` granularity (sparsekv.kernels.xattn_estimate: one fused matmul pass over the strided scores that keeps
+only per-(row, key block) log-sum-exps, then the normalised masses), and the attention is computed exactly over
+each query block's own kept blocks by one block-sparse kernel (sparsekv.kernels.block_sparse_attention; the
+selection goes to it as sorted per-query-block lists built on the device, so the plan needs no host sync).
 
 offload=cpu (compute_chunked_prefill from the base pipeline; select_blocks(prefix host blocks)): the prefix keys
 live on the host and only the chosen blocks may cross PCIe, so the decision uses a key summary kept on the GPU.
@@ -51,14 +48,15 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 
 import torch
 
-from sparsekv.kernels import flash_attn_with_lse, merge_attention_outputs
+from sparsekv.kernels.block_sparse_attention import block_lists_from_mask, block_sparse_attention
+from sparsekv.kernels.xattn_estimate import xattn_block_mass
 from sparsekv.policies.base import PolicyContext, SparsePolicy
 from sparsekv.policies.block_metadata import BlockMetadata
 
 if TYPE_CHECKING:
     from sparsekv.kvcache.offload_engine import OffloadEngine
 
-SCORE_ELEMENTS = 1 << 25  # fp32 strided scores materialised at once
+SCORE_ELEMENTS = 1 << 25  # fp32 summary scores (offload=cpu) materialised at once
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -107,14 +105,13 @@ class XAttentionPolicy(SparsePolicy):
     block_size: int = 128  # offload=none: tokens per query/key block (a multiple of stride)
     vote_fraction: float = 0.5  # a block is kept when at least this fraction of the KV heads keep it
     summary_stride: Optional[int] = None  # offload=cpu: keys averaged per summary vector (null: stride)
-    query_group_size: int = 2048  # offload=none: queries per attention call (block_size: exact per-block sets)
 
     supports_prefill: ClassVar[bool] = True
     supports_decode: ClassVar[bool] = False
     requires_block_selection: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        for name, minimum in (("stride", 1), ("block_size", 1), ("query_group_size", 1)):
+        for name, minimum in (("stride", 1), ("block_size", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"policy.{name}={value!r}: must be an integer >= {minimum}")
@@ -145,43 +142,10 @@ class XAttentionPolicy(SparsePolicy):
 
         q [n, H, D] are the last n positions of k [S, KVH, D]; blocks are `block_size` tokens from position 0.
         -> [KVH, nqb, nkb] fp32 with nkb = ceil(S / B), nqb = nkb - (S - n) // B (the blocks holding the queries);
-        each entry sums the softmax mass of the GQA group's query heads over the block's strided rows.
+        each entry sums the softmax mass of the GQA group's query heads over the block's strided rows
+        (sparsekv.kernels.xattn_estimate: fused Triton kernels, or the pure-torch reference).
         """
-        n, heads, dim = q.shape
-        seq, kv_heads, _ = k.shape
-        group, bs, stride = heads // kv_heads, self.block_size, self.stride
-        q_start = seq - n
-        nkb = _cdiv(seq, bs)
-        qb0 = q_start // bs
-        nqb = nkb - qb0
-        per_block = bs // stride  # strided rows/columns per block
-        # keys padded to whole blocks, forward offsets concatenated: [KVH, nkb * per_block, stride * D]
-        kp = k.new_zeros(nkb * bs, kv_heads, dim)
-        kp[:seq] = k
-        kr = kp.view(nkb * per_block, stride, kv_heads, dim).permute(2, 0, 1, 3).reshape(kv_heads, -1, stride * dim)
-        # queries placed in their blocks, reversed offsets, scaled: [KVH, G, nqb * per_block, stride * D]
-        qp = q.new_zeros(nqb * bs, heads, dim)
-        qp[q_start - qb0 * bs:q_start - qb0 * bs + n] = q * (dim ** -0.5 / stride)
-        qr = qp.view(nqb * per_block, stride, heads, dim).flip(1).permute(2, 0, 1, 3)
-        qr = qr.reshape(kv_heads, group, nqb * per_block, stride * dim)
-        num_rows = nqb * per_block
-        rows_abs = qb0 * per_block + torch.arange(num_rows, device=q.device)  # absolute strided row
-        row_ok = ((rows_abs + 1) * stride > q_start) & (rows_abs * stride < seq)  # holds a real query
-        cols = torch.arange(nkb * per_block, device=q.device)
-        mass = torch.zeros(kv_heads, nqb, nkb, dtype=torch.float32, device=q.device)
-        step = max(1, SCORE_ELEMENTS // max(1, heads * per_block * cols.numel())) * per_block
-        for r0 in range(0, num_rows, step):
-            r1 = min(r0 + step, num_rows)
-            rows, c1 = r1 - r0, qb0 * per_block + r1  # columns past the slice's last row are invisible to it
-            scores = torch.bmm(qr[:, :, r0:r1].reshape(kv_heads, group * rows, -1),
-                               kr[:, :c1].transpose(1, 2)).view(kv_heads, group, rows, c1)
-            scores.masked_fill_(cols[None, :c1] > rows_abs[r0:r1, None], float("-inf"))  # causal (strided)
-            p = torch.softmax(scores, dim=-1, dtype=torch.float32)
-            p = p.view(kv_heads, group, rows, c1 // per_block, per_block).sum(dim=(1, 4))  # [KVH, rows, blocks]
-            p = p * row_ok[r0:r1, None]
-            mass[:, r0 // per_block:r1 // per_block, :c1 // per_block] = p.view(
-                kv_heads, rows // per_block, per_block, -1).sum(dim=2)
-        return mass
+        return xattn_block_mass(q, k, self.stride, self.block_size)
 
     def select_prefill_blocks(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, int]:
         """offload=none selection: (keep [nqb, nkb] bool on the device, index of the first query block)."""
@@ -197,32 +161,10 @@ class XAttentionPolicy(SparsePolicy):
         keep = threshold_keep(self.block_mass(q, k), self.threshold, visible)  # [KVH, nqb, nkb]
         return (self._vote(keep) & visible) | forced, qb0
 
-    def attention_plan(self, keep: torch.Tensor, qb0: int) -> list[tuple[int, int, int, list[int]]]:
-        """Group the query blocks by query_group_size // block_size; one attention call per group.
-
-        keep [nqb, nkb] (select_prefill_blocks) -> [(first query block, end query block, run, others)]: the group's
-        queries attend causally to the keys from block `run` on (the kept blocks that touch the group, and the
-        group's own blocks) and without a mask to the `others` (kept by some query block of the group, before
-        `run`). Copies the selection to the host: the one sync per (layer, chunk).
-        """
-        nqb, nkb = keep.shape
-        per_group = max(1, self.query_group_size // self.block_size)
-        groups = _cdiv(nqb, per_group)
-        if groups * per_group != nqb:
-            keep = torch.cat([keep, keep.new_zeros(groups * per_group - nqb, nkb)])
-        union = keep.view(groups, per_group, nkb).any(dim=1).tolist()  # [groups][nkb]
-        plan = []
-        for g, row in enumerate(union):
-            first = qb0 + g * per_group
-            run = first
-            while run > 0 and row[run - 1]:
-                run -= 1
-            plan.append((first, min(first + per_group, qb0 + nqb), run, [j for j in range(run) if row[j]]))
-        return plan
-
     def compute_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                         softmax_scale: float) -> torch.Tensor:
-        """q [n, H, D] are the last n positions of k/v [S, KVH, D] -> [n, H, D], block-sparse."""
+        """q [n, H, D] are the last n positions of k/v [S, KVH, D] -> [n, H, D], block-sparse: every query block
+        attends to exactly its own kept key blocks (one kernel launch, no host sync)."""
         n, seq, bs = q.shape[0], k.shape[0], self.block_size
         nkb = _cdiv(seq, bs)
         qb0 = (seq - n) // bs
@@ -230,38 +172,10 @@ class XAttentionPolicy(SparsePolicy):
         if nkb <= 2 or self.threshold >= 1.0:  # every visible block is the sink or a diagonal / all kept
             self.record_density(visible, visible)
             return super().compute_prefill(q, k, v, layer_id, softmax_scale)
-        keep, _ = self.select_prefill_blocks(q, k)
-        plan = self.attention_plan(keep, qb0)
-        computed = sum(len(others) + qb - run + 1 for first, end, run, others in plan for qb in range(first, end))
-        self.record_density(computed, visible)
-        if computed == visible:
-            return super().compute_prefill(q, k, v, layer_id, softmax_scale)
-        return self._block_sparse_attention(q, k, v, softmax_scale, plan)
-
-    def _block_sparse_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                                plan: list[tuple[int, int, int, list[int]]]) -> torch.Tensor:
-        n, seq, bs = q.shape[0], k.shape[0], self.block_size
-        q_start = seq - n
-        full = seq // bs
-        k_blocks = k[:full * bs].unflatten(0, (full, bs))  # [full, B, KVH, D]
-        v_blocks = v[:full * bs].unflatten(0, (full, bs))
-        flat = [j for *_, others in plan for j in others]
-        flat_ids = torch.tensor(flat, dtype=torch.int64).to(q.device, non_blocking=True) if flat else None
-        out = torch.empty_like(q)
-        offset = 0
-        for first, end, run, others in plan:
-            lo, hi = max(q_start, first * bs), min(seq, end * bs)
-            rows = slice(lo - q_start, hi - q_start)
-            # the run of kept blocks up to the queries: a view of the keys, bottom-right causal
-            o, lse = flash_attn_with_lse(q[rows], k[run * bs:hi], v[run * bs:hi], softmax_scale, causal=True)
-            if others:  # the other kept blocks, gathered, all before the queries: no mask
-                ids = flat_ids[offset:offset + len(others)]
-                offset += len(others)
-                k_sel = k_blocks.index_select(0, ids).flatten(0, 1)  # [len(others) * B, KVH, D]
-                v_sel = v_blocks.index_select(0, ids).flatten(0, 1)
-                o_sel, lse_sel = flash_attn_with_lse(q[rows], k_sel, v_sel, softmax_scale, causal=False)
-                o, lse = merge_attention_outputs(o_sel, lse_sel, o, lse)
-            out[rows] = o
+        keep, _ = self.select_prefill_blocks(q, k)  # [nqb, nkb]
+        block_idx, block_count = block_lists_from_mask(keep)
+        self.record_density(block_count.sum(), visible)  # a device count: read (and synced) only when reported
+        out, _ = block_sparse_attention(q, k, v, block_idx, block_count, bs, softmax_scale, seq - n)
         return out
 
     # ---------------------------------------------------------------------------------------- offload=cpu

@@ -1,0 +1,291 @@
+"""XAttention's antidiagonal estimate of the attention mass per (KV head, query block, key block), fused.
+
+xattn_block_mass(q [n, H, D], k [S, KVH, D], stride, block_size) -> mass [KVH, nqb, nkb] fp32
+
+q are the last n positions of k (q_start = S - n); blocks are `block_size` tokens from position 0, nkb =
+ceil(S / block_size) key blocks, nqb = nkb - q_start // block_size query blocks (those holding a query).
+Definition (XAttentionPolicy.block_mass's, unchanged; the reference below): with strided rows i and columns j,
+    score[h, i, j] = sum_t q[i*stride + stride-1-t, h] . k[j*stride + t, h // G] * D**-0.5 / stride
+where a query position outside [q_start, S) or a key position >= S contributes a zero vector (a partial row or
+column is scored over its real tokens; a column without any real key is never visible to a row with a real query);
+softmax over the causally visible columns j <= i of each row; rows that hold no real query give 0;
+mass[kvh, qb, kb] sums the softmax over the block's strided rows and columns and over the G query heads of the KV
+head. Scores are fp32: the reference upcasts q and k (XAttentionPolicy.block_mass used to multiply in the input
+dtype, rounding 16-bit scores to 16 bits), the kernel accumulates 16-bit products in fp32.
+
+Triton, two kernels, one matmul pass over the scores (the classic two-pass design recomputes them):
+  1. _block_lse_kernel, one program per (head, tile of BLOCK_N strided columns, tile of BLOCK_M strided rows):
+     the [BLOCK_M, BLOCK_N] score tile as a sum of `stride` tl.dot products of [*, D] slices loaded by strided
+     pointer arithmetic (no reshaped copies of q or k), then, per row and key block of the tile, the log2-sum-exp
+     of the block's visible columns: lsb [H, rows, nkb] fp32 (BLOCK_N is a multiple of block_size / stride, so a
+     tile holds whole key blocks). Tiles above the causal diagonal or past the keys do nothing.
+  2. _mass_kernel, one program per (query block, KV head): the row log-sum-exp over its key blocks (pass 1), then
+     mass = sum over the group's heads and the block's valid rows of exp2(lsb - lse) (pass 2), written to every
+     key block of the row (0 where invisible).
+lsb costs H * rows * nkb * 4 bytes (8K queries, 128K keys, H = 32, stride 8: 128 MiB); longer chunks run in slices
+of whole query blocks of at most LSB_ELEMENTS. block_size / stride must be a power of two of at most MAX_CELL
+columns for the kernels; other layouts run the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from ._dispatch import HAS_TRITON, alloc_output, cdiv, jit, next_power_of_2, tl, triton_interpret, use_triton
+
+__all__ = ["xattn_block_mass", "xattn_block_mass_reference"]
+
+LOG2E = 1.4426950408889634
+SCORE_ELEMENTS = 1 << 25  # fp32 strided scores the reference materialises at once
+LSB_ELEMENTS = 1 << 25  # fp32 block log-sum-exps [H, rows, nkb] the kernels keep at once (128 MiB)
+MAX_CELL = 128  # strided columns per key block (block_size / stride) the kernels handle
+
+# (BLOCK_M strided rows, BLOCK_N strided columns, num_warps, num_stages) by head dim. Not timed yet (written without
+# a GPU). Shared memory is stages x (BLOCK_M + BLOCK_N) x D x 2 bytes: 144 KiB for 16-bit D=128 (fits sm_80's
+# 163 KiB). The score tile is a GEMM tile with K = stride * D, read from L2 once per tile, so wider tiles read less per
+# FLOP (BLOCK_M * BLOCK_N / (BLOCK_M + BLOCK_N) FLOP per byte): sm_90 (227 KiB) takes 128x128 in 3 stages (192 KiB;
+# compiled offline for sm_90a with Triton 3.9: 164 registers, no spills).
+GPU_CONFIG_16BIT = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 64, 4, 2)}
+GPU_CONFIG_16BIT_SM90 = {64: (128, 128, 8, 3), 128: (128, 128, 8, 3)}
+GPU_CONFIG_FP32 = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 1)}
+INTERPRET_CONFIG = (16, 16, 4, 1)  # small tiles keep the CPU interpreter fast
+MASS_TILE = 8192  # [group rows, key blocks] elements per step of _mass_kernel
+
+
+# ----------------------------------------------------------------------------------------- Triton kernels
+@jit
+def _block_lse_kernel(
+    Q, K, LSB,
+    stride_qm, stride_qh, stride_qd,
+    stride_kn, stride_kh, stride_kd,
+    stride_lh, stride_lr,
+    n, S, q_start, row0, rows, nkb, qk_scale,
+    STRIDE: tl.constexpr, CELL: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+):
+    head = tl.program_id(0)
+    col_tile = tl.program_id(1)
+    row_tile = tl.program_id(2)
+    kv_head = head // GROUP
+    local = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of this slice
+    rows_abs = row0 + local  # absolute strided rows
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] absolute strided columns
+    offs_d = tl.arange(0, BLOCK_D)
+    dim_ok = offs_d < D
+    last_row = row0 + tl.minimum(row_tile * BLOCK_M + BLOCK_M, rows) - 1
+    # a tile wholly above the causal diagonal, or past the keys, writes nothing: its cells are never read
+    if (col_tile * BLOCK_N <= last_row) & (col_tile * BLOCK_N * STRIDE < S):
+        q_base = Q + head.to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
+        k_base = K + kv_head.to(tl.int64) * stride_kh + offs_d[None, :] * stride_kd
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for t in range(STRIDE):
+            # q_r[i] = concat_t q[i*stride + stride-1-t], k_r[j] = concat_t k[j*stride + t]; missing tokens are 0
+            q_rows = rows_abs * STRIDE + (STRIDE - 1 - t) - q_start  # [BLOCK_M] rows of q
+            q_ok = (q_rows >= 0) & (q_rows < n)
+            qt = tl.load(q_base + q_rows[:, None].to(tl.int64) * stride_qm,
+                         mask=q_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+            k_rows = cols * STRIDE + t  # [BLOCK_N] rows of k
+            kt = tl.load(k_base + k_rows[:, None].to(tl.int64) * stride_kn,
+                         mask=(k_rows < S)[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            acc = tl.dot(qt, tl.trans(kt), acc)
+        s = tl.where(cols[None, :] <= rows_abs[:, None], acc * qk_scale, float("-inf"))  # log2 units, causal
+        m = tl.max(s, 1)  # [BLOCK_M]
+        m = tl.where(m == float("-inf"), 0.0, m)
+        p = tl.exp2(s - m[:, None])
+        cell_sum = tl.sum(tl.reshape(p, [BLOCK_M, BLOCK_N // CELL, CELL]), axis=2)  # [BLOCK_M, BLOCK_N // CELL]
+        seen = cell_sum > 0.0
+        lsb = tl.where(seen, m[:, None] + tl.log2(tl.where(seen, cell_sum, 1.0)), float("-inf"))  # [BLOCK_M, cells]
+        kb = col_tile * (BLOCK_N // CELL) + tl.arange(0, BLOCK_N // CELL)
+        ptrs = LSB + head.to(tl.int64) * stride_lh + local[:, None].to(tl.int64) * stride_lr + kb[None, :]
+        tl.store(ptrs, lsb, mask=(local < rows)[:, None] & (kb < nkb)[None, :])
+
+
+@jit
+def _mass_kernel(
+    LSB, MASS,
+    stride_lh, stride_lr, stride_mh, stride_mq,
+    S, q_start, row0, qb_first, qb_out0, nkb,
+    STRIDE: tl.constexpr, CELL: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_GR: tl.constexpr, BLOCK_KB: tl.constexpr,
+):
+    qb_local = tl.program_id(0)  # query block within the slice
+    kv_head = tl.program_id(1)
+    qb_abs = qb_first + qb_local
+    idx = tl.arange(0, BLOCK_GR)  # (group head, row of the block) pairs
+    g = idx // CELL
+    local = qb_local * CELL + idx % CELL  # rows of the slice
+    rows_abs = row0 + local
+    row_ok = (idx < GROUP * CELL) & ((rows_abs + 1) * STRIDE > q_start) & (rows_abs * STRIDE < S)
+    row_ptrs = LSB + (kv_head * GROUP + g).to(tl.int64) * stride_lh + local.to(tl.int64) * stride_lr
+    offs_kb = tl.arange(0, BLOCK_KB)
+
+    # pass 1: each row's log2-sum-exp over its visible key blocks 0..qb_abs
+    m_i = tl.full([BLOCK_GR], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_GR], dtype=tl.float32)
+    for kb0 in range(0, qb_abs + 1, BLOCK_KB):
+        kb = kb0 + offs_kb
+        ok = row_ok[:, None] & (kb <= qb_abs)[None, :]
+        x = tl.load(row_ptrs[:, None] + kb[None, :], mask=ok, other=float("-inf"))  # [BLOCK_GR, BLOCK_KB]
+        m_new = tl.maximum(m_i, tl.max(x, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp2(m_i - m_use) + tl.sum(tl.exp2(x - m_use[:, None]), 1)
+        m_i = m_new
+    lse = tl.where(row_ok & (l_i > 0.0), m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), 0.0)
+
+    # pass 2: the softmax mass of every key block, summed over the group's rows; invisible blocks get 0
+    out = MASS + kv_head.to(tl.int64) * stride_mh + (qb_abs - qb_out0).to(tl.int64) * stride_mq
+    for kb0 in range(0, nkb, BLOCK_KB):
+        kb = kb0 + offs_kb
+        ok = row_ok[:, None] & (kb <= qb_abs)[None, :]
+        x = tl.load(row_ptrs[:, None] + kb[None, :], mask=ok, other=float("-inf"))
+        p = tl.where(ok, tl.exp2(x - lse[:, None]), 0.0)
+        tl.store(out + kb, tl.sum(p, 0), mask=kb < nkb)
+
+
+# ------------------------------------------------------------------------------------------- validation
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int) -> None:
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or q.dim() != 3 or k.dim() != 3:
+        shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in (q, k)]
+        raise ValueError(f"expected q [n, H, D] and k [S, KVH, D]; got q {shapes[0]}, k {shapes[1]}")
+    n, heads, dim = q.shape
+    seq, kv_heads, kdim = k.shape
+    if dim != kdim:
+        raise ValueError(f"head dim mismatch: q {tuple(q.shape)} vs k {tuple(k.shape)}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"q heads H={heads} must be a multiple of k heads KVH={kv_heads} "
+                         f"(q {tuple(q.shape)}, k {tuple(k.shape)})")
+    if n > seq:
+        raise ValueError(f"q holds the last n positions of k, so n={n} must be <= S={seq} "
+                         f"(q {tuple(q.shape)}, k {tuple(k.shape)})")
+    if q.dtype != k.dtype or not q.dtype.is_floating_point:
+        raise ValueError(f"q and k must share one floating dtype; got {q.dtype} and {k.dtype}")
+    if q.device != k.device:
+        raise ValueError(f"q is on {q.device} but k is on {k.device}")
+    for name, value in (("stride", stride), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+    if block_size % stride:
+        raise ValueError(f"block_size={block_size} must be a multiple of stride={stride}")
+
+
+def _layout(n: int, seq: int, block_size: int) -> tuple[int, int, int]:
+    """(nkb, qb0, nqb): key blocks, first query block, query blocks."""
+    nkb = cdiv(seq, block_size)
+    qb0 = (seq - n) // block_size
+    return nkb, qb0, nkb - qb0
+
+
+# -------------------------------------------------------------------------------------------- reference
+def xattn_block_mass_reference(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int) -> torch.Tensor:
+    """Pure-torch reference of xattn_block_mass (the module docstring's definition): reshaped strided q/k, fp32
+    scores in row slices of at most SCORE_ELEMENTS. -> [KVH, nqb, nkb] fp32."""
+    _check_inputs(q, k, stride, block_size)
+    n, heads, dim = q.shape
+    seq, kv_heads, _ = k.shape
+    group, bs = heads // kv_heads, block_size
+    q_start = seq - n
+    nkb, qb0, nqb = _layout(n, seq, bs)
+    mass = torch.zeros(kv_heads, nqb, nkb, dtype=torch.float32, device=q.device)
+    if n == 0 or dim == 0:
+        return mass
+    per_block = bs // stride  # strided rows/columns per block
+    # keys padded to whole blocks, forward offsets concatenated: [KVH, nkb * per_block, stride * D]
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 scores (fp64 inputs stay fp64)
+    kp = k.new_zeros(nkb * bs, kv_heads, dim, dtype=acc)
+    kp[:seq] = k
+    kr = kp.view(nkb * per_block, stride, kv_heads, dim).permute(2, 0, 1, 3).reshape(kv_heads, -1, stride * dim)
+    # queries placed in their blocks, reversed offsets, scaled: [KVH, G, nqb * per_block, stride * D]
+    qp = q.new_zeros(nqb * bs, heads, dim, dtype=acc)
+    qp[q_start - qb0 * bs:q_start - qb0 * bs + n] = q.to(acc) * (dim ** -0.5 / stride)
+    qr = qp.view(nqb * per_block, stride, heads, dim).flip(1).permute(2, 0, 1, 3)
+    qr = qr.reshape(kv_heads, group, nqb * per_block, stride * dim)
+    num_rows = nqb * per_block
+    rows_abs = qb0 * per_block + torch.arange(num_rows, device=q.device)  # absolute strided row
+    row_ok = ((rows_abs + 1) * stride > q_start) & (rows_abs * stride < seq)  # holds a real query
+    cols = torch.arange(nkb * per_block, device=q.device)
+    step = max(1, SCORE_ELEMENTS // max(1, heads * per_block * cols.numel())) * per_block
+    for r0 in range(0, num_rows, step):
+        r1 = min(r0 + step, num_rows)
+        rows, c1 = r1 - r0, qb0 * per_block + r1  # columns past the slice's last row are invisible to it
+        scores = torch.bmm(qr[:, :, r0:r1].reshape(kv_heads, group * rows, -1),
+                           kr[:, :c1].transpose(1, 2)).view(kv_heads, group, rows, c1)  # [KVH, G, rows, c1]
+        scores.masked_fill_(cols[None, :c1] > rows_abs[r0:r1, None], float("-inf"))  # causal (strided)
+        p = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        p = p.view(kv_heads, group, rows, c1 // per_block, per_block).sum(dim=(1, 4))  # [KVH, rows, blocks]
+        p = p * row_ok[r0:r1, None]
+        mass[:, r0 // per_block:r1 // per_block, :c1 // per_block] = p.view(
+            kv_heads, rows // per_block, per_block, -1).sum(dim=2)
+    return mass
+
+
+# ------------------------------------------------------------------------------------------- launcher
+def _config(q: torch.Tensor, cell: int) -> tuple[int, int, int, int] | None:
+    """Tile config for the kernels, or None where they do not apply (the reference runs)."""
+    dim = q.shape[2]
+    if cell & (cell - 1) or cell > MAX_CELL or dim > 256:
+        return None
+    if triton_interpret():
+        block_m, block_n, warps, stages = INTERPRET_CONFIG
+    else:
+        table = GPU_CONFIG_FP32 if q.element_size() > 2 else GPU_CONFIG_16BIT
+        if q.element_size() <= 2 and dim <= max(GPU_CONFIG_16BIT_SM90) and q.device.type == "cuda" \
+                and torch.cuda.get_device_capability(q.device)[0] >= 9:
+            table = GPU_CONFIG_16BIT_SM90
+        block_m, block_n, warps, stages = next(table[d] for d in sorted(table) if dim <= d)
+    if cell > block_n:  # a tile must hold whole key blocks: wider tiles, fewer rows and stages
+        block_n, block_m, stages = cell, min(block_m, 64), min(stages, 2)
+    return block_m, block_n, warps, stages
+
+
+def _block_mass_triton(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int,
+                       config: tuple[int, int, int, int]) -> torch.Tensor:
+    n, heads, dim = q.shape
+    seq, kv_heads, _ = k.shape
+    block_m, block_n, warps, stages = config
+    cell = block_size // stride
+    q_start = seq - n
+    nkb, qb0, nqb = _layout(n, seq, block_size)
+    ncols = cdiv(seq, stride)  # strided columns holding a key
+    mass = alloc_output((kv_heads, nqb, nkb), torch.float32, q.device)  # [KVH, nqb, nkb]
+    # slices of whole query blocks (and whole row tiles) so that lsb stays within LSB_ELEMENTS
+    unit = max(block_m, cell)
+    total_rows = nqb * cell
+    slice_rows = min(cdiv(total_rows, unit) * unit, max(unit, LSB_ELEMENTS // max(1, heads * nkb) // unit * unit))
+    # [H, rows, nkb]; only cells of visible (row, key block) pairs are written and read (poisoned in tests)
+    lsb = alloc_output((heads, slice_rows, nkb), torch.float32, q.device)
+    block_gr = max(16, next_power_of_2(heads // kv_heads * cell))
+    block_kb = max(16, min(128, MASS_TILE // block_gr))
+    for s0 in range(0, total_rows, slice_rows):
+        rows = min(slice_rows, total_rows - s0)
+        row0 = qb0 * cell + s0  # absolute strided row of the slice's first row
+        col_tiles = cdiv(min(ncols, row0 + rows), block_n)
+        _block_lse_kernel[(heads, col_tiles, cdiv(rows, block_m))](
+            q, k, lsb, *q.stride(), *k.stride(), lsb.stride(0), lsb.stride(1),
+            n, seq, q_start, row0, rows, nkb, dim ** -0.5 / stride * LOG2E,
+            STRIDE=stride, CELL=cell, GROUP=heads // kv_heads,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_power_of_2(dim)), D=dim,
+            num_warps=warps, num_stages=stages,
+        )
+        _mass_kernel[(rows // cell, kv_heads)](
+            lsb, mass, lsb.stride(0), lsb.stride(1), mass.stride(0), mass.stride(1),
+            seq, q_start, row0, qb0 + s0 // cell, qb0, nkb,
+            STRIDE=stride, CELL=cell, GROUP=heads // kv_heads, BLOCK_GR=block_gr, BLOCK_KB=block_kb,
+            num_warps=4,
+        )
+    return mass
+
+
+def xattn_block_mass(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int) -> torch.Tensor:
+    """Antidiagonal block-mass estimate (see the module docstring).
+
+    q [n, H, D] (the last n positions of k), k [S, KVH, D] -> [KVH, nqb, nkb] fp32 with nkb = ceil(S / block_size),
+    nqb = nkb - (S - n) // block_size. Runs the Triton kernels on CUDA (or on CPU under TRITON_INTERPRET=1) when
+    block_size / stride is a power of two <= MAX_CELL and D <= 256, else the reference. No host sync.
+    """
+    _check_inputs(q, k, stride, block_size)
+    n, _, dim = q.shape
+    if n == 0 or dim == 0 or not (HAS_TRITON and use_triton(q.device)):
+        return xattn_block_mass_reference(q, k, stride, block_size)
+    config = _config(q, block_size // stride)
+    if config is None:
+        return xattn_block_mass_reference(q, k, stride, block_size)
+    return _block_mass_triton(q, k, stride, block_size, config)
