@@ -99,6 +99,11 @@ class SchedulerConfig:
     max_num_seqs: int = 16  # sequences decoded together
     max_num_batched_tokens: int = 8192  # chunked-prefill token budget per step
     max_model_len: Optional[int] = None  # default: the model's max_position_embeddings
+    # Overlapped decode (offload=none): the host schedules and launches decode step N+1, its input ids read on the
+    # device from step N's sampled tokens, before it reads step N's tokens back; the GPU does not idle while the
+    # host prepares a step. Same tokens as synchronous decode (overlap.py: the rounding caveat after stop tokens).
+    # false: every step waits for its tokens. offload=cpu always decodes synchronously (overlap.py says why).
+    async_decode: bool = True
 
 
 @dataclass

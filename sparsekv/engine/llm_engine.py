@@ -9,7 +9,8 @@ import torch
 
 from sparsekv.engine.block_manager import BlockManager
 from sparsekv.engine.model_runner import ModelRunner
-from sparsekv.engine.scheduler import Scheduler
+from sparsekv.engine.overlap import OverlappedDecoder
+from sparsekv.engine.scheduler import ScheduledBatch, Scheduler
 from sparsekv.engine.sequence import Sequence
 from sparsekv.models.spec import ModelSpec
 from sparsekv.sampling_params import SamplingParams
@@ -33,7 +34,9 @@ class RunStats:
     decode_tokens: int = 0
     decode_steps: int = 0
     decode_seconds: float = 0.0
-    step_seconds: list[float] = field(default_factory=list)  # decode step times
+    # decode step times: launch to completion; overlapped decode (engine/overlap.py): the previous step's completion
+    # (or its own launch, if later) to its completion, i.e. the interval between consecutive steps
+    step_seconds: list[float] = field(default_factory=list)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -66,6 +69,10 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
         self.stats = RunStats()
+        # scheduler.async_decode: decode step N+1 is launched before step N's tokens are read (engine/overlap.py)
+        overlap = getattr(config.scheduler, "async_decode", True) and kv_store.overlapped_decode_safe
+        self.overlap = OverlappedDecoder(self.runner, self.scheduler, eos, self.max_seq_len, device) if overlap \
+            else None
 
     # ---- requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -108,6 +115,7 @@ class LLMEngine:
 
     def abort(self, seq: Sequence) -> None:
         """Drop a request and return its blocks to the pool."""
+        self.drain()
         if not seq.is_finished:
             self.scheduler.finish(seq, "abort")
             self.release(seq)
@@ -118,10 +126,47 @@ class LLMEngine:
 
     # ---- loop
     def step(self) -> list[Sequence]:
+        """One step; returns the sequences that finished. With overlapped decode a decode step is launched and the
+        in-flight one resolved (its sequences may finish) in the same call; see sparsekv/engine/overlap.py."""
+        finished = []
+        overlap = self.overlap
+        if overlap is not None and overlap.busy:
+            batch = self.scheduler.schedule_decode_ahead(self.max_seq_len)
+            if batch is not None:
+                previous = overlap.launch(batch)  # step N+1 runs behind step N on the device
+                finished = self._resolve(previous)  # waits for step N only
+                if not overlap.drop_if_discarded():
+                    return finished
+            else:
+                finished = self.drain()
+            if not self.scheduler.has_unfinished():
+                return finished
         batch = self.scheduler.schedule()
         if not batch.seqs:
             raise RuntimeError("no sequence could be scheduled: the KV cache cannot hold even one; "
                                f"{self.kv_store.capacity_hint()}")
+        if overlap is not None and not batch.is_prefill:
+            overlap.launch(batch)
+            return finished
+        return finished + self._run_synchronously(batch)
+
+    def drain(self) -> list[Sequence]:
+        """Wait for the in-flight decode step, if any, and apply its tokens; returns the sequences that finished."""
+        if self.overlap is None or not self.overlap.busy:
+            return []
+        return self._resolve(self.overlap.take())
+
+    def _resolve(self, step) -> list[Sequence]:
+        resolved = self.overlap.resolve(step)
+        self.stats.decode_tokens += resolved.num_tokens
+        self.stats.decode_steps += 1
+        self.stats.decode_seconds += resolved.seconds
+        self.stats.step_seconds.append(resolved.seconds)
+        for seq in resolved.finished:
+            self.release(seq)
+        return resolved.finished
+
+    def _run_synchronously(self, batch: ScheduledBatch) -> list[Sequence]:
         start = time.perf_counter()
         sampled = self.runner.run(batch)
         if self.device.type == "cuda":

@@ -7,6 +7,7 @@ from torch import nn
 from sparsekv.engine.context import Context, PrefillChunk, set_context
 from sparsekv.engine.sampler import Sampler
 from sparsekv.engine.scheduler import ScheduledBatch
+from sparsekv.engine.sequence import Sequence
 
 
 class ModelRunner:
@@ -54,9 +55,18 @@ class ModelRunner:
         input_ids = self._tensor([seq.token_ids[-1] for seq in seqs], torch.int64)
         return input_ids, self._tensor(positions, torch.int64), context, list(range(len(seqs)))
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[int, int]:
         """Returns {seq_id: sampled token} for the sequences whose step ends at their newest token."""
+        seqs, tokens = self.execute(batch)
+        return {seq.seq_id: token for seq, token in zip(seqs, tokens.tolist())} if seqs else {}
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None
+                ) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Launches one step without waiting for it: (the sequences whose step ends at their newest token, their
+        sampled tokens [S] int64 on the device, None when S = 0). `input_ids` [B] int64 on the device (decode only)
+        replace the newest token ids of the batch's sequences: overlapped decode passes the previous step's sampled
+        tokens, which the host does not know yet."""
         graph = self.graph_runner
         if graph is not None and (batch.is_prefill or not graph.can_run(batch.seqs)):
             graph = None  # prefill, and decode batches larger than the largest captured one, run eagerly
@@ -64,22 +74,31 @@ class ModelRunner:
         if prepared is None:
             prepare = self.prepare_prefill if batch.is_prefill else self.prepare_decode
             prepared = prepare(batch)
-        input_ids, positions, context, sample_rows = prepared
+        ids, positions, context, sample_rows = prepared
+        if input_ids is not None:
+            if batch.is_prefill or input_ids.shape != ids.shape:
+                raise ValueError(f"input_ids {tuple(input_ids.shape)} on the device replace the ids of a decode step "
+                                 f"of {len(batch.seqs)} sequences only; this step is a "
+                                 f"{'prefill' if batch.is_prefill else 'decode'} of {tuple(ids.shape)} ids")
+            ids.copy_(input_ids)  # after the host ids in stream order (a graph's static buffer, or a fresh tensor)
         set_context(context)
         try:
             self.kv_store.begin_step(context)
             if graph is not None:
-                hidden = graph.forward(input_ids, positions, context)  # [N, hidden]
+                hidden = graph.forward(ids, positions, context)  # [N, hidden]
             else:
-                hidden = self.model(input_ids, positions)  # [N, hidden]
+                hidden = self.model(ids, positions)  # [N, hidden]
             self.kv_store.end_step(context)
         finally:
             set_context(None)
         if not sample_rows:
-            return {}
-        logits = self.model.compute_logits(hidden[sample_rows])  # [B, vocab]
+            return [], None
+        # every row (decode): a slice, not an index list, whose host-to-device copy would wait for the device
+        rows = hidden if sample_rows == list(range(hidden.shape[0])) else hidden[sample_rows]
+        logits = self.model.compute_logits(rows)  # [S, vocab]
         sampled_seqs = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens)
                         if seq.num_computed_tokens + n == len(seq)]
-        tokens = self.sampler(logits, [s.sampling_params for s in sampled_seqs], [s.seq_id for s in sampled_seqs])
+        tokens = self.sampler.sample(logits, [s.sampling_params for s in sampled_seqs],
+                                     [s.seq_id for s in sampled_seqs])  # [S] int64
         self.last_logits = logits
-        return {seq.seq_id: token for seq, token in zip(sampled_seqs, tokens)}
+        return sampled_seqs, tokens

@@ -14,15 +14,19 @@ class Sampler:
         self.generators.pop(seq_id, None)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> list[int]:
-        # logits [B, V] fp32
-        greedy = logits.argmax(dim=-1)
+        return self.sample(logits, params, seq_ids).tolist()
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> torch.Tensor:
+        """logits [B, V] fp32 -> tokens [B] int64 on the logits' device, without a host sync (overlapped decode
+        feeds them to the next step on the device). A seeded row draws from its sequence's own generator."""
+        greedy = logits.argmax(dim=-1)  # [B] int64
         if all(p.greedy for p in params):
-            return greedy.tolist()
+            return greedy
         tokens = greedy.clone()
         for row, (p, seq_id) in enumerate(zip(params, seq_ids)):
             if not p.greedy:
                 tokens[row] = self._sample_row(logits[row], p, seq_id)
-        return tokens.tolist()
+        return tokens
 
     def _sample_row(self, logits: torch.Tensor, p: SamplingParams, seq_id: int) -> torch.Tensor:
         logits = logits / p.temperature  # [V]

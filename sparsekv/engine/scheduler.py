@@ -20,6 +20,22 @@ def in_prefill(seq: Sequence) -> bool:
     return seq.num_computed_tokens == 0 or seq.num_uncomputed_tokens > 1
 
 
+def reaches_length_limit(seq: Sequence, max_model_len: int, num_tokens: int | None = None) -> bool:
+    """Do the first `num_tokens` tokens (default: all) fill max_tokens or max_model_len?"""
+    num_tokens = len(seq) if num_tokens is None else num_tokens
+    return num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens or num_tokens >= max_model_len
+
+
+def stop_reason(seq: Sequence, token: int, eos_ids: set[int], max_model_len: int,
+                num_tokens: int | None = None) -> str | None:
+    """Why `seq` stops at `token`, its newest token once it holds `num_tokens` tokens (default: len(seq)); None
+    when it goes on."""
+    params = seq.sampling_params
+    if (not params.ignore_eos and token in eos_ids) or token in params.stop_token_ids:
+        return "stop"
+    return "length" if reaches_length_limit(seq, max_model_len, num_tokens) else None
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  chunk_alignment: int = 1):
@@ -84,6 +100,34 @@ class Scheduler:
         self.running.extend(seqs)
         return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False)
 
+    def schedule_decode_ahead(self, max_model_len: int) -> ScheduledBatch | None:
+        """The next decode step, scheduled while the previous one is in flight (overlapped decode: every running
+        sequence ends in that step's placeholder token). It is the step synchronous scheduling would run after the
+        previous one, plus the rows of sequences its tokens will stop (eos, stop_token_ids): their results are
+        discarded. A sequence that surely ends at its placeholder (max_tokens, max_model_len) is left out and its
+        blocks go back now, as they would in synchronous mode; the in-flight step still writes them, but anything
+        that reuses them is launched after it, on the same stream.
+
+        None - wait for the in-flight step, then schedule synchronously - when synchronous mode could schedule
+        otherwise: a waiting request could be admitted (a prefill comes first; while max_num_seqs sequences run and
+        none surely ends, only a stop token could make room, and its request is admitted a step later), or the
+        blocks run short (it might preempt)."""
+        if any(in_prefill(seq) for seq in self.running):
+            return None
+        seqs, ending = [], []
+        for seq in self.running:
+            (ending if reaches_length_limit(seq, max_model_len) else seqs).append(seq)
+        if self.waiting and (ending or len(self.running) < self.max_num_seqs):
+            return None
+        needed = sum(seq.num_blocks_for(len(seq)) - len(seq.block_table) for seq in seqs)
+        if not seqs or needed > self.block_manager.num_free_blocks + sum(len(e.block_table) for e in ending):
+            return None
+        for seq in ending:
+            self.block_manager.deallocate(seq)
+        for seq in seqs:
+            self.block_manager.allocate(seq, len(seq))
+        return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False)
+
     def preempt(self, seq: Sequence) -> None:
         """Free its KV; it is recomputed (prompt and generated tokens) when blocks free up."""
         seq.status = SequenceStatus.WAITING
@@ -100,14 +144,7 @@ class Scheduler:
                 continue
             token = sampled[seq.seq_id]
             seq.append_token(token)
-            params = seq.sampling_params
-            reason = None
-            if not params.ignore_eos and token in eos_ids:
-                reason = "stop"
-            elif token in params.stop_token_ids:
-                reason = "stop"
-            elif seq.num_completion_tokens >= params.max_tokens or len(seq) >= max_model_len:
-                reason = "length"
+            reason = stop_reason(seq, token, eos_ids, max_model_len)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)

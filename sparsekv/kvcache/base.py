@@ -14,6 +14,9 @@ class KVStore(ABC):
     bytes_per_block: int  # K and V of one block, all layers
     prefill_token_budget: int | None = None  # tokens per prefill step, when the store fixes it
     chunk_alignment: int = 1  # unfinished prefill chunks end on a multiple of this
+    # Can decode step N+1 be launched before step N's tokens are read (scheduler.async_decode)? Only when a step is
+    # plain kernels on the compute stream, with no host state that needs step N's results (sparsekv/engine/overlap.py).
+    overlapped_decode_safe: bool = False
 
     def begin_step(self, context: Context) -> None:
         """Called before the model runs a step (offload: start the decode pipeline)."""

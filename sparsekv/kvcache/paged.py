@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 class PagedKVStore(KVStore):
     """Prefill attention is the prefill policy's compute_prefill over the sequence's keys so far; decode is dense
     paged attention (block-selecting decode policies pay off only when blocks must cross PCIe: offload=cpu)."""
+    overlapped_decode_safe = True  # every write and read of a block is a kernel on the compute stream
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, prefill_policy, max_model_len: int | None = None):

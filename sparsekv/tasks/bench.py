@@ -15,6 +15,11 @@ Floors:
   decode (PCIe, offload=cpu) = KV bytes loaded per step (as the store counted them; a block-selecting policy
                loads less than the context) / measured pinned H2D bandwidth; without counts, the context's KV bytes
 The decode ratio is held against the larger (binding) of the decode floors.
+
+Decode ms/step is the median of engine.stats.step_seconds. Synchronous decode times a step from its launch to the
+device's completion; overlapped decode (scheduler.async_decode, offload=none; "async_decode" in the record) times
+it from the previous step's completion to its own, as the host sees them: the interval between consecutive steps,
+host work between them included, i.e. the throughput the engine sustains.
 """
 from __future__ import annotations
 
@@ -205,6 +210,7 @@ def run(cfg: DictConfig) -> dict:
         "prompt_tokens": stats.prompt_tokens,
         "generated_tokens": sum(len(o.token_ids) for o in outputs),
         "decode_steps": stats.decode_steps,
+        "async_decode": engine.overlap is not None,  # decode steps overlapped the host's work (engine/overlap.py)
         "build_seconds": build_seconds,
         "warmup_seconds": warmup_seconds,
         "host_pool_reserve_seconds": host_pool_reserve_seconds,
