@@ -306,6 +306,14 @@ section_minference() {  # issue 4: MInference kernels' GPU tests, per-chunk prof
     done
 }
 
+section_xattn() {  # issue 4: xattn_bsa kernels' GPU tests, per-chunk profile, 128K prefill offload=none (~4 min)
+    timeout 200 python3 -m pytest -q -m gpu tests/test_xattn_kernels.py tests/test_policies.py 2>&1 \
+        | tee "$OUT/gpu_tests_xattn.log" | tail -15
+    timeout 150 python3 scripts/profile_sparse_prefill.py --structured-layer 35 2>&1 | tee "$OUT/xattn_profile.log"
+    local S=(model=qwen3_4b model.load_format=dummy_structured bench.decode_steps=4 bench.context=131072)
+    BENCH_TIMEOUT=120 bench "none-xattn_bsa-128k-structured" "${S[@]}" offload=none policy=xattn_bsa
+}
+
 section_summary() {
     python3 -m sparsekv.tasks.bench summarize "$OUT/bench" 2>&1 | tee "$OUT/bench_summary.md"
     # the device tool returns at most 8 files: pack every run's record and log into one archive
@@ -315,9 +323,9 @@ section_summary() {
 [ $# -gt 0 ] || set -- info tests bench
 for SECTION in "$@"; do
     case "$SECTION" in
-        minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
+        xattn|minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
         summary) ;;
-        *) echo "usage: OUT=dir $0 [minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
+        *) echo "usage: OUT=dir $0 [xattn|minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
     esac
 done
 [ -d "$OUT/bench" ] && section_summary

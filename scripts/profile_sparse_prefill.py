@@ -64,6 +64,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         q, k, v = q_all[0, -n:].to(dev), k_all[0].to(dev), v_all[0].to(dev)
         print(f"q/k/v of layer {args.structured_layer} of Qwen3-4B with structured dummy weights, {S} tokens")
+    source = "random q/k" if args.structured_layer is None else f"structured layer {args.structured_layer}"
     full, minf = FullPolicy(), MInferencePolicy()
     dense_ms = timed(lambda: full.compute_prefill(q, k, v, 0, scale), args.reps)
     print(f"dense chunk attention (Sq={n}, Sk={S}): {dense_ms:8.2f} ms")
@@ -91,7 +92,7 @@ def main() -> None:
     xattn = XAttentionPolicy()
     mass_ms = timed(lambda: xattn.block_mass(q, k), args.reps)
     xattn_ms = timed(lambda: xattn.compute_prefill(q, k, v, 0, scale), args.reps)
-    print(f"xattn block_mass: {mass_ms:8.2f} ms; xattn compute_prefill (random q/k): {xattn_ms:8.2f} ms "
+    print(f"xattn block_mass: {mass_ms:8.2f} ms; xattn compute_prefill ({source}): {xattn_ms:8.2f} ms "
           f"(density {xattn.last_density:.3f})")
 
 

@@ -228,3 +228,12 @@ def test_tune_script_cpu_selftest(tmp_path, monkeypatch):
         assert case["default_vs_fp32_reference"]["ok"]
         assert case["results"] and all(r["status"] == "ok" for r in case["results"])
     assert set(report["best_overall"]["variants"]) == set(attention.ATTN_VARIANTS)
+
+
+def test_warp_specialize_only_for_head_dims_that_compile(monkeypatch):
+    monkeypatch.setattr(attention, "HAS_WARP_SPECIALIZE", True)
+    monkeypatch.setattr(attention, "triton_interpret", lambda: False)  # as compiled for a GPU
+    for d, expected in ((64, False), (128, True), (256, True)):
+        x = torch.randn(4, 2, d)
+        flags = attention.effective_attn_variants(x, x, x, x, 1.0, {"WARP_SPECIALIZE": True})
+        assert flags["WARP_SPECIALIZE"] is expected, d

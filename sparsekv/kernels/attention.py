@@ -61,6 +61,9 @@ except ImportError:  # pragma: no cover - old or absent triton
 _RANGE_INIT = tl.range.__init__.__code__ if tl is not None else None
 HAS_WARP_SPECIALIZE = _RANGE_INIT is not None and "warp_specialize" in _RANGE_INIT.co_varnames[
     :_RANGE_INIT.co_argcount + _RANGE_INIT.co_kwonlyargcount]
+# Head dims where the opt-in WARP_SPECIALIZE variant compiled and passed its GPU tests (H100, Triton 3.6); at D=64 the
+# compiler fails ("PassManager::run failed", session 6), so other head dims run without it.
+WARP_SPECIALIZE_HEAD_DIMS = (128, 256)
 
 # Calls with at most this many query rows (decode: 1) run the flash-decoding kernel of decode_attention.py, which
 # splits the keys over many programs and reads each K/V tile once per GQA group, instead of _flash_fwd_kernel's
@@ -251,8 +254,9 @@ def _tma_view_ok(t: torch.Tensor) -> bool:
 
 def effective_attn_variants(q, k, v, o, scale: float, variants: dict[str, bool] | None = None) -> dict[str, bool]:
     """ATTN_VARIANTS updated by `variants`, minus the flags that cannot run for these tensors (they fall back
-    to the default code): FUSED_SCALE needs scale > 0, WARP_SPECIALIZE a Triton with tl.range(warp_specialize),
-    USE_TMA triton.tools.tensor_descriptor, sm_90+ (or the interpreter) and TMA-compatible layouts."""
+    to the default code): FUSED_SCALE needs scale > 0, WARP_SPECIALIZE a Triton with tl.range(warp_specialize)
+    and a head dim in WARP_SPECIALIZE_HEAD_DIMS, USE_TMA triton.tools.tensor_descriptor, sm_90+ (or the
+    interpreter) and TMA-compatible layouts."""
     flags = dict(ATTN_VARIANTS)
     for name, on in (variants or {}).items():
         if name not in ATTN_VARIANTS:
@@ -260,7 +264,8 @@ def effective_attn_variants(q, k, v, o, scale: float, variants: dict[str, bool] 
         flags[name] = bool(on)
     if flags["FUSED_SCALE"] and not scale > 0:
         flags["FUSED_SCALE"] = False
-    if flags["WARP_SPECIALIZE"] and not HAS_WARP_SPECIALIZE:
+    compiled = triton_interpret() or q.shape[-1] in WARP_SPECIALIZE_HEAD_DIMS  # the interpreter runs any head dim
+    if flags["WARP_SPECIALIZE"] and not (HAS_WARP_SPECIALIZE and compiled):
         flags["WARP_SPECIALIZE"] = False
     if flags["USE_TMA"]:
         dev_ok = triton_interpret() or (
