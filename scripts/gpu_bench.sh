@@ -314,6 +314,28 @@ section_xattn() {  # issue 4: xattn_bsa kernels' GPU tests, per-chunk profile, 1
     BENCH_TIMEOUT=120 bench "none-xattn_bsa-128k-structured" "${S[@]}" offload=none policy=xattn_bsa
 }
 
+section_session7() {  # issues 4 and 5, session 7: overlapped decode A/B and batch table, xattn_bsa 0.9 and offloaded
+                       # 128K prefill, quality (recall, density) of the prefill policies on planted inputs (~9 min)
+    local i b
+    for i in 1 2; do
+        bench "none-4k-b1-sync-$i" "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096 scheduler.async_decode=false
+        bench "none-4k-b1-async-$i" "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096
+    done
+    for b in 8 32; do
+        bench "none-4k-graph-b$b-async" "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096 \
+            bench.batch_size=$b scheduler.max_num_seqs=32
+    done
+    local S=(model=qwen3_4b model.load_format=dummy_structured bench.decode_steps=4 bench.context=131072)
+    BENCH_TIMEOUT=120 bench "none-xattn_bsa_090-128k-structured" "${S[@]}" offload=none policy=xattn_bsa_090
+    BENCH_TIMEOUT=120 bench "cpu-full-128k-structured" "${S[@]}" offload=cpu policy=full
+    BENCH_TIMEOUT=120 bench "cpu-xattn_bsa-128k-structured" "${S[@]}" offload=cpu policy=xattn_bsa
+    local policy
+    for policy in xattn_bsa xattn_bsa_090 minference; do
+        timeout 90 python3 -m sparsekv task=quality policy=$policy quality.context=32768 quality.phase=prefill \
+            2>&1 | tail -12 | tee -a "$OUT/quality.log"
+    done
+}
+
 section_summary() {
     python3 -m sparsekv.tasks.bench summarize "$OUT/bench" 2>&1 | tee "$OUT/bench_summary.md"
     # the device tool returns at most 8 files: pack every run's record and log into one archive
@@ -323,9 +345,9 @@ section_summary() {
 [ $# -gt 0 ] || set -- info tests bench
 for SECTION in "$@"; do
     case "$SECTION" in
-        xattn|minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
+        session7|xattn|minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
         summary) ;;
-        *) echo "usage: OUT=dir $0 [xattn|minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
+        *) echo "usage: OUT=dir $0 [session7|xattn|minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
     esac
 done
 [ -d "$OUT/bench" ] && section_summary

@@ -12,29 +12,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
-
 import torch
 
 from sparsekv.kernels import vertical_slash as vs
 from sparsekv.kernels import vertical_slash_estimate as est
 from sparsekv.policies.full import FullAttentionPolicy
+from profile_sparse_prefill import timed  # scripts/ is on sys.path when a script there runs
 
 CANDIDATES = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2),
               (128, 128, 8, 2), (64, 32, 4, 2)]
-
-
-def timed(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def selections(H: int, S: int, dev) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -122,3 +122,18 @@ class CountLaunches:
     def __getitem__(self, grid):
         self.calls += 1
         return self.kernel[grid]
+
+
+def host_sync_sites(fn) -> list[str]:
+    """Synchronizing CUDA calls made by fn (torch's sync debug mode), as file:line."""
+    import warnings
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]

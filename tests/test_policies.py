@@ -26,7 +26,7 @@ from sparsekv.llm import compose_config
 from sparsekv.policies.base import PolicyContext
 from sparsekv.policies.quest import QuestPolicy
 from sparsekv.policies.xattn_bsa import XAttentionPolicy, threshold_keep
-from tests.conftest import make_checkpoint, random_prompt
+from tests.conftest import host_sync_sites, make_checkpoint, random_prompt
 from tests.test_streaming_plugin import install_streaming_plugin, plugin_site_on_path
 
 BASE = ["device=cpu", "dtype=float32", "offload.block_size=16"]
@@ -440,21 +440,6 @@ def test_quest_budget_rules():
 
 
 # ---------------------------------------------------------------------------------------------- GPU only
-def _host_syncs(fn) -> list[str]:
-    """Synchronizing CUDA calls made by fn (torch's sync debug mode), as file:line."""
-    import warnings
-
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    return [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_bf16_hooks_do_not_sync_and_only_host_selection_syncs():
@@ -467,19 +452,19 @@ def test_gpu_bf16_hooks_do_not_sync_and_only_host_selection_syncs():
         policy.initialize(4, kv_heads, dim, 10 ** 6, dt, dev)
         for block in range(40):
             policy.on_prefill_offload(block, 2, keys.roll(block, 0), bs)
-        assert _host_syncs(lambda: policy.on_prefill_offload(40, 2, keys, 700)) == []  # a partial block too
-        assert _host_syncs(lambda: policy.on_decode_offload(40, 2, keys, bs)) == []
+        assert host_sync_sites(lambda: policy.on_prefill_offload(40, 2, keys, 700)) == []  # a partial block too
+        assert host_sync_sites(lambda: policy.on_decode_offload(40, 2, keys, bs)) == []
     blocks = list(range(41))
     q1 = torch.randn(1, heads, dim, device=dev, dtype=dt, generator=gen)
-    syncs = _host_syncs(lambda: quest.select_blocks(blocks, None, PolicyContext(0, 1, 2, q1, False, bs, 42 * bs)))
+    syncs = host_sync_sites(lambda: quest.select_blocks(blocks, None, PolicyContext(0, 1, 2, q1, False, bs, 42 * bs)))
     assert len(syncs) == 1, syncs
     on_device = quest.select_blocks_on_device(blocks, None, PolicyContext(0, 1, 2, q1, False, bs, 42 * bs))
-    assert _host_syncs(lambda: quest.select_blocks_on_device(blocks, None, PolicyContext(0, 1, 2, q1, False, bs,
+    assert host_sync_sites(lambda: quest.select_blocks_on_device(blocks, None, PolicyContext(0, 1, 2, q1, False, bs,
                                                                                          42 * bs))) == []
     assert sorted(on_device.tolist()) == quest.select_blocks(blocks, None, PolicyContext(0, 1, 2, q1, False, bs,
                                                                                          42 * bs))
     chunk = torch.randn(4096, heads, dim, device=dev, dtype=dt, generator=gen)
-    syncs = _host_syncs(lambda: xattn.select_blocks(blocks, None, PolicyContext(10, 11, 2, chunk, True, bs,
+    syncs = host_sync_sites(lambda: xattn.select_blocks(blocks, None, PolicyContext(10, 11, 2, chunk, True, bs,
                                                                                 45 * bs)))
     assert len(syncs) == 1, syncs
 

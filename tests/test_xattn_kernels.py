@@ -22,7 +22,7 @@ from sparsekv.kernels.block_sparse_attention import (
 )
 from sparsekv.kernels.xattn_estimate import xattn_block_mass, xattn_block_mass_reference
 from sparsekv.policies.xattn_bsa import XAttentionPolicy
-from tests.conftest import CountLaunches
+from tests.conftest import CountLaunches, host_sync_sites
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F32_TOL = 3e-3 if DEV.type == "cuda" else 1e-5  # fp32 tl.dot is tf32 on the GPU
@@ -314,20 +314,6 @@ def test_policy_keeping_every_block_is_dense_attention(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ GPU only
-def _host_syncs(fn) -> int:
-    import warnings
-
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message) for w in caught)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_block_mass_bf16_realistic():
@@ -364,5 +350,5 @@ def test_gpu_compute_prefill_does_not_sync():
     k, v = _randn(seq, 8, 128, gen=gen, dtype=torch.bfloat16), _randn(seq, 8, 128, gen=gen, dtype=torch.bfloat16)
     policy = XAttentionPolicy(threshold=0.9)
     policy.compute_prefill(q, k, v, 0, 128 ** -0.5)  # compile first
-    assert _host_syncs(lambda: policy.compute_prefill(q, k, v, 0, 128 ** -0.5)) == 0
+    assert host_sync_sites(lambda: policy.compute_prefill(q, k, v, 0, 128 ** -0.5)) == []
     assert 0.0 < policy.last_density <= 1.0

@@ -322,6 +322,29 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q, k, v on different devices: {q.device}, {k.device}, {v.device}")
 
 
+def dense_tile_config(q: torch.Tensor) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the dense kernel for q's dtype, head dim (a supported one) and
+    GPU; small tiles under the interpreter."""
+    if triton_interpret():
+        return INTERPRET_CONFIG
+    D = q.shape[2]
+    configs = GPU_CONFIGS_FP32 if q.element_size() > 2 else GPU_CONFIGS
+    if q.element_size() <= 2 and D in GPU_CONFIGS_SM90 and torch.cuda.get_device_capability(q.device)[0] >= 9:
+        configs = GPU_CONFIGS_SM90
+    return configs[D]
+
+
+def masked_attention_rows(q_rows: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, mask: torch.Tensor,
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 reference attention of q_rows [r, H, D] over kf/vf [H, S, D] (fp32, KV heads already repeated) where
+    mask [H or 1, r, S] allows. -> (o [r, H, D] fp32, lse [H, r]); rows with no allowed key give o = 0, lse = -inf."""
+    s = torch.matmul(q_rows.float().transpose(0, 1), kf.transpose(1, 2)) * scale  # [H, r, S]
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [H, r]
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return torch.matmul(p, vf).transpose(0, 1), lse
+
+
 def flash_attn_with_lse_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     softmax_scale: float | None = None, causal: bool = False,
@@ -364,13 +387,7 @@ def _flash_attn_triton(q, k, v, scale: float, causal: bool) -> tuple[torch.Tenso
         from .decode_attention import decode_attention_triton  # here: decode_attention imports this module
 
         return decode_attention_triton(q, k, v, scale, causal)
-    if triton_interpret():
-        block_m, block_n, warps, stages = INTERPRET_CONFIG
-    else:
-        configs = GPU_CONFIGS_FP32 if q.element_size() > 2 else GPU_CONFIGS
-        if q.element_size() <= 2 and D in GPU_CONFIGS_SM90 and torch.cuda.get_device_capability(q.device)[0] >= 9:
-            configs = GPU_CONFIGS_SM90
-        block_m, block_n, warps, stages = configs[D]
+    block_m, block_n, warps, stages = dense_tile_config(q)
     o = alloc_output((Sq, H, D), q.dtype, q.device)  # [Sq, H, D]
     lse = alloc_output((H, Sq), torch.float32, q.device)  # [H, Sq]
     _launch_flash_fwd(q, k, v, o, lse, scale, causal, (block_m, block_n, warps, stages))

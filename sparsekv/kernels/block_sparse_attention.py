@@ -29,18 +29,16 @@ from __future__ import annotations
 import math
 
 import torch
-from ._dispatch import HAS_TRITON, alloc_output, cdiv, jit, tl, triton_interpret, use_triton
+from ._dispatch import HAS_TRITON, alloc_output, cdiv, jit, tl, use_triton
 from .attention import (
-    GPU_CONFIGS,
-    GPU_CONFIGS_FP32,
-    GPU_CONFIGS_SM90,
-    INTERPRET_CONFIG,
     SUPPORTED_HEAD_DIMS,
     TensorDescriptor,
     _attn_block_step,
     _empty_result,
     check_qkv,
+    dense_tile_config,
     effective_attn_variants,
+    masked_attention_rows,
 )
 
 __all__ = ["block_lists_from_mask", "block_sparse_attention", "block_sparse_attention_reference"]
@@ -220,12 +218,8 @@ def block_sparse_attention_reference(
         r1 = min(n, r0 + rows)
         pos = q_start + torch.arange(r0, r1, device=q.device)  # [r]
         mask = blocks[pos // block_size - qb0][:, keys // block_size] & (keys[None, :] <= pos[:, None])  # [r, S]
-        s = torch.matmul(q[r0:r1].float().transpose(0, 1), kf.transpose(1, 2)) * scale  # [H, r, S]
-        s = s.masked_fill(~mask, float("-inf"))
-        part_lse = torch.logsumexp(s, dim=-1)  # [H, r]
-        p = torch.exp(s - torch.where(torch.isinf(part_lse), 0.0, part_lse)[..., None])
-        o[r0:r1] = torch.matmul(p, vf).transpose(0, 1).to(q.dtype)
-        lse[:, r0:r1] = part_lse
+        part_o, lse[:, r0:r1] = masked_attention_rows(q[r0:r1], kf, vf, mask[None], scale)
+        o[r0:r1] = part_o.to(q.dtype)
     return o, lse
 
 
@@ -236,13 +230,7 @@ def _config(q: torch.Tensor, block_size: int) -> tuple[int, int, int, int] | Non
     D = q.shape[2]
     if D not in SUPPORTED_HEAD_DIMS:
         return None
-    if triton_interpret():
-        block_m, block_n, warps, stages = INTERPRET_CONFIG
-    else:
-        table = GPU_CONFIGS_FP32 if q.element_size() > 2 else GPU_CONFIGS
-        if q.element_size() <= 2 and D in GPU_CONFIGS_SM90 and torch.cuda.get_device_capability(q.device)[0] >= 9:
-            table = GPU_CONFIGS_SM90
-        block_m, block_n, warps, stages = table[D]
+    block_m, block_n, warps, stages = dense_tile_config(q)
     divisor = block_size & -block_size  # the largest power of two dividing block_size
     block_m, block_n = min(block_m, divisor), min(block_n, divisor)
     if block_n < 16:

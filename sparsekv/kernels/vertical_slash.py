@@ -36,7 +36,7 @@ import math
 
 import torch
 from ._dispatch import HAS_TRITON, alloc_output, cdiv, jit, next_power_of_2, tl, triton_interpret, use_triton
-from .attention import _empty_result, check_qkv, online_softmax_step
+from .attention import _empty_result, check_qkv, masked_attention_rows, online_softmax_step
 
 __all__ = [
     "vertical_slash_attention",
@@ -285,12 +285,8 @@ def vertical_slash_attention_reference(
         causal = diag >= 0
         slot = torch.where(causal & (diag >= d_lo) & (diag < d_hi), diag - d_lo, width)
         mask = causal & (on_slash[:, slot] | vertical[:, None, :])  # [H, r, Sk]
-        s = torch.matmul(q[r0:r1].float().transpose(0, 1), kf.transpose(1, 2)) * scale  # [H, r, Sk]
-        s = s.masked_fill(~mask, float("-inf"))
-        part_lse = torch.logsumexp(s, dim=-1)  # [H, r]
-        p = torch.exp(s - torch.where(torch.isinf(part_lse), 0.0, part_lse)[..., None])
-        o[r0:r1] = torch.matmul(p, vf).transpose(0, 1).to(q.dtype)
-        lse[:, r0:r1] = part_lse
+        part_o, lse[:, r0:r1] = masked_attention_rows(q[r0:r1], kf, vf, mask, scale)
+        o[r0:r1] = part_o.to(q.dtype)
     return o, lse
 
 

@@ -42,6 +42,12 @@ REFERENCE_ELEMENTS = 1 << 25  # fp32 scores the reference materialises at once
 
 # ----------------------------------------------------------------------------------------- Triton kernels
 @jit
+def _load_rows(Q, head, rows, offs_d, row_ok, dim_ok, stride_qm, stride_qh, stride_qd):
+    return tl.load(Q + head.to(tl.int64) * stride_qh + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                   mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+
+@jit
 def _row_stats_kernel(
     Q, K, M_OUT, L_OUT,
     stride_qm, stride_qh, stride_qd, stride_kn, stride_kh, stride_kd, stride_mh, stride_ms,
@@ -55,8 +61,7 @@ def _row_stats_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < L
     dim_ok = offs_d < D
-    q = tl.load(Q + head.to(tl.int64) * stride_qh + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_L, BLOCK_D]
+    q = _load_rows(Q, head, rows, offs_d, row_ok, dim_ok, stride_qm, stride_qh, stride_qd)  # [BLOCK_L, BLOCK_D]
     k_base = K + (head // GROUP).to(tl.int64) * stride_kh
     pos = row0 + rows
     m_i = tl.full([BLOCK_L], float("-inf"), dtype=tl.float32)
@@ -94,8 +99,7 @@ def _masses_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < L
     dim_ok = offs_d < D
-    q = tl.load(Q + head.to(tl.int64) * stride_qh + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_L, BLOCK_D]
+    q = _load_rows(Q, head, rows, offs_d, row_ok, dim_ok, stride_qm, stride_qh, stride_qd)  # [BLOCK_L, BLOCK_D]
     lse2 = tl.load(LSE2 + head.to(tl.int64) * stride_lh + rows, mask=row_ok, other=float("inf"))  # [BLOCK_L]
     pos = row0 + rows
     keys = row0 - d0 - (BLOCK_N - 1) + offs_w  # [WINDOW] key of each window column
