@@ -35,23 +35,40 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def chunk_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every sparse-prefill timing script takes: --context keys, --chunk queries, --reps."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--chunk", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=5)
+    return parser
+
+
+def random_chunk(context: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random bf16 q [chunk, 32, 128] and k, v [context, 8, 128] on the GPU (Qwen3-4B's attention shape), seed 0."""
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    return (torch.randn(chunk, 32, 128, device=dev, dtype=dtype), torch.randn(context, 8, 128, device=dev, dtype=dtype),
+            torch.randn(context, 8, 128, device=dev, dtype=dtype))
+
+
+def dense_chunk_ms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reps: int) -> float:
+    ms = timed(lambda: FullPolicy().compute_prefill(q, k, v, 0, q.shape[2] ** -0.5), reps)
+    print(f"dense chunk attention (Sq={q.shape[0]}, Sk={k.shape[0]}): {ms:8.2f} ms")
+    return ms
+
+
+def main() -> None:
+    parser = chunk_parser(__doc__)
     parser.add_argument("--structured-layer", type=int, default=None,
                         help="take q/k/v of this layer of Qwen3-4B with model.load_format=dummy_structured (a prefill "
                              "of --context random tokens) instead of random tensors")
     args = parser.parse_args()
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    H, KVH, D, S, n = 32, 8, 128, args.context, args.chunk
+    dev = torch.device("cuda")
+    H, D, S, n = 32, 128, args.context, args.chunk
     scale = D ** -0.5
-    torch.manual_seed(0)
     if args.structured_layer is None:
-        q = torch.randn(n, H, D, device=dev, dtype=dtype)
-        k = torch.randn(S, KVH, D, device=dev, dtype=dtype)
-        v = torch.randn(S, KVH, D, device=dev, dtype=dtype)
+        q, k, v = random_chunk(S, n)
     else:
         from sparsekv.llm import LLM
         from sparsekv.tasks.bench import random_prompts
@@ -65,9 +82,8 @@ def main() -> None:
         q, k, v = q_all[0, -n:].to(dev), k_all[0].to(dev), v_all[0].to(dev)
         print(f"q/k/v of layer {args.structured_layer} of Qwen3-4B with structured dummy weights, {S} tokens")
     source = "random q/k" if args.structured_layer is None else f"structured layer {args.structured_layer}"
-    full, minf = FullPolicy(), MInferencePolicy()
-    dense_ms = timed(lambda: full.compute_prefill(q, k, v, 0, scale), args.reps)
-    print(f"dense chunk attention (Sq={n}, Sk={S}): {dense_ms:8.2f} ms")
+    minf = MInferencePolicy()
+    dense_ms = dense_chunk_ms(q, k, v, args.reps)
 
     estimate_ms = timed(lambda: minf.estimate_pattern(q, k, scale), args.reps)
     L = minf.last_q

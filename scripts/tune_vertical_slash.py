@@ -10,14 +10,12 @@ per row-statistics split. Prints one line per candidate (median of --reps CUDA-e
 """
 from __future__ import annotations
 
-import argparse
 import math
 import torch
 
 from sparsekv.kernels import vertical_slash as vs
 from sparsekv.kernels import vertical_slash_estimate as est
-from sparsekv.policies.full import FullAttentionPolicy
-from profile_sparse_prefill import timed  # scripts/ is on sys.path when a script there runs
+from profile_sparse_prefill import chunk_parser, dense_chunk_ms, random_chunk, timed  # scripts/ is on sys.path
 
 CANDIDATES = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2),
               (128, 128, 8, 2), (64, 32, 4, 2)]
@@ -39,22 +37,14 @@ def selections(H: int, S: int, dev) -> dict[str, tuple[torch.Tensor, torch.Tenso
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--context", type=int, default=131072)
-    parser.add_argument("--chunk", type=int, default=8192)
-    parser.add_argument("--reps", type=int, default=5)
+    parser = chunk_parser(__doc__)
     args = parser.parse_args()
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    H, KVH, D, S, n = 32, 8, 128, args.context, args.chunk
-    scale = D ** -0.5
-    torch.manual_seed(0)
-    q = torch.randn(n, H, D, device=dev, dtype=dtype)
-    k = torch.randn(S, KVH, D, device=dev, dtype=dtype)
-    v = torch.randn(S, KVH, D, device=dev, dtype=dtype)
-    dense_ms = timed(lambda: FullAttentionPolicy().compute_prefill(q, k, v, 0, scale), args.reps)
-    print(f"dense chunk attention (Sq={n}, Sk={S}): {dense_ms:.2f} ms")
+    S, n = args.context, args.chunk
+    q, k, v = random_chunk(S, n)
+    scale = q.shape[2] ** -0.5
+    dense_ms = dense_chunk_ms(q, k, v, args.reps)
     default = vs.GPU_CONFIG_16BIT[128]
-    for label, (vertical, slash) in selections(H, S, dev).items():
+    for label, (vertical, slash) in selections(q.shape[1], S, q.device).items():
         vs.GPU_CONFIG_16BIT[128] = default
         ref, _ = vs.vertical_slash_attention(q, k, v, vertical, slash, scale, S - n)
         for config in CANDIDATES:
@@ -78,7 +68,7 @@ def main() -> None:
             err = max(((col - ref_col).norm() / ref_col.norm()).item(), ((diag - ref_diag).norm() / ref_diag.norm()).item())
             print(f"vertical_slash_masses BLOCK_N={block_n:4d} keys/split={per_split:5d}: {ms:6.2f} ms rel diff {err:.1e}")
     topk = timed(lambda: torch.topk(ref_diag, 6096, dim=1).indices.sort(dim=1), args.reps)
-    print(f"top-6096 + sort of [{H}, {S}]: {topk:.2f} ms; log2(S)={math.log2(S):.0f}")
+    print(f"top-6096 + sort of [{q.shape[1]}, {S}]: {topk:.2f} ms; log2(S)={math.log2(S):.0f}")
 
 
 if __name__ == "__main__":

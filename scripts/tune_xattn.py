@@ -9,14 +9,10 @@ XAttentionPolicy.compute_prefill: estimate, threshold and vote, kept-block lists
 """
 from __future__ import annotations
 
-import argparse
 
-import torch
-
-from profile_sparse_prefill import timed  # scripts/ is on sys.path when a script there runs
+from profile_sparse_prefill import chunk_parser, dense_chunk_ms, random_chunk, timed  # scripts/ is on sys.path
 from sparsekv.kernels import xattn_estimate as est
 from sparsekv.kernels.block_sparse_attention import block_lists_from_mask, block_sparse_attention
-from sparsekv.policies.full import FullAttentionPolicy
 from sparsekv.policies.xattn_bsa import XAttentionPolicy
 
 CANDIDATES = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3),
@@ -24,21 +20,13 @@ CANDIDATES = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--context", type=int, default=131072)
-    parser.add_argument("--chunk", type=int, default=8192)
+    parser = chunk_parser(__doc__)
     parser.add_argument("--threshold", type=float, default=0.9)
-    parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    H, KVH, D, S, n = 32, 8, 128, args.context, args.chunk
-    scale = D ** -0.5
-    torch.manual_seed(0)
-    q = torch.randn(n, H, D, device=dev, dtype=dtype)
-    k = torch.randn(S, KVH, D, device=dev, dtype=dtype)
-    v = torch.randn(S, KVH, D, device=dev, dtype=dtype)
-    dense_ms = timed(lambda: FullAttentionPolicy().compute_prefill(q, k, v, 0, scale), args.reps)
-    print(f"dense chunk attention (Sq={n}, Sk={S}): {dense_ms:.2f} ms")
+    S, n = args.context, args.chunk
+    q, k, v = random_chunk(S, n)
+    scale = q.shape[2] ** -0.5
+    dense_ms = dense_chunk_ms(q, k, v, args.reps)
     policy = XAttentionPolicy(threshold=args.threshold)
     default = est.GPU_CONFIG_16BIT_SM90[128]
     ref = policy.block_mass(q, k)
