@@ -17,6 +17,7 @@ class PrefillChunk:
     end: int  # one past the last row
     num_cached: int  # tokens whose KV was stored before this step
     block_table: torch.Tensor  # [num_blocks] int32 on the device
+    first_block: int | None = None  # when the sequence's blocks are one ascending run of ids: the first one
 
     @property
     def num_tokens(self) -> int:

@@ -32,7 +32,10 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             slots.extend(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
                          for p in range(start, start + n))
-            chunks.append(PrefillChunk(seq, rows, rows + n, start, self._tensor(seq.block_table, torch.int32)))
+            table = seq.block_table
+            one_run = bool(table) and table == list(range(table[0], table[0] + len(table)))
+            chunks.append(PrefillChunk(seq, rows, rows + n, start, self._tensor(table, torch.int32),
+                                       table[0] if one_run else None))
             if start + n == len(seq):
                 sample_rows.append(rows + n - 1)
         context = Context(is_prefill=True, kv_store=self.kv_store, seqs=batch.seqs,

@@ -38,10 +38,19 @@ class PagedKVStore(KVStore):
         self.prefill_policy = prefill_policy
         prefill_policy.initialize(num_layers, num_kv_heads, head_dim, num_blocks, dtype, device)
 
+    def kv_write_target(self, layer_id: int, context: Context
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(k_cache, v_cache [blocks + 1, block_size, KVH, D], slot_mapping [N]) of the step: the model may store
+        the step's k/v there itself (in its q/k norm + rotary kernel) and then call attend with kv_written=True."""
+        if context.slot_mapping is None:
+            return None
+        return self.k_cache[layer_id], self.v_cache[layer_id], context.slot_mapping
+
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               context: Context) -> torch.Tensor:
+               context: Context, kv_written: bool = False) -> torch.Tensor:
         k_cache, v_cache = self.k_cache[layer_id], self.v_cache[layer_id]
-        store_kv(k, v, k_cache, v_cache, context.slot_mapping)
+        if not kv_written:  # else the caller stored them at kv_write_target's slots
+            store_kv(k, v, k_cache, v_cache, context.slot_mapping)
         if not context.is_prefill:
             max_len, splits = self.decode_plan(q.shape[0]) or (context.max_context_len, None)
             out, _ = paged_decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens,
@@ -51,9 +60,9 @@ class PagedKVStore(KVStore):
         for chunk in context.chunks:
             rows = slice(chunk.start, chunk.end)
             keys, values = k[rows], v[rows]
-            if chunk.num_cached:
-                k_prefix, v_prefix = self.gather(layer_id, chunk.block_table, chunk.num_cached)
-                keys, values = torch.cat([k_prefix, keys]), torch.cat([v_prefix, values])
+            if chunk.num_cached:  # the chunk's keys are stored already: read the whole sequence from the cache
+                keys, values = self.sequence_kv(layer_id, chunk.block_table, chunk.num_cached + chunk.num_tokens,
+                                                chunk.first_block)
             out[rows] = self.prefill_policy.compute_prefill(q[rows], keys, values, layer_id, scale)
         return out
 
@@ -64,9 +73,15 @@ class PagedKVStore(KVStore):
         padded = 1 << max(0, batch - 1).bit_length()  # constant over each CUDA-graph batch bucket
         return self.plan_len, choose_num_splits(padded, self.num_kv_heads, self.plan_len, self.k_cache.device)
 
-    def gather(self, layer_id: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous K/V [num_tokens, KVH, D] of the first num_tokens tokens of a sequence."""
-        blocks = block_table[: (num_tokens + self.block_size - 1) // self.block_size].long()
-        k = self.k_cache[layer_id].index_select(0, blocks).flatten(0, 1)[:num_tokens]
-        v = self.v_cache[layer_id].index_select(0, blocks).flatten(0, 1)[:num_tokens]
-        return k, v
+    def sequence_kv(self, layer_id: int, block_table: torch.Tensor, num_tokens: int, first_block: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous K/V [num_tokens, KVH, D] of the first num_tokens tokens of a sequence: views of the cache when
+        its blocks are one ascending run starting at first_block (no copy), else one gather of its blocks."""
+        num_blocks = (num_tokens + self.block_size - 1) // self.block_size
+        k_cache, v_cache = self.k_cache[layer_id], self.v_cache[layer_id]  # [blocks + 1, block_size, KVH, D]
+        if first_block is not None:
+            span = slice(first_block, first_block + num_blocks)
+            return k_cache[span].flatten(0, 1)[:num_tokens], v_cache[span].flatten(0, 1)[:num_tokens]
+        blocks = block_table[:num_blocks].long()
+        return (k_cache.index_select(0, blocks).flatten(0, 1)[:num_tokens],
+                v_cache.index_select(0, blocks).flatten(0, 1)[:num_tokens])

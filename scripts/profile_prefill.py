@@ -1,0 +1,56 @@
+"""Where a long prefill's time goes (CUDA only): wall time against GPU kernel time, and the top kernels.
+
+    python scripts/profile_prefill.py --context 131072 [overrides ...]
+    python scripts/profile_prefill.py --context 131072 model.load_format=dummy_structured policy=xattn_bsa_090
+
+Runs one unprofiled prefill of --context random tokens (wall time), then the same prefill under torch.profiler, and
+prints the kernel time summed by kernel name (top 25), so the attention kernels, the policy's estimate and the
+dense layers (GEMMs, norms, rotary, KV writes) can be weighed against the wall time. Model: Qwen3-4B dummy weights.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from profile_decode import _device_us
+from sparsekv import LLM, SamplingParams
+from sparsekv.tasks.bench import random_prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=131072)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    model = [] if any(o.startswith("model=") for o in args.overrides) else ["model=qwen3_4b", "model.load_format=dummy"]
+    if not any(o.startswith("scheduler.max_model_len=") for o in args.overrides):
+        model.append(f"scheduler.max_model_len={args.context + 8}")
+    llm = LLM(overrides=[*model, *args.overrides])
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    engine.generate(random_prompts(1, 1024, engine.spec.vocab_size, 1), params)  # compile
+    prompt = random_prompts(1, args.context, engine.spec.vocab_size, 0)
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.generate(prompt, params)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompt, params)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = [e for e in events if _device_us(e) > 0]
+    kernel_s = sum(_device_us(e) for e in kernels if "memcpy" not in e.key.lower()) / 1e6
+    print(json.dumps({"context": args.context, "overrides": args.overrides, "prefill_wall_s": round(wall, 3),
+                      "kernel_s": round(kernel_s, 3)}), flush=True)
+    for e in sorted(kernels, key=_device_us, reverse=True)[:25]:
+        print(f"{_device_us(e) / 1e6:8.3f} s {e.count:7d}x  {e.key[:110]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""offload=none paged store: the sequence K/V read for chunked prefill."""
+import torch
+
+from sparsekv.kvcache.paged import PagedKVStore
+from sparsekv.policies.full import FullAttentionPolicy
+
+
+def _store() -> PagedKVStore:
+    store = PagedKVStore(2, 6, 4, 2, 8, torch.float32, torch.device("cpu"), FullAttentionPolicy())
+    gen = torch.Generator().manual_seed(0)
+    store.k_cache.copy_(torch.randn(store.k_cache.shape, generator=gen))
+    store.v_cache.copy_(torch.randn(store.v_cache.shape, generator=gen))
+    return store
+
+
+def test_sequence_kv_reads_blocks_in_table_order():
+    store = _store()
+    table = torch.tensor([4, 1, 3], dtype=torch.int32)
+    k, v = store.sequence_kv(1, table, 10)  # 2.5 blocks
+    expected_k = torch.cat([store.k_cache[1, b] for b in (4, 1, 3)])[:10]
+    expected_v = torch.cat([store.v_cache[1, b] for b in (4, 1, 3)])[:10]
+    assert k.shape == (10, 2, 8)
+    assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
+
+
+def test_sequence_kv_of_one_block_run_is_a_view_equal_to_the_gather():
+    store = _store()
+    table = torch.tensor([2, 3, 4], dtype=torch.int32)
+    k_view, v_view = store.sequence_kv(0, table, 11, first_block=2)
+    k_copy, v_copy = store.sequence_kv(0, table, 11)
+    assert torch.equal(k_view, k_copy) and torch.equal(v_view, v_copy)
+    assert k_view.is_contiguous() and k_view.data_ptr() == store.k_cache[0, 2].data_ptr()  # no copy
+    assert v_view.data_ptr() == store.v_cache[0, 2].data_ptr()
+
+
+def test_chunked_prefill_reads_runs_as_views_and_fragmented_tables_by_gather(llama_ckpt, monkeypatch):
+    from sparsekv import LLM, SamplingParams
+    from tests.conftest import random_prompt
+
+    seen = []
+    original = PagedKVStore.sequence_kv
+
+    def spy(self, layer_id, block_table, num_tokens, first_block=None):
+        seen.append(first_block)
+        return original(self, layer_id, block_table, num_tokens, first_block)
+
+    monkeypatch.setattr(PagedKVStore, "sequence_kv", spy)
+    prompts = [random_prompt(n, seed=n) for n in (70, 33)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    cpu = ["device=cpu", "dtype=float32", "offload.block_size=16"]
+    one_shot = LLM(str(llama_ckpt), overrides=cpu).generate(prompts, greedy)
+    llm = LLM(str(llama_ckpt), overrides=cpu + ["scheduler.max_num_batched_tokens=12"])
+    free = llm.engine.block_manager.free_blocks  # a heap: taking block 1 out leaves the first sequence [0, 2, 3, ..]
+    free.remove(1)
+    chunked = llm.generate(prompts, greedy)
+    assert [o.token_ids for o in chunked] == [o.token_ids for o in one_shot]
+    assert None in seen and any(b is not None for b in seen), set(seen)  # the fragmented first and the contiguous second
