@@ -145,6 +145,65 @@ def use_triton_gemv(device: torch.device | str, rows: int, max_rows: int) -> boo
     return torch.device(device).type == "cuda" and rows <= min(max_rows, AUTO_GEMV_MAX_ROWS)
 
 
+ENV_DECODE_FUSION = "SPARSEKV_DECODE_FUSION"
+
+
+@functools.lru_cache(maxsize=None)
+def decode_fusion() -> bool:
+    """SPARSEKV_DECODE_FUSION (read once per process; default 1): the model's fused forward (the residual add in
+    the next RMSNorm, silu(gate) * up in the down projection's loads, the KV write in the q/k norm + rotary
+    kernel); 0 runs the unfused ops, to compare. Either computes the same values."""
+    choice = os.environ.get(ENV_DECODE_FUSION, "1").strip().lower()
+    if choice not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise ValueError(f"{ENV_DECODE_FUSION}={choice!r}: use 1 (fused decode ops) or 0 (unfused, to compare)")
+    return choice not in ("0", "false", "no", "off")
+
+
+ENV_PDL = "SPARSEKV_PDL"
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_requested() -> bool:
+    """SPARSEKV_PDL=1 (read once per process; tests clear this cache): launch the decode kernels of
+    sparsekv.kernels.{gemv,rmsnorm,rotary,activation} with programmatic dependent launch. Off by default."""
+    choice = os.environ.get(ENV_PDL, "0").strip().lower()
+    if choice not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise ValueError(f"{ENV_PDL}={choice!r}: use 1 (launch with programmatic dependent launch) or 0 (off)")
+    return choice in ("1", "true", "yes", "on")
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9  # griddepcontrol needs sm_90+
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with programmatic dependent launch (PDL): SPARSEKV_PDL=1, CUDA of
+    compute capability >= 9 (Hopper), not the interpreter. Such a launch may start while the previous kernel on
+    the stream is still running, so a PDL kernel must call ``gdc_wait`` before it reads anything a previous
+    kernel wrote and before its first store (an output buffer can be memory a previous kernel still reads), and
+    every program must call it (a program that exits without waiting lets the next kernel pass its own wait
+    before this kernel's predecessor is done). Loads of weights may come before the wait."""
+    if device.type != "cuda" or not HAS_TRITON or not pdl_requested() or triton_interpret():
+        return False
+    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch_options(device: torch.device) -> dict:
+    """Launch keyword arguments for a kernel with a ``USE_PDL: tl.constexpr`` parameter: USE_PDL and, where
+    :func:`use_pdl` says so, Triton's ``launch_pdl``."""
+    return {"USE_PDL": True, "launch_pdl": True} if use_pdl(device) else {"USE_PDL": False}
+
+
+@jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Inside a kernel launched with :func:`pdl_launch_options`: wait until the previous kernel on the stream has
+    finished and its writes are visible, and let the next one launch (its own wait keeps it correct)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
 def alloc_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.empty, or a NaN-filled buffer when POISON_OUTPUTS is set (tests)."""
     if POISON_OUTPUTS:

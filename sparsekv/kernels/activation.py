@@ -11,7 +11,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import alloc_output, cdiv, jit, next_power_of_2, tl, use_fused_elementwise
+from ._dispatch import (
+    alloc_output,
+    cdiv,
+    jit,
+    next_power_of_2,
+    pdl_launch_options,
+    pdl_wait,
+    tl,
+    use_fused_elementwise,
+)
 from .rmsnorm import KERNEL_DTYPES
 
 __all__ = ["silu_and_mul", "silu_and_mul_reference"]
@@ -27,7 +36,8 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @jit
-def _silu_and_mul_kernel(GU, OUT, stride_g, stride_o, I, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(GU, OUT, stride_g, stride_o, I, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < I
@@ -65,5 +75,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows > 0 and inter > 0:
         block = min(next_power_of_2(inter), MAX_BLOCK)
         _silu_and_mul_kernel[(rows, cdiv(inter, block))](g2, out, g2.stride(0), out.stride(0), inter, BLOCK=block,
-                                                         num_warps=NUM_WARPS)
+                                                         num_warps=NUM_WARPS, **pdl_launch_options(gate_up.device))
     return out.view(*gate_up.shape[:-1], inter)

@@ -35,9 +35,30 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import HAS_TRITON, alloc_output, cdiv, jit, next_power_of_2, num_sms, tl, triton_interpret, use_triton
+from ._dispatch import (
+    HAS_TRITON,
+    alloc_output,
+    cdiv,
+    jit,
+    next_power_of_2,
+    num_sms,
+    pdl_launch_options,
+    pdl_wait,
+    tl,
+    triton_interpret,
+    use_triton,
+)
+from .activation import silu_and_mul, silu_and_mul_reference
 
-__all__ = ["GemvConfig", "MAX_M", "choose_config", "skinny_linear", "skinny_linear_reference"]
+__all__ = [
+    "MAX_M",
+    "GemvConfig",
+    "choose_config",
+    "silu_mul_linear",
+    "silu_mul_linear_reference",
+    "skinny_linear",
+    "skinny_linear_reference",
+]
 
 # ---------------------------------------------------------------------------------------------- tuning constants
 MAX_M = 16  # rows up to which skinny_linear runs the kernel; more rows are a GEMM for cuBLAS
@@ -88,15 +109,46 @@ def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 # ---------------------------------------------------------------------------------------------- kernels
 @jit
+def _load_w(w_ptrs, k0, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    # one [BLOCK_N, BLOCK_K] tile of W, read once (evict_first); columns past k_end read as 0
+    if EVEN_K:
+        w = tl.load(w_ptrs, eviction_policy="evict_first")
+    else:
+        k_ok = (k0 + tl.arange(0, BLOCK_K)) < k_end
+        w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+    return w
+
+
+@jit
+def _load_x(x_ptrs, mask, K, GATED: tl.constexpr):
+    # a tile of x (L2-resident: every program reads it); mask None = unmasked. GATED: x_ptrs point into
+    # gate_up [M, 2K] and x = silu(gate) * up, rounded like silu_and_mul (silu to x's dtype, then the product)
+    if mask is None:
+        x = tl.load(x_ptrs, eviction_policy="evict_last")
+    else:
+        x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_last")
+    if GATED:
+        if mask is None:
+            u = tl.load(x_ptrs + K, eviction_policy="evict_last")
+        else:
+            u = tl.load(x_ptrs + K, mask=mask, other=0.0, eviction_policy="evict_last")
+        g = x.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
+        x = (act * u.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@jit
 def _skinny_linear_kernel(
     X, W, B, OUT,
     stride_xm, stride_wn, stride_om, stride_on, stride_os,
     M, N, K, split_len,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PARTIAL: tl.constexpr,
+    PARTIAL: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # X [M, K], W [N, K], both unit stride along K; OUT is out [M, N] or, with PARTIAL, partials [SPLIT_K, M, N]
+    # X [M, K] (GATED: gate_up [M, 2K]), W [N, K], both unit stride along K; OUT is out [M, N] or, with PARTIAL,
+    # partials [SPLIT_K, M, N]
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -110,34 +162,37 @@ def _skinny_linear_kernel(
     w_ptrs = W + rows_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
 
     if BLOCK_M == 1:  # GEMV: x is one row
+        # the first W tile streams in before the wait on the previous kernel (with PDL: under its tail); every
+        # program has at least one tile (no split is empty). Then the loop from the second tile on.
+        w = _load_w(w_ptrs, k_start, k_end, BLOCK_K, EVEN_K)
+        pdl_wait(USE_PDL)
         x_ptrs = X + offs_k  # [BLOCK_K]
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_ptrs, eviction_policy="evict_first")
-                x = tl.load(x_ptrs, eviction_policy="evict_last")
-            else:
-                k_ok = (k0 + tl.arange(0, BLOCK_K)) < k_end
-                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-                x = tl.load(x_ptrs, mask=k_ok, other=0.0, eviction_policy="evict_last")
+        x = _load_x(x_ptrs, None if EVEN_K else offs_k < k_end, K, GATED)
+        acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+            w = _load_w(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
+            x = _load_x(x_ptrs, None if EVEN_K else (k0 + tl.arange(0, BLOCK_K)) < k_end, K, GATED)
             acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
     else:
+        pdl_wait(USE_PDL)
         x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
         if USE_DOT:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
             acc3 = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
+            w = _load_w(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)  # [BLOCK_N, BLOCK_K]
             if EVEN_K:
-                w = tl.load(w_ptrs, eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K]
-                x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0, eviction_policy="evict_last")  # [BLOCK_M, BLOCK_K]
+                x = _load_x(x_ptrs, m_ok[:, None], K, GATED)  # [BLOCK_M, BLOCK_K]
             else:
                 k_ok = (k0 + tl.arange(0, BLOCK_K)) < k_end
-                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-                x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_last")
+                x = _load_x(x_ptrs, m_ok[:, None] & k_ok[None, :], K, GATED)
             if USE_DOT:
                 if DOT_F32:  # fp32 inputs (exact products: no tf32), or bf16 under the interpreter
                     acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
@@ -161,8 +216,10 @@ def _skinny_linear_kernel(
 
 
 @jit
-def _splitk_reduce_kernel(P, B, OUT, MN, N, SPLIT_K, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _splitk_reduce_kernel(P, B, OUT, MN, N, SPLIT_K, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                          USE_PDL: tl.constexpr):
     # P partials [SPLIT_K, M, N] fp32 contiguous, OUT [M, N] contiguous: summed in split order (deterministic)
+    pdl_wait(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] flat (m, n)
     ok = offs < MN
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -224,25 +281,27 @@ def split_length(k: int, config: GemvConfig) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- launchers
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> None:
+    name, x_name, factor, cols = ("silu_mul_linear", "gate_up", 2, "2K") if gated else ("skinny_linear", "x", 1, "K")
     if x.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"skinny_linear expects x [M, K] and weight [N, K]; got x {tuple(x.shape)}, weight "
-                         f"{tuple(weight.shape)} (flatten leading dims of x first: x.reshape(-1, K))")
-    if x.shape[1] != weight.shape[1]:
-        raise ValueError(f"skinny_linear: x {tuple(x.shape)} has K={x.shape[1]} but weight {tuple(weight.shape)} "
-                         f"has K={weight.shape[1]}; weight must be [out_features, in_features] like nn.Linear's")
+        raise ValueError(f"{name} expects {x_name} [M, {cols}] and weight [N, K]; got {x_name} {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)} (flatten leading dims first: reshape(-1, {x_name}.shape[-1]))")
+    if x.shape[1] != factor * weight.shape[1]:
+        raise ValueError(f"{name}: {x_name} {tuple(x.shape)} has {cols}={x.shape[1]} but weight "
+                         f"{tuple(weight.shape)} has K={weight.shape[1]}; weight must be [out_features, in_features] "
+                         f"like nn.Linear's")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
-        raise ValueError(f"skinny_linear expects bias [N={weight.shape[0]}]; got {tuple(bias.shape)}")
+        raise ValueError(f"{name} expects bias [N={weight.shape[0]}]; got {tuple(bias.shape)}")
     # cheap comparisons first (a decode step checks every layer); the message is built only on failure
     same_device = x.device == weight.device and (bias is None or bias.device == x.device)
     same_dtype = x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype) and x.dtype.is_floating_point
     if not (same_device and same_dtype):
-        tensors = {"x": x, "weight": weight, **({"bias": bias} if bias is not None else {})}
+        tensors = {x_name: x, "weight": weight, **({"bias": bias} if bias is not None else {})}
         if not same_device:
-            raise ValueError("skinny_linear expects every tensor on one device; got "
-                             + ", ".join(f"{name} on {t.device}" for name, t in tensors.items()))
-        raise ValueError("skinny_linear expects x, weight (and bias) of one floating dtype; got "
-                         + ", ".join(f"{name} {t.dtype}" for name, t in tensors.items())
+            raise ValueError(f"{name} expects every tensor on one device; got "
+                             + ", ".join(f"{key} on {t.device}" for key, t in tensors.items()))
+        raise ValueError(f"{name} expects {x_name}, weight (and bias) of one floating dtype; got "
+                         + ", ".join(f"{key} {t.dtype}" for key, t in tensors.items())
                          + " (cast the activations to the weight's dtype)")
 
 
@@ -265,11 +324,31 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return skinny_linear_triton(x, weight, bias, config)
 
 
+def silu_mul_linear_reference(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                              ) -> torch.Tensor:
+    """silu_and_mul(gate_up [M, 2K]) (rounded to its dtype) @ weight [N, K]^T + bias, fp32 accumulation -> [M, N]."""
+    return skinny_linear_reference(silu_and_mul_reference(gate_up), weight, bias)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    config: GemvConfig | None = None) -> torch.Tensor:
+    """A gated MLP's down projection: silu(gate) * up of gate_up [M, 2K] (gate first) @ weight [N, K]^T -> [M, N].
+
+    The skinny kernel computes silu(gate) * up while it loads x (rounded as :func:`silu_and_mul` rounds), so the
+    [M, K] activation is never written; where the kernel does not apply, ``F.linear(silu_and_mul(gate_up))``.
+    """
+    _check(gate_up, weight, bias, gated=True)
+    if not _kernel_applies(gate_up, weight):
+        return F.linear(silu_and_mul(gate_up), weight, bias)
+    return skinny_linear_triton(gate_up, weight, bias, config, gated=True)
+
+
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         config: GemvConfig | None = None) -> torch.Tensor:
-    """The launch, unchecked: x [M, K], weight [N, K] of one kernel dtype on one device, 1 <= M <= 16, N, K > 0."""
-    m, k = x.shape
-    n = weight.shape[0]
+                         config: GemvConfig | None = None, gated: bool = False) -> torch.Tensor:
+    """The launch, unchecked: x [M, K] (gated: gate_up [M, 2K]), weight [N, K] of one kernel dtype on one device,
+    1 <= M <= 16, N, K > 0."""
+    m = x.shape[0]
+    n, k = weight.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
@@ -285,16 +364,17 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     dest = alloc_output((splits, m, n), torch.float32, x.device) if partial else out  # [S, M, N] fp32 partials
     has_bias = bias is not None
     dot_f32 = config.use_dot and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and triton_interpret()))
+    pdl = pdl_launch_options(x.device)
     _skinny_linear_kernel[(cdiv(n, config.block_n), splits)](
         x, weight, bias if has_bias else x, dest,
         x.stride(0), weight.stride(0), dest.stride(-2), dest.stride(-1), dest.stride(0) if partial else 0,
         m, n, k, split_len,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_DOT=config.use_dot,
-        DOT_F32=dot_f32, EVEN_K=k % config.block_k == 0, HAS_BIAS=has_bias, PARTIAL=partial,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        DOT_F32=dot_f32, EVEN_K=k % config.block_k == 0, HAS_BIAS=has_bias, PARTIAL=partial, GATED=gated,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
     )
     if partial:
         _splitk_reduce_kernel[(cdiv(m * n, REDUCE_BLOCK),)](
             dest, bias if has_bias else dest, out, m * n, n, SPLIT_K=splits, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK,
-            num_warps=4)
+            num_warps=4, **pdl)
     return out

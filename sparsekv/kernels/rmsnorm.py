@@ -19,7 +19,15 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import alloc_output, jit, next_power_of_2, tl, use_fused_elementwise
+from ._dispatch import (
+    alloc_output,
+    jit,
+    next_power_of_2,
+    pdl_launch_options,
+    pdl_wait,
+    tl,
+    use_fused_elementwise,
+)
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
 
@@ -50,8 +58,9 @@ def _rms_norm_kernel(
     X, R, W, OUT, RES_OUT,
     stride_x, stride_r, stride_o, stride_ro,
     N, eps,
-    HAS_RESIDUAL: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     r_row = R + row * stride_r
@@ -143,6 +152,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             x2.stride(0), r2.stride(0), out.stride(0), ro.stride(0),
             n, float(eps),
             HAS_RESIDUAL=residual is not None, ONE_PASS=one_pass, BLOCK_N=block, num_warps=warps,
+            **pdl_launch_options(x.device),
         )
     elif n == 0 and residual is not None:
         res_out = x + residual

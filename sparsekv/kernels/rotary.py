@@ -14,12 +14,23 @@ inside CUDA graphs.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from ._dispatch import alloc_output, cdiv, jit, next_power_of_2, tl, use_fused_elementwise
+from ._dispatch import (
+    alloc_output,
+    cdiv,
+    jit,
+    next_power_of_2,
+    pdl_launch_options,
+    pdl_wait,
+    tl,
+    use_fused_elementwise,
+)
 from .rmsnorm import KERNEL_DTYPES, rms_norm_reference
 
-__all__ = ["apply_rotary", "apply_rotary_reference", "rotary_cos_sin_reference", "rotary_embed_reference",
+__all__ = ["KVWrite", "apply_rotary", "apply_rotary_reference", "rotary_cos_sin_reference", "rotary_embed_reference",
            "rotate_half"]
 
 MAX_TILE = 1024  # elements of one [BLOCK_H, BLOCK_HALF] half-tile
@@ -62,10 +73,11 @@ def apply_rotary_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Te
 @jit
 def _norm_rope_tile(
     X, OUT, W, row, head0, num_heads, stride_xn, stride_xh, stride_on, stride_oh,
-    cos, sin, offs_d, d_ok, eps, D, HALF,
-    HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
+    cos, sin, offs_d, d_ok, eps, D, HALF, CACHE, cache_row, stride_ch,
+    HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_CACHE: tl.constexpr,
 ):
-    """Heads head0 .. head0 + BLOCK_H of token `row`: x [BLOCK_H, D] as halves x1, x2 [BLOCK_H, BLOCK_HALF]."""
+    """Heads head0 .. head0 + BLOCK_H of token `row`: x [BLOCK_H, D] as halves x1, x2 [BLOCK_H, BLOCK_HALF].
+    WRITE_CACHE: the result also goes to CACHE at cache_row (a pointer to its slot) [heads, D]."""
     act = X.dtype.element_ty
     odt = OUT.dtype.element_ty
     offs_h = head0 + tl.arange(0, BLOCK_H)
@@ -83,22 +95,28 @@ def _norm_rope_tile(
     c = cos[None, :]
     s = sin[None, :]
     # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); each product and the sum rounded like torch's
-    o1 = (x1 * c).to(odt).to(tl.float32) + (-x2 * s).to(odt).to(tl.float32)
-    o2 = (x2 * c).to(odt).to(tl.float32) + (x1 * s).to(odt).to(tl.float32)
+    o1 = ((x1 * c).to(odt).to(tl.float32) + (-x2 * s).to(odt).to(tl.float32)).to(odt)
+    o2 = ((x2 * c).to(odt).to(tl.float32) + (x1 * s).to(odt).to(tl.float32)).to(odt)
     o_ptr = OUT + row * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptr, o1.to(odt), mask=ok)
-    tl.store(o_ptr + HALF, o2.to(odt), mask=ok)
+    tl.store(o_ptr, o1, mask=ok)
+    tl.store(o_ptr + HALF, o2, mask=ok)
+    if WRITE_CACHE:
+        c_ptr = cache_row + offs_h[:, None] * stride_ch + offs_d[None, :]
+        tl.store(c_ptr, o1.to(CACHE.dtype.element_ty), mask=ok)
+        tl.store(c_ptr + HALF, o2.to(CACHE.dtype.element_ty), mask=ok)
 
 
 @jit
 def _rotary_kernel(
-    Q, K, QO, KO, QW, KW, POS, INV_FREQ,
+    Q, K, QO, KO, QW, KW, POS, INV_FREQ, V, K_CACHE, V_CACHE, SLOTS,
     stride_qn, stride_qh, stride_kn, stride_kh,
     stride_qon, stride_qoh, stride_kon, stride_koh, stride_pos,
+    stride_vn, stride_vh, stride_cs, stride_ch, stride_slot,
     H, KVH, Q_BLOCKS, scaling, eps, D, HALF,
-    HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, WRITE_KV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     act = Q.dtype.element_ty
@@ -110,10 +128,25 @@ def _rotary_kernel(
     sin = (tl.sin(freqs) * scaling).to(act).to(tl.float32)
     if blk < Q_BLOCKS:
         _norm_rope_tile(Q, QO, QW, row, blk * BLOCK_H, H, stride_qn, stride_qh, stride_qon, stride_qoh,
-                        cos, sin, offs_d, d_ok, eps, D, HALF, HAS_NORM=HAS_Q_NORM, BLOCK_H=BLOCK_H)
+                        cos, sin, offs_d, d_ok, eps, D, HALF, QO, QO, 0,
+                        HAS_NORM=HAS_Q_NORM, BLOCK_H=BLOCK_H, WRITE_CACHE=False)
     else:
-        _norm_rope_tile(K, KO, KW, row, (blk - Q_BLOCKS) * BLOCK_H, KVH, stride_kn, stride_kh, stride_kon,
-                        stride_koh, cos, sin, offs_d, d_ok, eps, D, HALF, HAS_NORM=HAS_K_NORM, BLOCK_H=BLOCK_H)
+        head0 = (blk - Q_BLOCKS) * BLOCK_H
+        if WRITE_KV:  # k (normed, rotated) and v as is into their cache slot: [slots, KVH, D] each
+            slot = tl.load(SLOTS + row * stride_slot).to(tl.int64)
+            _norm_rope_tile(K, KO, KW, row, head0, KVH, stride_kn, stride_kh, stride_kon, stride_koh,
+                            cos, sin, offs_d, d_ok, eps, D, HALF, K_CACHE, K_CACHE + slot * stride_cs, stride_ch,
+                            HAS_NORM=HAS_K_NORM, BLOCK_H=BLOCK_H, WRITE_CACHE=True)
+            offs_h = head0 + tl.arange(0, BLOCK_H)
+            ok = (offs_h < KVH)[:, None] & d_ok[None, :]
+            v_ptr = V + row * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :]
+            c_ptr = V_CACHE + slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
+            tl.store(c_ptr, tl.load(v_ptr, mask=ok, other=0.0), mask=ok)
+            tl.store(c_ptr + HALF, tl.load(v_ptr + HALF, mask=ok, other=0.0), mask=ok)
+        else:
+            _norm_rope_tile(K, KO, KW, row, head0, KVH, stride_kn, stride_kh, stride_kon, stride_koh,
+                            cos, sin, offs_d, d_ok, eps, D, HALF, KO, KO, 0,
+                            HAS_NORM=HAS_K_NORM, BLOCK_H=BLOCK_H, WRITE_CACHE=False)
 
 
 # ---------------------------------------------------------------------------------------------- launcher
@@ -140,16 +173,53 @@ def _check(q, k, positions, inv_freq, q_norm_weight, k_norm_weight) -> None:
         raise ValueError(f"apply_rotary: tensors on several devices {sorted(map(str, devices))} ({shapes})")
 
 
+class KVWrite(NamedTuple):
+    """Where :func:`apply_rotary` also stores this step's keys (after norm and rotary) and values, as
+    sparsekv.kernels.paged_attention.store_kv would: cache[slot_mapping[i]] = k[i] / v[i]."""
+    v: torch.Tensor  # [N, KVH, D]
+    k_cache: torch.Tensor  # [num_blocks, block_size, KVH, D] (any leading dims that flatten to slots)
+    v_cache: torch.Tensor  # like k_cache
+    slot_mapping: torch.Tensor  # [N] integer: block * block_size + offset
+
+
+def _check_kv_write(k_dtype: torch.dtype, k: torch.Tensor, kv: KVWrite) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches as [slots, KVH, D] views; errors name the mismatch."""
+    n, kvh, d = k.shape
+    v, k_cache, v_cache, slots = kv
+    shapes = (f"k {tuple(k.shape)}, v {tuple(v.shape)}, k_cache {tuple(k_cache.shape)}, v_cache "
+              f"{tuple(v_cache.shape)}, slot_mapping {tuple(slots.shape)}")
+    if v.shape != k.shape or k_cache.shape != v_cache.shape or tuple(k_cache.shape[-2:]) != (kvh, d):
+        raise ValueError(f"apply_rotary's kv write expects v like k and caches [..., KVH, D]; got {shapes}")
+    if tuple(slots.shape) != (n,) or slots.dtype.is_floating_point or slots.dtype == torch.bool:
+        raise ValueError(f"apply_rotary's kv write expects integer slot_mapping [N] = [{n}]; got {shapes}")
+    if not (k_dtype == v.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"apply_rotary's kv write: the rotated k ({k_dtype}), v ({v.dtype}) and the caches "
+                         f"({k_cache.dtype}, {v_cache.dtype}) must share a dtype ({shapes})")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError(f"apply_rotary's kv write expects caches of one layout, unit stride along D; got strides "
+                         f"{k_cache.stride()} and {v_cache.stride()} ({shapes})")
+    return k_cache.view(-1, kvh, d), v_cache.view(-1, kvh, d)  # [slots, KVH, D]
+
+
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                  attention_scaling: float, q_norm_weight: torch.Tensor | None = None,
-                 k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+                 k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, kv_write: KVWrite | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, H, D], k [N, KVH, D] (any strides; the model's are views of the fused qkv projection), positions [N]
     (any integer dtype and stride), inv_freq [D/2] -> new contiguous (q, k) after the optional per-head RMSNorm
-    and rotary. Triton where :func:`use_fused_elementwise` says so, else :func:`apply_rotary_reference`."""
+    and rotary; with ``kv_write`` the new k and the given v are also stored into the KV cache slots (one launch
+    instead of this kernel and two index copies). Triton where :func:`use_fused_elementwise` says so, else
+    :func:`apply_rotary_reference` (and an index copy)."""
     _check(q, k, positions, inv_freq, q_norm_weight, k_norm_weight)
     if not use_fused_elementwise(q.device):
-        return apply_rotary_reference(q, k, positions, inv_freq, attention_scaling, q_norm_weight, k_norm_weight,
-                                      eps)
+        q_out, k_out = apply_rotary_reference(q, k, positions, inv_freq, attention_scaling, q_norm_weight,
+                                              k_norm_weight, eps)
+        if kv_write is not None:
+            k_flat, v_flat = _check_kv_write(k_out.dtype, k, kv_write)
+            slots = kv_write.slot_mapping.long()
+            k_flat.index_copy_(0, slots, k_out)
+            v_flat.index_copy_(0, slots, kv_write.v)
+        return q_out, k_out
     if q.dtype not in KERNEL_DTYPES or any(w is not None and w.dtype not in KERNEL_DTYPES
                                            for w in (q_norm_weight, k_norm_weight)):
         raise ValueError(f"the Triton apply_rotary supports {KERNEL_DTYPES}; got q {tuple(q.shape)} {q.dtype}")
@@ -159,6 +229,12 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
     k = k if k.stride(-1) == 1 else k.contiguous()
     q_dtype = q.dtype if q_norm_weight is None else torch.promote_types(q.dtype, q_norm_weight.dtype)
     k_dtype = k.dtype if k_norm_weight is None else torch.promote_types(k.dtype, k_norm_weight.dtype)
+    if kv_write is not None:
+        k_flat, v_flat = _check_kv_write(k_dtype, k, kv_write)
+        v, slots = kv_write.v, kv_write.slot_mapping
+        v = v if v.stride(-1) == 1 else v.contiguous()
+    else:
+        k_flat = v_flat = v = slots = k  # unused
     q_out = alloc_output((n, h, d), q_dtype, q.device)
     k_out = alloc_output((n, kvh, d), k_dtype, k.device)
     if n == 0 or d == 0 or h + kvh == 0:
@@ -171,12 +247,13 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
     _rotary_kernel[grid](
         q, k, q_out, k_out,
         q_norm_weight if q_norm_weight is not None else q, k_norm_weight if k_norm_weight is not None else k,
-        positions, inv_freq,
+        positions, inv_freq, v, k_flat, v_flat, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), positions.stride(0),
+        v.stride(0), v.stride(1), k_flat.stride(0), k_flat.stride(1), slots.stride(0),
         h, kvh, q_blocks, float(attention_scaling), float(eps), d, half,
-        HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None,
-        BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=NUM_WARPS,
+        HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None, WRITE_KV=kv_write is not None,
+        BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=NUM_WARPS, **pdl_launch_options(q.device),
     )
     return q_out, k_out
 

@@ -4,8 +4,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsekv.kernels._dispatch import use_triton_gemv
-from sparsekv.kernels.gemv import MAX_M, skinny_linear
+from sparsekv.kernels._dispatch import (
+    decode_fusion,
+    use_fused_elementwise,
+    use_triton_gemv,
+)
+from sparsekv.kernels.activation import silu_and_mul
+from sparsekv.kernels.gemv import MAX_M, silu_mul_linear, skinny_linear
 
 
 class Linear(nn.Linear):
@@ -20,3 +25,14 @@ class Linear(nn.Linear):
             out = skinny_linear(x.reshape(rows, self.in_features), self.weight, self.bias)  # [rows, out_features]
             return out.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
+
+    def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The down projection of a gated MLP: self(silu_and_mul(gate_up)), gate_up [..., 2 * in_features] ->
+        [..., out_features]. Where the skinny kernel runs (and the fused elementwise kernels, whose rounding it
+        copies), silu(gate) * up is computed as the kernel loads its input: one launch and no [rows, I] tensor."""
+        rows = gate_up.numel() // (2 * self.in_features) if self.in_features else 0
+        if (decode_fusion() and use_triton_gemv(gate_up.device, rows, MAX_M)
+                and use_fused_elementwise(gate_up.device)):
+            out = silu_mul_linear(gate_up.reshape(rows, 2 * self.in_features), self.weight, self.bias)
+            return out.view(*gate_up.shape[:-1], self.out_features)  # [..., out_features]
+        return self(silu_and_mul(gate_up))

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparsekv.kernels.activation import silu_and_mul
-from sparsekv.kernels.rotary import apply_rotary
+from sparsekv.kernels._dispatch import decode_fusion
+from sparsekv.kernels.rotary import KVWrite, apply_rotary
 from sparsekv.layers.attention import Attention
 from sparsekv.layers.linear import Linear
 from sparsekv.layers.norm import RMSNorm
@@ -26,8 +26,11 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if qk_norm else None
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def project_qkv(self, hidden: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden [N, hidden] (normed) -> q [N, H, D], k/v [N, KVH, D] after q/k norm and rotary."""
+    def project_qkv(self, hidden: torch.Tensor, rope: Rope, kv_target: tuple | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [N, hidden] (normed) -> q [N, H, D], k/v [N, KVH, D] after q/k norm and rotary. With kv_target
+        (k_cache, v_cache, slot_mapping; only on the Triton path, rope.cos None) the kernel also stores k and v
+        into the KV cache."""
         n = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)  # [N, H, D]
@@ -37,8 +40,12 @@ class SelfAttention(nn.Module):
             qk_norm = self.q_norm is not None
             q, k = apply_rotary(q, k, rope.positions, rope.inv_freq, rope.attention_scaling,
                                 self.q_norm.weight if qk_norm else None, self.k_norm.weight if qk_norm else None,
-                                self.q_norm.eps if qk_norm else 1e-6)
+                                self.q_norm.eps if qk_norm else 1e-6,
+                                KVWrite(v, *kv_target) if kv_target is not None else None)
             return q, k, v
+        if kv_target is not None:
+            raise ValueError("project_qkv stores k/v into the cache only in the fused kernel (rope.cos None); "
+                             "on the torch path pass kv_target=None and let the KV store write them")
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = RotaryEmbedding.apply(q, rope.cos, rope.sin), RotaryEmbedding.apply(k, rope.cos, rope.sin)
@@ -61,7 +68,8 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # silu(gate) * up, one kernel on Triton
+        # silu(gate) * up: in the down projection's loads for decode on Triton, else one kernel (or torch's ops)
+        return self.down_proj.silu_mul_forward(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -88,8 +96,22 @@ class DecoderLayer(nn.Module):
         normed, hidden = self.post_attention_layernorm(self.self_attn.project_out(attn_out), hidden)
         return hidden + self.mlp(normed)
 
-    def forward(self, hidden: torch.Tensor, rope: Rope) -> torch.Tensor:
-        return self.post_attention(hidden, self.attention(*self.pre_attention(hidden, rope)))
+    def forward(self, hidden: torch.Tensor, rope: Rope, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on a residual stream held as two terms: stream = hidden + residual (residual None: hidden
+        alone, the embedding). Returns (mlp_out, stream + attention's o projection), whose sum is the layer's
+        output: the next layer's input norm (or the final norm) adds them in its kernel. Same values as
+        post_attention(hidden, attention(*pre_attention(hidden))), one kernel (and one [N, hidden] pass) fewer."""
+        if residual is None:
+            normed, residual = self.input_layernorm(hidden), hidden
+        else:
+            normed, residual = self.input_layernorm(hidden, residual)  # residual = hidden + residual
+        # on the Triton path the rotary kernel also stores k/v into the paged cache (no index copies)
+        kv_target = self.self_attn.attn.kv_write_target() if rope.cos is None else None
+        q, k, v = self.self_attn.project_qkv(normed, rope, kv_target)
+        attn_out = self.self_attn.attn(q, k, v, kv_written=kv_target is not None)
+        normed, residual = self.post_attention_layernorm(self.self_attn.project_out(attn_out), residual)
+        return self.mlp(normed), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -125,9 +147,14 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions [N] -> hidden [N, hidden]
         hidden, rope = self.embed(input_ids, positions)
+        if not decode_fusion():  # the unfused sequence (SPARSEKV_DECODE_FUSION=0), to compare
+            for layer in self.layers:
+                hidden = layer.post_attention(hidden, layer.attention(*layer.pre_attention(hidden, rope)))
+            return self.norm(hidden)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, rope)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, rope, residual)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [B, vocab]

@@ -1,0 +1,318 @@
+"""Fewer kernels per decode layer: silu(gate) * up in the down projection's loads (kernels/gemv.py), the residual
+add in the next RMSNorm (models/llama.py), the KV-cache write in the q/k norm + rotary kernel (kernels/rotary.py),
+and programmatic dependent launch (SPARSEKV_PDL) of the small decode kernels.
+
+On CPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set by conftest) with
+SPARSEKV_ATTN_BACKEND=triton; every fused path is compared bit for bit with the unfused one it replaces. PDL is
+a no-op off-GPU; the GPU-marked tests run it inside CUDA graphs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv.kernels import _dispatch
+from sparsekv.kernels import activation as activation_module
+from sparsekv.kernels import gemv as G
+from sparsekv.kernels import rmsnorm as rmsnorm_module
+from sparsekv.kernels.activation import silu_and_mul
+from sparsekv.kernels.gemv import (
+    GemvConfig,
+    silu_mul_linear,
+    silu_mul_linear_reference,
+    skinny_linear,
+)
+from sparsekv.kernels.paged_attention import store_kv
+from sparsekv.kernels.rotary import KVWrite, apply_rotary
+from sparsekv.layers.linear import Linear
+from sparsekv.layers.rotary import rope_inv_freq
+from tests.conftest import CountLaunches, random_prompt
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+pytestmark = pytest.mark.usefixtures("triton_kernels", "one_thread")
+
+
+@pytest.fixture
+def switches(monkeypatch):
+    """Set SPARSEKV_PDL / SPARSEKV_DECODE_FUSION for one test: both are read once per process (cached)."""
+    def set_env(name: str, value: str) -> None:
+        monkeypatch.setenv(name, value)
+        _dispatch.pdl_requested.cache_clear()
+        _dispatch.decode_fusion.cache_clear()
+
+    yield set_env
+    monkeypatch.undo()
+    _dispatch.pdl_requested.cache_clear()
+    _dispatch.decode_fusion.cache_clear()
+
+
+def _gate_up(m: int, k: int, n: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(m, 2 * k, generator=g) * 2).to(DEV, dtype)  # [M, 2K]
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(DEV, dtype)  # [N, K]
+    return gate_up, w
+
+
+# ---------------------------------------------------------------------------------------------- silu * up in the GEMV
+PATHS = [("gemv", 1, GemvConfig(16, 16, 4, 1, 1, False, 1)), ("fma3d", 3, GemvConfig(16, 16, 4, 1, 1, False, 4)),
+         ("dot", 5, GemvConfig(16, 16, 4, 2, 1, True, 16))]
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("path,m,config", PATHS, ids=[p for p, _, _ in PATHS])
+def test_silu_mul_linear_equals_silu_and_mul_then_gemv(path, m, config, dtype, split):
+    """K = 100 is ragged (tiles of 16), N = 50 too: the gated load gives the very x silu_and_mul writes, so the
+    output equals the two-kernel path bit for bit, and the reference within rounding."""
+    gate_up, w = _gate_up(m, 100, 50, dtype, seed=m + split)
+    config = config._replace(split_k=split)
+    fused = silu_mul_linear(gate_up, w, config=config)
+    unfused = skinny_linear(silu_and_mul(gate_up), w, config=config)
+    assert not fused.isnan().any()
+    assert torch.equal(fused, unfused)
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    torch.testing.assert_close(fused.float(), silu_mul_linear_reference(gate_up, w).float(), atol=tol, rtol=tol)
+
+
+def test_silu_mul_linear_bias_fallback_and_bad_inputs():
+    gate_up, w = _gate_up(2, 48, 20, torch.float32, seed=1)
+    b = torch.randn(20).to(DEV)
+    torch.testing.assert_close(silu_mul_linear(gate_up, w, b), silu_mul_linear_reference(gate_up, w, b),
+                               atol=1e-5, rtol=1e-5)
+    many = gate_up.repeat(G.MAX_M, 1)  # beyond MAX_M rows: F.linear(silu_and_mul(.))
+    assert torch.equal(silu_mul_linear(many, w), torch.nn.functional.linear(silu_and_mul(many), w))
+    with pytest.raises(ValueError, match="2K=96 but weight"):
+        silu_mul_linear(gate_up, w[:, :40])
+    with pytest.raises(ValueError, match=r"gate_up \[M, 2K\]"):
+        silu_mul_linear(gate_up[None], w)
+
+
+def test_linear_silu_mul_forward_switch(switches):
+    """Linear.silu_mul_forward: one launch where the GEMV runs (SPARSEKV_GEMV=triton here), the same values as
+    self(silu_and_mul(.)); unfused with SPARSEKV_DECODE_FUSION=0 or where the GEMV does not run."""
+    torch.manual_seed(0)
+    layer = Linear(48, 24, bias=False).to(DEV)
+    gate_up = torch.randn(1, 1, 96, device=DEV)
+    counter = CountLaunches(G._skinny_linear_kernel)
+    silu = CountLaunches(activation_module._silu_and_mul_kernel)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(G, "_skinny_linear_kernel", counter)
+        mp.setattr(activation_module, "_silu_and_mul_kernel", silu)
+        switches(_dispatch.ENV_GEMV, "triton")
+        fused = layer.silu_mul_forward(gate_up)
+        assert (counter.calls, silu.calls) == (1, 0) and fused.shape == (1, 1, 24)
+        switches(_dispatch.ENV_DECODE_FUSION, "0")
+        assert torch.equal(layer.silu_mul_forward(gate_up), fused)
+        assert (counter.calls, silu.calls) == (2, 1)
+        switches(_dispatch.ENV_DECODE_FUSION, "1")
+        switches(_dispatch.ENV_GEMV, "torch")
+        assert torch.equal(layer.silu_mul_forward(gate_up), layer(silu_and_mul(gate_up)))
+        assert counter.calls == 2
+        switches(_dispatch.ENV_DECODE_FUSION, "maybe")
+        with pytest.raises(ValueError, match="SPARSEKV_DECODE_FUSION='maybe'"):
+            layer.silu_mul_forward(gate_up)
+
+
+# ---------------------------------------------------------------------------------------------- KV write in rotary
+def _rotary_inputs(n: int, h: int, kvh: int, d: int, seed: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(n, (h + 2 * kvh) * d, generator=g).to(DEV, dtype)  # the fused projection's output
+    q = qkv[:, :h * d].view(n, h, d)
+    k = qkv[:, h * d:(h + kvh) * d].view(n, kvh, d)
+    v = qkv[:, (h + kvh) * d:].view(n, kvh, d)
+    weights = (torch.randn(d, generator=g).to(DEV, dtype), torch.randn(d, generator=g).to(DEV, dtype))
+    positions = torch.randint(0, 5000, (n,), generator=g).to(DEV)
+    inv_freq = rope_inv_freq(d, 1e6, None)[0].to(DEV)
+    return q, k, v, weights, positions, inv_freq
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["triton", "torch"])
+@pytest.mark.parametrize("n,h,kvh,d", [(3, 4, 2, 16), (2, 6, 3, 12)])
+def test_rotary_kv_write_equals_store_kv(fused, n, h, kvh, d, monkeypatch):
+    """The caches after apply_rotary(kv_write=...) equal store_kv of its outputs, bit for bit; q and k as without
+    the write; untouched slots stay as they were. Padding rows share one scratch slot (CUDA-graph padding)."""
+    if not fused:
+        monkeypatch.setenv(_dispatch.ENV_FUSED, "0")
+    q, k, v, (qw, kw), positions, inv_freq = _rotary_inputs(n, h, kvh, d, seed=n + d)
+    blocks, block_size = 4, 4
+    k_cache = torch.randn(blocks, block_size, kvh, d).to(DEV)  # [blocks, block_size, KVH, D]
+    v_cache = torch.randn(blocks, block_size, kvh, d).to(DEV)
+    slots = torch.tensor([5, 15, 15][:n], device=DEV)  # rows 1, 2: the scratch slot (the same k/v there below)
+    if n == 3:
+        q, k, v = q.clone(), k.clone(), v.clone()
+        q[2], k[2], v[2], positions[2] = q[1], k[1], v[1], positions[1]
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    q_plain, k_plain = apply_rotary(q, k, positions, inv_freq, 1.0, qw, kw, 1e-6)
+    store_kv(k_plain, v.contiguous(), want_k, want_v, slots)
+    q_out, k_out = apply_rotary(q, k, positions, inv_freq, 1.0, qw, kw, 1e-6,
+                                kv_write=KVWrite(v, k_cache, v_cache, slots))
+    assert torch.equal(q_out, q_plain) and torch.equal(k_out, k_plain)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_rotary_kv_write_bad_inputs():
+    q, k, v, _, positions, inv_freq = _rotary_inputs(2, 4, 2, 16, seed=3)
+    cache = torch.zeros(3, 4, 2, 16, device=DEV)
+    slots = torch.tensor([0, 1], device=DEV)
+    cases = [(KVWrite(v[:, :1], cache, cache.clone(), slots), "v like k"),
+             (KVWrite(v, cache[..., :8], cache[..., :8].clone(), slots), r"caches \[..., KVH, D\]"),
+             (KVWrite(v, cache, cache.clone(), slots[:1]), r"slot_mapping \[N\] = \[2\]"),
+             (KVWrite(v, cache.double(), cache.double(), slots), "share a dtype")]
+    for kv, match in cases:
+        with pytest.raises(ValueError, match=match):
+            apply_rotary(q, k, positions, inv_freq, 1.0, kv_write=kv)
+
+
+# ---------------------------------------------------------------------------------------------- the model
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("ckpt", ["qwen3_ckpt", "llama_ckpt"])
+def test_fused_model_forward_equals_unfused(ckpt, backend, request, switches, monkeypatch):
+    """A prefill and three decode steps of a tiny model with SPARSEKV_DECODE_FUSION=1 and =0: the same tokens
+    and bit-equal logits, on the torch path (HF's ops) and the Triton one (skinny GEMV forced). Fused on Triton:
+    no silu_and_mul, no store_kv; the same number of norm launches (the residual adds moved into them)."""
+    from sparsekv import LLM, SamplingParams
+    from sparsekv.kvcache import paged
+
+    path = request.getfixturevalue(ckpt)
+    switches(_dispatch.ENV_BACKEND, backend)
+    switches(_dispatch.ENV_GEMV, "triton")
+    counters = {"norm": CountLaunches(rmsnorm_module._rms_norm_kernel),
+                "silu": CountLaunches(activation_module._silu_and_mul_kernel)}
+    monkeypatch.setattr(rmsnorm_module, "_rms_norm_kernel", counters["norm"])
+    monkeypatch.setattr(activation_module, "_silu_and_mul_kernel", counters["silu"])
+    stores = []
+    monkeypatch.setattr(paged, "store_kv", lambda *args: (stores.append(1), store_kv(*args)))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    overrides = [f"device={DEV.type}", "dtype=float32", "offload.block_size=16", "graph=eager"]
+    results, launches = {}, {}
+    for fusion in ("0", "1"):
+        switches(_dispatch.ENV_DECODE_FUSION, fusion)
+        for counter in counters.values():
+            counter.calls = 0
+        stores.clear()
+        llm = LLM(str(path), overrides=overrides)
+        tokens = llm.generate([random_prompt(6, seed=21)], params)[0].token_ids
+        results[fusion] = tokens, llm.engine.runner.last_logits[0].clone()
+        launches[fusion] = {name: c.calls for name, c in counters.items()} | {"store_kv": len(stores)}
+    assert results["1"][0] == results["0"][0]
+    assert torch.equal(results["1"][1], results["0"][1])
+    steps, layers = params.max_tokens, 3
+    if backend == "triton":
+        assert launches["0"] == {"norm": steps * (2 * layers + 1), "silu": steps * layers, "store_kv": steps * layers}
+        assert launches["1"] == {"norm": steps * (2 * layers + 1), "silu": 0, "store_kv": 0}
+    else:
+        assert launches["1"]["store_kv"] == launches["0"]["store_kv"] == steps * layers
+
+
+# ---------------------------------------------------------------------------------------------- PDL
+def test_pdl_switch_is_a_no_op_off_gpu(switches):
+    assert not _dispatch.pdl_requested()  # off by default
+    switches(_dispatch.ENV_PDL, "1")
+    assert _dispatch.pdl_requested()
+    assert _dispatch.pdl_launch_options(torch.device("cpu")) == {"USE_PDL": False}
+    x, w = _gate_up(1, 16, 16, torch.float32, seed=2)  # x [1, 32], w [16, 16]: a plain GEMV of w's 16 x 16
+    x = x[:, :16]
+    torch.testing.assert_close(skinny_linear(x, w), G.skinny_linear_reference(x, w), atol=1e-5, rtol=1e-5)
+    switches(_dispatch.ENV_PDL, "sometimes")
+    with pytest.raises(ValueError, match="SPARSEKV_PDL='sometimes'"):
+        _dispatch.pdl_requested()
+
+
+def _decode_chain(x, r, norm_w, wqkv, wo, wgu, wdown, positions, inv_freq, kv_write):
+    """One decode layer's Triton kernels in their order, on static inputs -> every output."""
+    normed = rmsnorm_module.rms_norm(x, norm_w, 1e-6)
+    qkv = skinny_linear(normed, wqkv)  # [1, (32 + 16) * 128]
+    q, k, v = qkv[:, :4096].view(1, 32, 128), qkv[:, 4096:5120].view(1, 8, 128), qkv[:, 5120:].view(1, 8, 128)
+    q, k = apply_rotary(q, k, positions, inv_freq, 1.0, norm_w[:128], norm_w[128:256], 1e-6,
+                        KVWrite(v, *kv_write))
+    o = skinny_linear(q.reshape(1, 4096), wo)
+    normed2, resid = rmsnorm_module.add_rms_norm(o, r, norm_w, 1e-6)
+    gate_up = skinny_linear(normed2, wgu)
+    down = silu_mul_linear(gate_up, wdown)  # split-K: + the reduction kernel
+    final, resid2 = rmsnorm_module.add_rms_norm(down, resid, norm_w, 1e-6)
+    return normed, q, k, o, normed2, resid, gate_up, down, final, resid2
+
+
+@gpu
+@needs_cuda
+def test_gpu_pdl_chain_inside_a_cuda_graph_equals_eager_without_pdl(switches):
+    """Qwen3-4B decode shapes in bf16: the layer's kernels launched with PDL, eagerly and captured in a CUDA graph
+    (replayed on new inputs), give bit-for-bit what they give without PDL, the KV cache writes included."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0+")
+    g = torch.Generator().manual_seed(0)
+    bf16 = torch.bfloat16
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(DEV, bf16)
+
+    x, r, norm_w = randn(1, 2560), randn(1, 2560), randn(2560)
+    weights = (randn(6144, 2560, scale=2560 ** -0.5), randn(2560, 4096, scale=64 ** -1),
+               randn(19456, 2560, scale=2560 ** -0.5), randn(2560, 9728, scale=9728 ** -0.5))
+    positions = torch.tensor([3000], device=DEV)
+    inv_freq = rope_inv_freq(128, 1e6, None)[0].to(DEV)
+    caches = [torch.zeros(16, 16, 8, 128, device=DEV, dtype=bf16) for _ in range(2)]
+    slots = torch.tensor([37], device=DEV)
+
+    def run():
+        return _decode_chain(x, r, norm_w, *weights, positions, inv_freq, (*caches, slots))
+
+    switches(_dispatch.ENV_PDL, "0")
+    want = [t.clone() for t in run()] + [c.clone() for c in caches]
+    switches(_dispatch.ENV_PDL, "1")
+    assert _dispatch.use_pdl(DEV)
+    for c in caches:
+        c.zero_()
+    got = list(run()) + list(caches)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    stream = torch.cuda.Stream()  # warm up on a side stream, then capture with PDL edges
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    for replay in range(3):
+        x.copy_(randn(1, 2560))
+        r.copy_(randn(1, 2560))
+        positions.fill_(100 + replay)
+        slots.fill_(5 + replay)
+        for c in caches:
+            c.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [t.clone() for t in captured] + [c.clone() for c in caches]
+        switches(_dispatch.ENV_PDL, "0")
+        for c in caches:
+            c.zero_()
+        for a, b in zip(got, list(run()) + list(caches)):
+            assert torch.equal(a, b)
+        switches(_dispatch.ENV_PDL, "1")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_cudagraph_tokens_with_pdl_and_fusion_equal_eager_without(qwen3_ckpt, dtype, switches):
+    """The tiny Qwen3 decoding with graph=cudagraph, PDL on and the fused layer: the tokens of eager decode with
+    PDL off and SPARSEKV_DECODE_FUSION=0 (batches of 1 and of 3 padded to 4)."""
+    from sparsekv import LLM, SamplingParams
+
+    prompts = [[random_prompt(41, seed=5)], [random_prompt(n, seed=n) for n in (75, 33, 9)]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    overrides = ["device=cuda", f"dtype={dtype}", "offload.block_size=16"]
+    switches(_dispatch.ENV_PDL, "0")
+    switches(_dispatch.ENV_DECODE_FUSION, "0")
+    eager = LLM(str(qwen3_ckpt), overrides=overrides + ["graph=eager"])
+    want = [[o.token_ids for o in eager.generate(p, params)] for p in prompts]
+    del eager
+    switches(_dispatch.ENV_PDL, "1")
+    switches(_dispatch.ENV_DECODE_FUSION, "1")
+    llm = LLM(str(qwen3_ckpt), overrides=overrides + ["graph=cudagraph"])
+    assert [[o.token_ids for o in llm.generate(p, params)] for p in prompts] == want
+    assert llm.engine.runner.graph_runner.replayed_steps > 0
