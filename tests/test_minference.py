@@ -21,10 +21,15 @@ from sparsekv.kernels import (
     vertical_slash_attention_reference,
     vertical_slash_pair_count,
 )
-from sparsekv.kernels.vertical_slash_estimate import vertical_slash_masses, vertical_slash_masses_reference
+from sparsekv.kernels.vertical_slash_estimate import (
+    last_rows_lse,
+    last_rows_lse_reference,
+    vertical_slash_masses,
+    vertical_slash_masses_reference,
+)
 from sparsekv.kvcache.host_pool import HostPool
 from sparsekv.kvcache.offload_engine import OffloadEngine
-from sparsekv.policies.minference import MInferencePolicy, _diagonal_sums
+from sparsekv.policies.minference import SLASH_BAND, MInferencePolicy, _compact, band_offsets, band_sums, top_indices
 from tests.conftest import random_prompt
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -182,16 +187,6 @@ def test_kernel_bad_inputs_raise():
         vertical_slash_attention(q, k.double(), k.double(), sel, sel)
 
 
-def test_diagonal_sums_helper():
-    x = torch.randn(3, 5, 9)
-    sums, d_first = _diagonal_sums(x, 20, 4)
-    expected = torch.zeros(3, 13)
-    for i in range(5):
-        for j in range(9):
-            expected[:, (20 + i) - (4 + j) - d_first] += x[:, i, j]
-    assert d_first == 20 - 4 - 8 and torch.allclose(sums, expected, atol=1e-6)
-
-
 # ------------------------------------------------------------------------------------------- pattern estimate
 def test_masses_reference_by_definition():
     gen = torch.Generator().manual_seed(3)
@@ -226,6 +221,28 @@ def test_masses_kernel_matches_reference(L, H, KVH, D, Sk, row0):
     assert torch.allclose(diag.sum(1), torch.full((H,), float(L), device=DEV), atol=1e-4)  # each row sums to 1
 
 
+@pytest.mark.parametrize("L,Sk,row0,offsets_from", [
+    (7, 300, 293, 0),  # several key splits
+    (7, 300, 293, 150),  # only the offsets from 150 on
+    (5, 90, 120, 31),  # rows after every key (a streamed prefix group): offsets 31 .. 124
+])
+def test_masses_with_a_given_normaliser_and_offset_window(L, Sk, row0, offsets_from):
+    gen = torch.Generator().manual_seed(Sk + offsets_from)
+    q, k = torch.randn(L, 4, 16, generator=gen).to(DEV), torch.randn(Sk, 2, 16, generator=gen).to(DEV)
+    lse = (torch.randn(4, L, generator=gen) * 3).to(DEV)
+    lse[0, 0] = -80.0  # far below the scores: probabilities capped at 2^100, still finite
+    col, diag = vertical_slash_masses(q, k, 0.4, row0, lse=lse, offsets_from=offsets_from)
+    ref_col, ref_diag = vertical_slash_masses_reference(q, k, 0.4, row0, lse=lse, offsets_from=offsets_from)
+    assert diag.shape == (4, row0 + L - offsets_from) and torch.isfinite(col).all() and torch.isfinite(diag).all()
+    assert torch.allclose(col, ref_col, rtol=1e-4, atol=1e-5) and torch.allclose(diag, ref_diag, rtol=1e-4, atol=1e-5)
+    # with the rows' own log-sum-exp it is the plain estimate
+    own = last_rows_lse(q, k, 0.4, row0)
+    assert torch.allclose(own, last_rows_lse_reference(q, k, 0.4, row0), atol=1e-5)
+    col, diag = vertical_slash_masses(q, k, 0.4, row0, lse=own, offsets_from=offsets_from)
+    plain_col, plain_diag = vertical_slash_masses_reference(q, k, 0.4, row0)
+    assert torch.allclose(col, plain_col, atol=1e-5) and torch.allclose(diag, plain_diag[:, offsets_from:], atol=1e-5)
+
+
 def test_masses_exclude_columns_from_the_diagonals():
     gen = torch.Generator().manual_seed(4)
     q, k = torch.randn(6, 4, 16, generator=gen).to(DEV), torch.randn(40, 2, 16, generator=gen).to(DEV)
@@ -246,13 +263,37 @@ def test_masses_reject_bad_input():
         vertical_slash_masses(q, k, 1.0, -1)
     with pytest.raises(ValueError, match="multiple of kv heads"):
         vertical_slash_masses(torch.randn(4, 3, 8), torch.randn(10, 2, 8), 1.0, 6)
+    with pytest.raises(ValueError, match="lse must be"):
+        vertical_slash_masses(q, k, 1.0, 6, lse=torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="offsets_from"):
+        vertical_slash_masses(q, k, 1.0, 6, offsets_from=11)
+
+
+def test_top_indices_equals_topk():
+    gen = torch.Generator().manual_seed(9)
+    for W, k in ((4096, 50), (4100, 50), (300, 50), (5000, 1)):
+        x = torch.randn(3, W, generator=gen).to(DEV)
+        x[0, :40] = float("inf")  # forced entries
+        x[1, ::7] = 0.5  # ties
+        idx = top_indices(x, k, segment=16)
+        assert idx.shape == (3, k) and all(len(set(row)) == k for row in idx.tolist())
+        assert torch.equal(x.gather(1, idx).sort(1).values, torch.topk(x, k, dim=1).values.sort(1).values)
+
+
+def test_band_and_compaction_helpers():
+    diag = torch.arange(10, dtype=torch.float32).expand(2, -1)
+    assert band_sums(diag, 4).tolist() == [[6.0, 22.0, 17.0]] * 2
+    assert band_offsets(torch.tensor([[0, 2]]), 3).tolist() == [[0, 1, 2, 6, 7, 8]]
+    sel = torch.tensor([[True, False, True, True], [False] * 4])
+    assert _compact(sel, 5).tolist() == [[5, 7, 8, 1 << 30], [1 << 30] * 4]
 
 
 # ------------------------------------------------------------------------------------------------ policy
 def test_hyperparameter_validation_names_the_field():
     for field, value in [("last_q", 0), ("vertical_size", -1), ("slash_size", -5), ("sink_tokens", -1),
                          ("recent_diagonals", 1.5), ("adaptive_budget", 0.0), ("adaptive_budget", 1.5),
-                         ("last_q", True), ("slash_excludes_vertical", 1)]:
+                         ("last_q", True), ("slash_excludes_vertical", 1), ("slash_granularity", 32),
+                         ("slash_granularity", 64.0), ("slash_granularity", True)]:
         with pytest.raises(ValueError, match=field):
             MInferencePolicy(**{field: value})
     assert MInferencePolicy(adaptive_budget=0.1).budgets(1000) == (100, 100)
@@ -270,11 +311,11 @@ def _qkv(n_q, s, h, kvh, d, seed):
             torch.randn(s, kvh, d, generator=gen))
 
 
-@pytest.mark.parametrize("shortcut", [False, True])
-def test_compute_prefill_full_budget_is_dense(shortcut, monkeypatch):
+@pytest.mark.parametrize("shortcut,granularity", [(False, 1), (True, 1), (False, SLASH_BAND)])
+def test_compute_prefill_full_budget_is_dense(shortcut, granularity, monkeypatch):
     monkeypatch.setattr(MInferencePolicy, "dense_when_all_kept", shortcut)
     q, k, v = _qkv(48, 80, 4, 2, 16, seed=1)
-    policy = MInferencePolicy(vertical_size=10 ** 6, slash_size=10 ** 6, last_q=16)
+    policy = MInferencePolicy(vertical_size=10 ** 6, slash_size=10 ** 6, last_q=16, slash_granularity=granularity)
     out = policy.compute_prefill(q.to(DEV), k.to(DEV), v.to(DEV), 0, 0.25)
     dense, _ = flash_attn_with_lse_reference(q, k, v, 0.25, causal=True)
     assert _rel_err(out.cpu(), dense) < EXACT
@@ -294,7 +335,7 @@ class _Manager:
         return -(-len(self.blocks) // self.chunk)
 
 
-def _chunked_prefill(policy, q, k, v, c0: int, bs: int, scale: float, slots: int = 2):
+def _chunked_prefill(policy, q, k, v, c0: int, bs: int, scale: float, slots: int = 4):
     """Run compute_chunked_prefill for the chunk at positions c0.. with the prefix in a real host pool."""
     S, kvh, d = k.shape
     nblk = c0 // bs
@@ -314,11 +355,15 @@ def _chunked_prefill(policy, q, k, v, c0: int, bs: int, scale: float, slots: int
     return out.cpu()
 
 
-@pytest.mark.parametrize("c0,n", [(0, 40), (64, 32), (48, 45)])
-def test_chunked_prefill_full_budget_is_dense(c0, n, sparse_path):
+@pytest.mark.parametrize("c0,n,slots,granularity", [
+    (0, 40, 4, 1), (64, 32, 4, 1), (48, 45, 4, 1),
+    (80, 45, 2, 1),  # groups of one block
+    (80, 45, 6, SLASH_BAND),  # groups of 3 blocks, the last one partial; bands straddle the groups
+])
+def test_chunked_prefill_full_budget_is_dense(c0, n, slots, granularity, sparse_path):
     q, k, v = _qkv(n, c0 + n, 4, 2, 16, seed=c0 + n)
-    policy = MInferencePolicy(vertical_size=10 ** 6, slash_size=10 ** 6, last_q=8)
-    out = _chunked_prefill(policy, q, k, v, c0, 16, 0.25)
+    policy = MInferencePolicy(vertical_size=10 ** 6, slash_size=10 ** 6, last_q=8, slash_granularity=granularity)
+    out = _chunked_prefill(policy, q, k, v, c0, 16, 0.25, slots)
     dense, _ = flash_attn_with_lse_reference(q, k, v, 0.25, causal=True)
     assert _rel_err(out, dense) < EXACT
     assert policy.last_density == pytest.approx(1.0)
@@ -355,6 +400,45 @@ def test_planted_pattern_is_found_and_density_is_low():
     assert _rel_err(policy.compute_prefill(q.to(DEV), k.to(DEV), v.to(DEV), 0, 1.0).cpu(), dense) > 0.1
 
 
+def test_band_selection_finds_the_planted_band():
+    S, n, column, offset = 512, 320, 77, 200  # the planted diagonal lies in band 3 (offsets 192 .. 255)
+    q, k, v = _planted(S, n, column, offset)
+    # the last-q rows meet the column on offsets 403 .. 434, all in band 6, which it lifts as much as the diagonal
+    # lifts band 3: the column's mass must stay out of the band sums
+    policy = MInferencePolicy(last_q=32, vertical_size=4, slash_size=2 * SLASH_BAND, sink_tokens=2,
+                              recent_diagonals=3, slash_granularity=SLASH_BAND, slash_excludes_vertical=True)
+    vertical, slash = policy.estimate_pattern(q.to(DEV), k.to(DEV), 1.0)
+    assert (vertical == column).any(dim=1).all()
+    # whole bands: the forced recent band 0 and the planted one
+    expected = torch.cat([torch.arange(SLASH_BAND), torch.arange(3 * SLASH_BAND, 4 * SLASH_BAND)])
+    assert slash.tolist() == [expected.tolist()] * 2
+    out = policy.compute_prefill(q.to(DEV), k.to(DEV), v.to(DEV), 0, 1.0).cpu()
+    dense, _ = flash_attn_with_lse_reference(q, k, v, 1.0, causal=True)
+    assert policy.last_density < 0.4 and _rel_err(out, dense) < 0.02  # 2 of 8 bands, 4 columns
+    # a slash budget below one band still keeps one whole band (rounded up), here the forced recent one
+    policy = MInferencePolicy(last_q=32, vertical_size=4, slash_size=6, sink_tokens=2, recent_diagonals=3,
+                              slash_granularity=SLASH_BAND)
+    assert policy.estimate_pattern(q.to(DEV), k.to(DEV), 1.0)[1].tolist() == [list(range(SLASH_BAND))] * 2
+    assert _rel_err(policy.compute_prefill(q.to(DEV), k.to(DEV), v.to(DEV), 0, 1.0).cpu(), dense) > 0.1
+
+
+def test_band_selection_keeps_the_heaviest_band_not_the_heaviest_diagonal():
+    # band 2 holds one strong diagonal, band 4 three weaker ones of more mass together: bands rank by their sum
+    S, L, d = 400, 16, 64
+    gen = torch.Generator().manual_seed(5)
+    u = torch.nn.functional.normalize(torch.randn(S, d, generator=gen), dim=-1)
+    pos = torch.arange(S - L, S)
+    q = 8.0 * u[pos - 150] + 7.0 * (u[pos - 270] + u[pos - 280] + u[pos - 290])
+    q, k = q[:, None, :].contiguous().to(DEV), u[:, None, :].contiguous().to(DEV)
+    bands = {}
+    for granularity in (1, SLASH_BAND):
+        policy = MInferencePolicy(last_q=L, vertical_size=0, slash_size=SLASH_BAND + 1, sink_tokens=0,
+                                  recent_diagonals=SLASH_BAND, slash_granularity=granularity)
+        slash = policy.estimate_pattern(q, k, 1.0)[1][0]
+        bands[granularity] = sorted({o // SLASH_BAND for o in slash.tolist()})
+    assert bands == {1: [0, 2], SLASH_BAND: [0, 4]}
+
+
 def test_slash_budget_is_not_spent_on_a_selected_column():
     # a column every last-q row reads strongly lifts one diagonal per row; a weaker true diagonal must still win
     S, L, d, column, offset = 200, 16, 32, 50, 30
@@ -376,13 +460,26 @@ def test_slash_budget_is_not_spent_on_a_selected_column():
     assert found == {True: True, False: False}
 
 
-def test_planted_pattern_through_the_offloaded_chunks():
+@pytest.mark.parametrize("slots", [2, 4])  # groups of one and of two blocks
+def test_planted_pattern_through_the_offloaded_chunks(slots):
     S, n, column, offset = 192, 64, 20, 100  # column in the oldest block; the diagonal crosses 3 blocks
     q, k, v = _planted(S, n, column, offset, seed=1)
     policy = MInferencePolicy(last_q=32, vertical_size=8, slash_size=8, sink_tokens=2, recent_diagonals=3)
-    out = _chunked_prefill(policy, q, k, v, S - n, 32, 1.0)
+    out = _chunked_prefill(policy, q, k, v, S - n, 32, 1.0, slots)
     dense, _ = flash_attn_with_lse_reference(q, k, v, 1.0, causal=True)
     assert policy.last_density < 0.25
+    assert _rel_err(out, dense) < 0.02
+
+
+def test_planted_band_through_the_offloaded_chunks():
+    S, n, column, offset = 512, 128, 20, 300  # offset 300 in band 4; the column in the oldest group
+    q, k, v = _planted(S, n, column, offset, seed=2)
+    policy = MInferencePolicy(last_q=32, vertical_size=8, slash_size=2 * SLASH_BAND, sink_tokens=2,
+                              recent_diagonals=3, slash_granularity=SLASH_BAND)
+    out = _chunked_prefill(policy, q, k, v, S - n, 32, 1.0, slots=4)
+    dense, _ = flash_attn_with_lse_reference(q, k, v, 1.0, causal=True)
+    # the newest group sees only bands 0 and 1 before its selection (online selection: module docstring)
+    assert policy.last_density < 0.5
     assert _rel_err(out, dense) < 0.02
 
 
@@ -397,15 +494,17 @@ def test_small_budget_density_below_one():
 
 
 # ------------------------------------------------------------------------------------------------ engine
-@pytest.mark.parametrize("offload", [
-    ["offload=cpu", "offload.block_size=16", "offload.prefill_chunk_size=32"],
-    ["offload=none", "offload.block_size=16"],
+@pytest.mark.parametrize("offload,preset", [
+    (["offload=cpu", "offload.block_size=16", "offload.prefill_chunk_size=32"], "minference"),
+    (["offload=none", "offload.block_size=16"], "minference"),
+    (["offload=cpu", "offload.block_size=16", "offload.prefill_chunk_size=32"], "minference_band"),
+    (["offload=none", "offload.block_size=16"], "minference_band"),
 ])
-def test_engine_full_budget_greedy_equals_full(qwen3_ckpt, offload, sparse_path, monkeypatch):
+def test_engine_full_budget_greedy_equals_full(qwen3_ckpt, offload, preset, sparse_path, monkeypatch):
     monkeypatch.delenv(_dispatch.ENV_BACKEND, raising=False)  # references: the kernel is tested above
     prompt = random_prompt(70, seed=11)
     expected = LLM(str(qwen3_ckpt), overrides=CPU + offload + ["policy=full"]).generate([prompt], GREEDY)
-    llm = LLM(str(qwen3_ckpt), overrides=CPU + offload + FULL_BUDGET)
+    llm = LLM(str(qwen3_ckpt), overrides=CPU + offload + [f"policy={preset}"] + FULL_BUDGET[1:])
     assert llm.engine.policy.name == "minference"
     out = llm.generate([prompt], GREEDY)
     assert out[0].token_ids == expected[0].token_ids

@@ -24,6 +24,7 @@ from sparsekv import LLM, SamplingParams, plugins
 from sparsekv.factory import build_policy
 from sparsekv.llm import compose_config
 from sparsekv.policies.base import PolicyContext
+from sparsekv.policies.minference import MInferencePolicy
 from sparsekv.policies.quest import QuestPolicy
 from sparsekv.policies.xattn_bsa import XAttentionPolicy, threshold_keep
 from tests.conftest import host_sync_sites, make_checkpoint, random_prompt
@@ -52,7 +53,7 @@ CASES: dict[str, Case] = {
     "full": Case(covering=[], planted="dense",
                  why={"bad": "full has no hyperparameters; an unknown key is refused when the config composes"}),
     "minference": Case(covering=["policy.vertical_size=100000", "policy.slash_size=100000"],
-                       bad=[("last_q", 0), ("vertical_size", -1), ("adaptive_budget", 1.5)],
+                       bad=[("last_q", 0), ("vertical_size", -1), ("adaptive_budget", 1.5), ("slash_granularity", 8)],
                        why={"planted": "minference picks vertical/slash lines inside the attention matrix and loads "
                                        "every block; its planted patterns are in tests/test_minference.py"}),
     "quest": Case(covering=["policy.token_budget=1000000", "policy.threshold_blocks=0", "policy.dense_layers=0"],
@@ -422,6 +423,7 @@ def test_bad_hyperparameter_fails_when_the_engine_is_built(ckpt):
     ("quest_4k", QuestPolicy, {"token_budget": 4096}, ("dense_layers", 0)),
     ("quest_2k", QuestPolicy, {"token_budget": 2048}, ("dense_layers", 0)),
     ("xattn_bsa_090", XAttentionPolicy, {"threshold": 0.9}, ("stride", 4)),
+    ("minference_band", MInferencePolicy, {"slash_granularity": 64}, ("slash_size", 4096)),
 ])
 def test_presets_compose_onto_their_policy(preset, cls, values, extra):
     policy = build_policy(compose_config([f"policy={preset}"]).policy)

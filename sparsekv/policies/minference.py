@@ -7,6 +7,12 @@ columns and the top `slash_size` diagonals (plus the first `sink_tokens` columns
 offsets next to the main diagonal, always kept), through sparsekv.kernels.vertical_slash_attention.
 Decode is not sparse: the factory pairs this policy with `full` for decode.
 
+`slash_granularity` = 64 ranks whole bands of 64 offsets [64 b, 64 b + 63] by their summed diagonal mass and keeps
+the top ceil(slash_size / 64) bands (the bands holding the recent diagonals forced in). The kernel's cost is a key
+tile per query block and touched run of offsets: per-diagonal picks (granularity 1, MInference's own) scatter over
+hundreds of bands, band picks touch exactly the budget's bands, each one contiguous run that the kernel masks with
+two comparisons instead of selection bits.
+
 offload=none (compute_prefill): all keys are on the device, so the selection is MInference's own: softmax of
 the last-q scores over every key they may see, column sums and diagonal sums, top-k of each, computed by the fused
 kernels of sparsekv.kernels.vertical_slash_estimate (the scores are never materialised). With
@@ -16,33 +22,39 @@ block, win slash budget for mass the column already keeps.
 
 offload=cpu (compute_chunked_prefill), one pass over the host blocks
 ---------------------------------------------------------------------
-The prefix keys arrive only block by block through OffloadEngine.stream_blocks, each exactly once, and a
-block's attention must be computed while it is in its GPU slot, i.e. before the later blocks have been seen.
-The global top-k cannot be known at that time, so the selection is made online:
+The prefix keys arrive only group by group through OffloadEngine.stream_block_groups (groups of num_slots / 2
+consecutive blocks, one attention call each), each block exactly once, and a group's attention must be computed
+while it is in its GPU slots, i.e. before the older groups have been seen. The global top-k cannot be known at
+that time, so the selection is made online, one group at a time (below, "candidate" is a column, or a granule of
+slash_granularity offsets: a diagonal or a band):
 
-* Normaliser. The last-q scores of a streamed block are normalised by the softmax over the chunk's own keys
+* Normaliser. The last-q scores of a streamed group are normalised by the softmax over the chunk's own keys
   (log-sum-exp lse_local per last-q row, known before streaming), not by the final one, which needs every
-  block. Every candidate (column or diagonal) is weighed with the same per-row weights, so candidates stay
-  comparable across blocks; the ranking differs from the exact one only through the per-row factor
-  exp(lse_local - lse_final), which is nearly constant over the adjacent last-q rows. Masses are kept in log
-  space, so prefix keys much heavier than the local ones cannot overflow.
-* Order. Blocks are streamed newest first. The last-q evidence for diagonal d lies at keys near c0 + n - 1 - d,
-  the newest end of the keys that diagonal touches for the chunk's queries; streaming newest first delivers
-  each diagonal's evidence before (or together with) every block in which it is used.
+  block: the fused masses kernel takes lse_local in place of its own row statistics. Every candidate is weighed
+  with the same per-row weights, so candidates stay comparable across groups; the ranking differs from the exact
+  one only through the per-row factor exp(lse_local - lse_final), which is nearly constant over the adjacent
+  last-q rows. A probability exp(s - lse_local) is capped at 2^100 (prefix keys more than 69 nats heavier than
+  the local ones tie at the cap) so that masses stay finite in fp32.
+* Order. Groups are streamed newest first (the blocks of a group in position order). The last-q evidence for
+  diagonal d lies at keys near c0 + n - 1 - d, the newest end of the keys that diagonal touches for the chunk's
+  queries; streaming newest first delivers each diagonal's evidence before (or together with) every group in
+  which it is used.
 * Columns. A running top-V of the column masses seen so far (the chunk's own columns are seen first): a
-  column of a streamed block is kept iff its mass reaches the V-th largest mass seen so far, this block
+  column of a streamed group is kept iff its mass reaches the V-th largest mass seen so far, this group
   included. Every column of the global top-V (under the lse_local normaliser) is kept, since the running
   threshold never exceeds the final one; a few more may be, so the column set is a superset of the global one.
-* Diagonals. The same with a running top-S over the diagonals whose evidence has been seen. A diagonal is used
-  for a block iff it is in the running top-S at that block, so a diagonal of the global top-S is used wherever
-  its evidence is complete; a diagonal whose 64-row evidence straddles two blocks is ranked on its partial
-  mass for the first of them; a diagonal chosen early may be displaced later by heavier ones and then not be
-  used for the older blocks.
+* Diagonals. The same with a running top-S over the granules whose evidence is complete, joined for each group
+  by the granules whose evidence has started: a granule is used for a group iff it is in that running top-S,
+  so a granule of the global top-S is used wherever its evidence is complete; a granule whose evidence straddles
+  two groups is ranked on its partial mass for the first of them; a granule chosen early may be displaced later
+  by heavier ones and then not be used for the older groups.
 * The chunk's own keys stay on the device, so their part (causal attention of the chunk to itself) is computed
   last, with the final thresholds (the global top-V / top-S under the lse_local normaliser).
-Each block's and the chunk's partial (o, lse) are merged with merge_attention_outputs. With budgets that
+Each group's and the chunk's partial (o, lse) are merged with merge_attention_outputs. With budgets that
 cover every key (vertical_size and slash_size >= keys) every threshold stays -inf until all candidates are in,
-so every key is kept and the result is dense attention (exact).
+so every key is kept and the result is dense attention (exact). Groups of several blocks see more evidence
+before their selection than single blocks did; per group the work is a fixed handful of kernels (masses, two
+top-k, two compactions, the attention), independent of the group's size.
 """
 from __future__ import annotations
 
@@ -53,7 +65,7 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 import torch
 
 from sparsekv.kernels import merge_attention_outputs
-from sparsekv.kernels.vertical_slash_estimate import vertical_slash_masses
+from sparsekv.kernels.vertical_slash_estimate import last_rows_lse, vertical_slash_masses
 from sparsekv.kernels.vertical_slash import (
     vertical_slash_attention,
     vertical_slash_pair_count,
@@ -65,6 +77,7 @@ if TYPE_CHECKING:
     from sparsekv.engine.sequence import Sequence
     from sparsekv.kvcache.offload_engine import OffloadEngine
 
+SLASH_BAND = 64  # offsets per band when slash_granularity > 1
 _SENTINEL = 1 << 30  # pads ragged per-head index lists (ignored by the kernel: out of range)
 _INF = float("inf")
 
@@ -83,6 +96,7 @@ class MInferencePolicy(SparsePolicy):
     # the last_q diagonals it crosses, and the slash budget goes to mass that is already kept). Off by default: a
     # second estimate pass, measured slower end to end at 128K on structured dummy weights (docs/benchmarks.md)
     slash_excludes_vertical: bool = False
+    slash_granularity: int = 1  # 1: rank single diagonals; SLASH_BAND (64): rank whole 64-offset bands
 
     supports_prefill: ClassVar[bool] = True
     supports_decode: ClassVar[bool] = False
@@ -102,6 +116,10 @@ class MInferencePolicy(SparsePolicy):
         whole("slash_size", 0)
         whole("sink_tokens", 0)
         whole("recent_diagonals", 0)
+        granularity = self.slash_granularity
+        if isinstance(granularity, bool) or not isinstance(granularity, int) or granularity not in (1, SLASH_BAND):
+            raise ValueError(f"policy.slash_granularity={self.slash_granularity!r}: must be 1 (single diagonals) or "
+                             f"{SLASH_BAND} (whole {SLASH_BAND}-offset bands)")
         if not isinstance(self.slash_excludes_vertical, bool):
             raise ValueError(f"policy.slash_excludes_vertical={self.slash_excludes_vertical!r}: must be true or false")
         budget = self.adaptive_budget
@@ -144,17 +162,23 @@ class MInferencePolicy(SparsePolicy):
 
         Returns (vertical_idx [H, V], slash_offsets [H, NS]) sorted int32: the top columns by softmax mass of
         the last `last_q` queries (sinks forced in) and the top offsets q_pos - k_pos by diagonal mass (recent
-        offsets forced in)."""
+        offsets forced in); with slash_granularity 64 the offsets of the top bands (NS rounded up to whole
+        bands; offsets past the keys are out of range, which the kernel ignores)."""
         L = min(self.last_q, q.shape[0])
         V, NS = self.budgets(k.shape[0])
         col, diag = vertical_slash_masses(q[-L:], k, softmax_scale)  # [H, S] each: offsets 0 .. S-1
         col[:, :self.sink_tokens] = _INF
-        vertical_idx = torch.topk(col, V, dim=1).indices.sort(dim=1).values.to(torch.int32)
+        vertical_idx = top_indices(col, V).sort(dim=1).values.to(torch.int32)
         if self.slash_excludes_vertical and V > 0:
             _, diag = vertical_slash_masses(q[-L:], k, softmax_scale, exclude_columns=vertical_idx)
-        diag[:, :self.recent_diagonals] = _INF
-        slash_offsets = torch.topk(diag, NS, dim=1).indices.sort(dim=1).values.to(torch.int32)
-        return vertical_idx, slash_offsets
+        if self.slash_granularity == 1:
+            diag[:, :self.recent_diagonals] = _INF
+            return vertical_idx, top_indices(diag, NS).sort(dim=1).values.to(torch.int32)
+        band = self.slash_granularity
+        sums = band_sums(diag, band)  # [H, NB]
+        sums[:, :-(-self.recent_diagonals // band)] = _INF
+        bands = torch.topk(sums, min(-(-NS // band), sums.shape[1]), dim=1).indices.sort(dim=1).values
+        return vertical_idx, band_offsets(bands, band)
 
     # ------------------------------------------------------------------------------------- offload=cpu
     def compute_chunked_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
@@ -177,54 +201,58 @@ class MInferencePolicy(SparsePolicy):
         L = min(self.last_q, n)
         r0 = c0 + n - L  # absolute position of the first last-q row
         ql = q[-L:]
-        dev = q.device
+        g = self.slash_granularity
+        NG, NSg = -(-T // g), -(-NS // g)  # granules (offsets or bands) in all, and kept
 
-        # chunk-local statistics (chunk-relative positions: rows n-L.., keys 0..n-1)
-        s_loc = _scores(ql, k, softmax_scale)  # [H, L, n]
-        causal = torch.arange(n, device=dev)[None, :] > (n - L) + torch.arange(L, device=dev)[:, None]
-        s_loc = s_loc.masked_fill(causal, -_INF)
-        lse_loc = torch.logsumexp(s_loc, dim=-1)  # [H, L], the fixed normaliser
-        col_loc, diag_loc, d_first = _log_masses(s_loc, lse_loc, n - L, 0)
+        # chunk-local statistics (chunk-relative positions: rows n-L.., keys 0..n-1; offsets are absolute)
+        lse_loc = last_rows_lse(ql, k, softmax_scale, n - L)  # [H, L], the fixed normaliser
+        col_loc, diag_loc = vertical_slash_masses(ql, k, softmax_scale, n - L, lse=lse_loc)  # [H, n] each
         col_loc[:, :max(0, self.sink_tokens - c0)] = _INF
-        slash_lm = torch.full((H, T), -_INF, dtype=torch.float32, device=dev)  # log mass per offset 0..T-1
-        slash_lm[:, :n] = diag_loc[:, -d_first:]
-        slash_lm[:, :self.recent_diagonals] = _INF
+        slash_m = torch.zeros((H, NG), dtype=torch.float32, device=q.device)  # mass per granule of offsets
+        _add_to_granules(slash_m, diag_loc, 0, g)
+        slash_m[:, :-(-self.recent_diagonals // g)] = _INF
+
+        def finished(fin: int) -> int:  # granules whose offsets are all <= fin
+            return NG if fin >= T - 1 else (fin + 1) // g
 
         col_top = _top_values(col_loc, V)  # running top-V column masses
-        fin = n - L if blocks else n - 1  # offsets <= fin have all their evidence
-        slash_top = _top_values(slash_lm[:, :fin + 1], NS)  # running top-NS over finished offsets
+        fg = finished(n - L if blocks else n - 1)  # offsets <= n - L have all their evidence in the chunk
+        slash_top = _top_values(slash_m[:, :fg], NSg)  # running top-NSg over finished granules
 
         out = lse = None
-        pairs = torch.zeros((), dtype=torch.int64, device=dev)
-        newest_first = blocks[::-1]
-        for i, (slot, _) in enumerate(offload_engine.stream_blocks(layer_id, newest_first)):
-            a = (len(blocks) - 1 - i) * bs  # position of the block's first key
-            k_blk, v_blk = offload_engine.get_kv_for_slot(slot)
-            # (i) last-q evidence of this block: rows at r0 - a .. relative to the block, every key visible
-            col_b, diag_b, d0 = _log_masses(_scores(ql, k_blk, softmax_scale), lse_loc, r0 - a, 0)
-            col_b[:, :max(0, self.sink_tokens - a)] = _INF
-            d1 = d0 + diag_b.shape[1]  # offsets d0 .. d1-1 gain evidence
-            slash_lm[:, d0:d1] = torch.logaddexp(slash_lm[:, d0:d1], diag_b)
-            col_top = _top_values(torch.cat([col_top, col_b], dim=1), V)
-            col_thr = _kth(col_top, V)
-            slash_thr = _kth(_top_values(torch.cat([slash_top, slash_lm[:, fin + 1:d1]], dim=1), NS), NS)
-            new_fin = r0 - a  # evidence of offsets <= r0 - a lies at keys >= a: complete now
-            slash_top = _top_values(torch.cat([slash_top, slash_lm[:, fin + 1:new_fin + 1]], dim=1), NS)
-            fin = new_fin
-            # (ii) all chunk queries against this block, on the selected columns and diagonals
-            e0, e1 = c0 - a - bs + 1, c0 + n - a  # offsets chunk queries can have in this block
-            vertical_idx = _sorted_selection(col_b >= col_thr, 0)
-            slash_offsets = _sorted_selection(slash_lm[:, e0:e1] >= slash_thr, e0)
-            blk_out, blk_lse = vertical_slash_attention(q, k_blk, v_blk, vertical_idx, slash_offsets,
+        pairs = torch.zeros((), dtype=torch.int64, device=q.device)
+        size = max(1, offload_engine.num_slots // 2)
+        ends = list(range(len(blocks), 0, -size))  # groups of consecutive blocks, newest first
+        order = [b for end in ends for b in blocks[max(0, end - size):end]]
+        for (slot, group), end in zip(offload_engine.stream_block_groups(layer_id, order, group_size=size), ends):
+            W = len(group) * bs
+            a = end * bs - W  # position of the group's first key
+            k_grp, v_grp = offload_engine.get_kv_for_slots(slot, len(group))  # [W, KVH, D]
+            # (i) last-q evidence of this group: offsets d0 .. r0 - a + L - 1
+            d0 = r0 - a - W + 1
+            col_g, diag_g = vertical_slash_masses(ql, k_grp, softmax_scale, r0 - a, lse=lse_loc, offsets_from=d0)
+            col_g[:, :max(0, self.sink_tokens - a)] = _INF
+            _add_to_granules(slash_m, diag_g, d0, g)
+            col_top = _top_values(torch.cat([col_top, col_g], dim=1), V)
+            seen = (r0 - a + L - 1) // g + 1  # granules with evidence so far
+            slash_thr = _kth(_top_values(torch.cat([slash_top, slash_m[:, fg:seen]], dim=1), NSg), NSg)
+            new_fg = finished(r0 - a)  # evidence of offsets <= r0 - a lies at keys >= a: complete now
+            slash_top = _top_values(torch.cat([slash_top, slash_m[:, fg:new_fg]], dim=1), NSg)
+            fg = new_fg
+            # (ii) all chunk queries against this group, on the selected columns and diagonals
+            e0, e1 = c0 - a - W + 1, c0 + n - a  # offsets chunk queries can have in this group
+            vertical_idx = _compact(col_g >= _kth(col_top, V), 0)
+            slash_offsets = _compact(_offsets_kept(slash_m >= slash_thr, e0, e1, g), e0)
+            grp_out, grp_lse = vertical_slash_attention(q, k_grp, v_grp, vertical_idx, slash_offsets,
                                                         softmax_scale, c0 - a)
-            offload_engine.record_slot_compute_done(slot)
-            pairs = pairs + vertical_slash_pair_count(n, bs, c0 - a, vertical_idx, slash_offsets).sum()
-            out, lse = (blk_out, blk_lse) if out is None else merge_attention_outputs(out, lse, blk_out, blk_lse)
+            offload_engine.record_slots_compute_done(slot, len(group))
+            pairs = pairs + vertical_slash_pair_count(n, W, c0 - a, vertical_idx, slash_offsets).sum()
+            out, lse = (grp_out, grp_lse) if out is None else merge_attention_outputs(out, lse, grp_out, grp_lse)
 
         # the chunk's own keys, with the final thresholds
-        slash_top = _top_values(torch.cat([slash_top, slash_lm[:, fin + 1:]], dim=1), NS)
-        vertical_idx = _sorted_selection(col_loc >= _kth(col_top, V), 0)
-        slash_offsets = _sorted_selection(slash_lm[:, :n] >= _kth(slash_top, NS), 0)
+        slash_top = _top_values(torch.cat([slash_top, slash_m[:, fg:]], dim=1), NSg)
+        vertical_idx = _compact(col_loc >= _kth(col_top, V), 0)
+        slash_offsets = _compact(_offsets_kept(slash_m >= _kth(slash_top, NSg), 0, n, g), 0)
         own_out, own_lse = vertical_slash_attention(q, k, v, vertical_idx, slash_offsets, softmax_scale, 0)
         pairs = pairs + vertical_slash_pair_count(n, n, 0, vertical_idx, slash_offsets).sum()
         if out is not None:
@@ -234,39 +262,49 @@ class MInferencePolicy(SparsePolicy):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _scores(ql: torch.Tensor, k: torch.Tensor, scale: float, kv_heads: slice = slice(None)) -> torch.Tensor:
-    """fp32 scaled scores [h, L, W] of the queries ql [L, H, D] against k [W, KVH, D], q head h on kv head
-    h // (H // KVH), restricted to the q heads of kv_heads."""
-    L, H, D = ql.shape
-    KVH = k.shape[1]
-    group = H // KVH
-    kk = k[:, kv_heads].float()  # [W, h_kv, D]
-    h_kv = kk.shape[1]
-    first = (kv_heads.start or 0) * group
-    qq = ql[:, first:first + h_kv * group].float().reshape(L, h_kv, group, D)
-    s = torch.matmul(qq.permute(1, 2, 0, 3), kk.permute(1, 2, 0)[:, None])  # [h_kv, group, L, W]
-    return s.reshape(h_kv * group, L, -1) * scale
+def band_sums(diag: torch.Tensor, band: int) -> torch.Tensor:
+    """diag [h, W] per-offset masses -> [h, ceil(W / band)]: the sum over offsets band*b .. band*b + band - 1."""
+    h, W = diag.shape
+    nb = -(-W // band)
+    return torch.nn.functional.pad(diag, (0, nb * band - W)).view(h, nb, band).sum(-1)
 
 
-def _diagonal_sums(x: torch.Tensor, row0: int, key0: int) -> tuple[torch.Tensor, int]:
-    """x [h, L, W] over rows at positions row0.. and keys at key0.. -> (sums [h, W+L-1], d_first): entry c
-    sums x over the pairs with offset row - key = d_first + c."""
-    h, L, W = x.shape
-    flipped = torch.nn.functional.pad(x.flip(-1), (L, L)).contiguous()  # [h, L, W+2L]; key W-1-m at L+m
-    # entry (i, c) of the view reads flipped[i, L + c - i]: the key with row - key = d_first + c
-    view = flipped.as_strided((h, L, W + L - 1), (L * (W + 2 * L), W + 2 * L - 1, 1), L)
-    return view.sum(1), row0 - key0 - (W - 1)
+def band_offsets(bands: torch.Tensor, band: int) -> torch.Tensor:
+    """bands [h, nb] sorted band indices -> [h, nb * band] int32 sorted offsets of those bands."""
+    offsets = bands[:, :, None] * band + torch.arange(band, device=bands.device)  # [h, nb, band]
+    return offsets.flatten(1).to(torch.int32)
 
 
-def _log_masses(s: torch.Tensor, lse_ref: torch.Tensor, row0: int, key0: int
-                ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Log of the column and diagonal masses of exp(s - lse_ref) (s [h, L, W], -inf where invisible)."""
-    logp = s - lse_ref[..., None]
-    col = torch.logsumexp(logp, dim=1)  # [h, W]
-    shift = logp.amax(dim=(1, 2), keepdim=True)
-    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    sums, d_first = _diagonal_sums(torch.exp(logp - shift), row0, key0)
-    return col, torch.log(sums) + shift[:, :, 0], d_first
+def top_indices(x: torch.Tensor, k: int, segment: int = 16) -> torch.Tensor:
+    """Indices [h, k] (unsorted) of the k largest entries of each row of x [h, W], as torch.topk (ties may pick
+    other indices). Long rows go through segment maxima: an entry of the top k lies in a segment whose maximum is
+    among the k largest segment maxima (else k other segments each hold a larger entry), so a top-k over those
+    k segments' k * segment entries finds them; two small top-k instead of one over the whole row."""
+    h, W = x.shape
+    if not segment or W < 4 * k * segment:
+        return torch.topk(x, k, dim=1, sorted=False).indices
+    if W % segment:
+        x = torch.nn.functional.pad(x, (0, segment - W % segment), value=-_INF)
+        W = x.shape[1]
+    seg_max = x.view(h, W // segment, segment).amax(-1)  # [h, W / segment]
+    segs = torch.topk(seg_max, k, dim=1, sorted=False).indices  # [h, k]
+    cand = (segs[:, :, None] * segment + torch.arange(segment, device=x.device)).flatten(1)  # [h, k * segment]
+    pick = torch.topk(x.gather(1, cand), k, dim=1, sorted=False).indices
+    return cand.gather(1, pick)
+
+
+def _add_to_granules(masses: torch.Tensor, diag: torch.Tensor, d0: int, g: int) -> None:
+    """masses [h, NG] per granule of g offsets += diag [h, w], the masses of offsets d0 .. d0 + w - 1."""
+    left = d0 % g
+    sums = band_sums(torch.nn.functional.pad(diag, (left, 0)), g) if g > 1 else diag
+    masses[:, d0 // g:d0 // g + sums.shape[1]] += sums
+
+
+def _offsets_kept(kept: torch.Tensor, e0: int, e1: int, g: int) -> torch.Tensor:
+    """kept [h, NG] bool per granule -> [h, e1 - e0] bool per offset e0 .. e1 - 1."""
+    if g == 1:
+        return kept[:, e0:e1]
+    return kept[:, torch.arange(e0, e1, device=kept.device) // g]
 
 
 def _top_values(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -283,9 +321,12 @@ def _kth(top: torch.Tensor, k: int) -> torch.Tensor:
     return top[:, k - 1:k]
 
 
-def _sorted_selection(selected: torch.Tensor, base: int) -> torch.Tensor:
+def _compact(selected: torch.Tensor, base: int) -> torch.Tensor:
     """selected [h, W] bool -> [h, W] int32 sorted positions base + j of the selected entries, padded with
-    an out-of-range sentinel (the kernel ignores it)."""
-    positions = torch.arange(base, base + selected.shape[1], device=selected.device)
-    keyed = torch.where(selected, positions[None, :], torch.full_like(positions, _SENTINEL)[None, :])
-    return keyed.sort(dim=1).values.to(torch.int32)
+    an out-of-range sentinel (the kernel ignores it); a prefix sum and a scatter, no sort."""
+    h, W = selected.shape
+    slot = torch.where(selected, selected.cumsum(1) - 1, W)  # [h, W]: where each selected entry goes
+    out = torch.full((h, W + 1), _SENTINEL, dtype=torch.int32, device=selected.device)
+    positions = torch.arange(base, base + W, dtype=torch.int32, device=selected.device)
+    out.scatter_(1, slot, positions.expand(h, -1))
+    return out[:, :W]
