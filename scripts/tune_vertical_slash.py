@@ -1,12 +1,15 @@
 """Time MInference's kernels under candidate tile configurations (CUDA only), one 8K-query chunk against 128K keys.
 
-    python scripts/tune_vertical_slash.py [--context 131072 --chunk 8192]
+    python scripts/tune_vertical_slash.py [--context 131072 --chunk 8192] [--only estimate]
 
-vertical_slash_attention: (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates on two selections of the default
-budget (1000 columns, 6096 diagonals): the nearest 6096 offsets ("band"), and a scattered one shaped like the
-estimate on structured dummy weights (the nearest 3000 offsets plus 16-offset clusters further out). Each
-configuration's output is checked against the default configuration's. vertical_slash_masses: BLOCK_N and keys
-per row-statistics split. Prints one line per candidate (median of --reps CUDA-event timings).
+vertical_slash_attention: (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates on three selections of the default
+budget (1000 columns, 6096 diagonals): the nearest 6096 offsets ("band"), a scattered one shaped like the
+estimate on structured dummy weights (the nearest 3000 offsets plus 16-offset clusters further out), and 96 whole
+64-offset bands (bands 0-1 and 94 random ones, what slash_granularity=64 picks when the mass is spread). Each
+configuration's output is checked against the default configuration's. Estimate (--only estimate skips the
+kernel sweep): vertical_slash_masses under BLOCK_K and keys-per-split candidates; the column top-1000 by
+torch.topk and by top_indices; estimate_pattern and compute_prefill at slash_granularity 1 and 64. Prints one line
+per candidate (median of --reps CUDA-event timings).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import torch
 
 from sparsekv.kernels import vertical_slash as vs
 from sparsekv.kernels import vertical_slash_estimate as est
+from sparsekv.policies.minference import SLASH_BAND, MInferencePolicy, band_offsets, top_indices
 from profile_sparse_prefill import chunk_parser, dense_chunk_ms, random_chunk, timed  # scripts/ is on sys.path
 
 CANDIDATES = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2),
@@ -32,17 +36,61 @@ def selections(H: int, S: int, dev) -> dict[str, tuple[torch.Tensor, torch.Tenso
         far = (starts[:, None] + torch.arange(16)[None]).flatten()
         rows.append(torch.cat([torch.arange(3000), far[:3096]]).sort().values)
     scattered = torch.stack(rows)
+    bands = torch.stack([torch.cat([torch.arange(2), 2 + torch.randperm(S // SLASH_BAND - 2, generator=gen)[:94]])
+                         for _ in range(H)]).sort(1).values
     as_idx = lambda x: x.to(dev, torch.int32).contiguous()  # noqa: E731
-    return {"band": (as_idx(vertical), as_idx(band)), "scattered": (as_idx(vertical), as_idx(scattered))}
+    return {"band": (as_idx(vertical), as_idx(band)), "scattered": (as_idx(vertical), as_idx(scattered)),
+            "96 bands": (as_idx(vertical), band_offsets(bands.to(dev), SLASH_BAND))}
+
+
+def estimate_timings(q, k, v, S: int, n: int, dense_ms: float, reps: int) -> None:
+    scale = q.shape[2] ** -0.5
+    L = 64
+    ref_col, ref_diag = est.vertical_slash_masses(q[-L:], k, scale)
+    default = est.GPU_BLOCK_K, est.KEYS_PER_SPLIT
+    for block_k in (64, 128):
+        for per_split in (2048, 4096, 8192):
+            est.GPU_BLOCK_K, est.KEYS_PER_SPLIT = block_k, per_split
+            ms = timed(lambda: est.vertical_slash_masses(q[-L:], k, scale), reps)
+            col, diag = est.vertical_slash_masses(q[-L:], k, scale)
+            err = max(((col - ref_col).norm() / ref_col.norm()).item(), ((diag - ref_diag).norm() / ref_diag.norm()).item())
+            print(f"vertical_slash_masses BLOCK_K={block_k:4d} keys/split={per_split:5d}: {ms:6.2f} ms rel diff {err:.1e}")
+    est.GPU_BLOCK_K, est.KEYS_PER_SPLIT = default
+    lse = est.last_rows_lse(q[-L:], k, scale, S - L)
+    ms = timed(lambda: est.vertical_slash_masses(q[-L:], k, scale, lse=lse), reps)
+    print(f"vertical_slash_masses with a given lse (offload=cpu's per-group call): {ms:6.2f} ms")
+    ms = timed(lambda: est.last_rows_lse(q[-L:], k, scale, S - L), reps)
+    print(f"last_rows_lse (the row-statistics pass alone): {ms:6.2f} ms")
+    for k_top in (1000,):
+        plain = timed(lambda: torch.topk(ref_col, k_top, dim=1).indices.sort(dim=1), reps)
+        pruned = timed(lambda: top_indices(ref_col, k_top).sort(dim=1), reps)
+        print(f"column top-{k_top} + sort of [{q.shape[1]}, {S}]: torch.topk {plain:.3f} ms, top_indices {pruned:.3f} ms")
+    topk = timed(lambda: torch.topk(ref_diag, 6096, dim=1).indices.sort(dim=1), reps)
+    print(f"diagonal top-6096 + sort of [{q.shape[1]}, {S}]: {topk:.2f} ms; log2(S)={math.log2(S):.0f}")
+    for granularity in (1, SLASH_BAND):
+        policy = MInferencePolicy(slash_granularity=granularity)
+        est_ms = timed(lambda: policy.estimate_pattern(q, k, scale), reps)
+        vidx, soff = policy.estimate_pattern(q, k, scale)
+        kern_ms = timed(lambda: vs.vertical_slash_attention(q, k, v, vidx, soff, scale, S - n), reps)
+        total = timed(lambda: policy.compute_prefill(q, k, v, 0, scale), reps)
+        bands = torch.div(soff.long(), 64, rounding_mode="floor")
+        touched = sum(torch.unique(bands[h]).numel() for h in range(q.shape[1])) / q.shape[1]
+        print(f"slash_granularity={granularity:2d}: estimate_pattern {est_ms:6.2f} ms, vertical_slash {kern_ms:6.2f} ms, "
+              f"compute_prefill {total:6.2f} ms ({total / dense_ms:.2f}x dense, density {policy.last_density:.3f}); "
+              f"{touched:.0f} 64-offset bands touched per head")
 
 
 def main() -> None:
     parser = chunk_parser(__doc__)
+    parser.add_argument("--only", choices=["estimate"], default=None, help="skip the kernel tile sweep")
     args = parser.parse_args()
     S, n = args.context, args.chunk
     q, k, v = random_chunk(S, n)
     scale = q.shape[2] ** -0.5
     dense_ms = dense_chunk_ms(q, k, v, args.reps)
+    estimate_timings(q, k, v, S, n, dense_ms, args.reps)
+    if args.only == "estimate":
+        return
     default = vs.GPU_CONFIG_16BIT[128]
     for label, (vertical, slash) in selections(q.shape[1], S, q.device).items():
         vs.GPU_CONFIG_16BIT[128] = default
@@ -58,17 +106,6 @@ def main() -> None:
             except Exception as exc:  # a configuration the compiler rejects (shared memory, ...)
                 print(f"vertical_slash {label:9s} {str(config):18s} failed: {type(exc).__name__}: {str(exc)[:120]}")
     vs.GPU_CONFIG_16BIT[128] = default
-    L = 64
-    ref_col, ref_diag = est.vertical_slash_masses(q[-L:], k, scale)
-    for block_n in (32, 64, 128):
-        for per_split in (2048, 4096, 8192):
-            est.GPU_BLOCK_N, est.KEYS_PER_SPLIT = block_n, per_split
-            ms = timed(lambda: est.vertical_slash_masses(q[-L:], k, scale), args.reps)
-            col, diag = est.vertical_slash_masses(q[-L:], k, scale)
-            err = max(((col - ref_col).norm() / ref_col.norm()).item(), ((diag - ref_diag).norm() / ref_diag.norm()).item())
-            print(f"vertical_slash_masses BLOCK_N={block_n:4d} keys/split={per_split:5d}: {ms:6.2f} ms rel diff {err:.1e}")
-    topk = timed(lambda: torch.topk(ref_diag, 6096, dim=1).indices.sort(dim=1), args.reps)
-    print(f"top-6096 + sort of [{q.shape[1]}, {S}]: {topk:.2f} ms; log2(S)={math.log2(S):.0f}")
 
 
 if __name__ == "__main__":

@@ -146,6 +146,18 @@ def test_kernel_tile_shapes_pack_the_offset_bits(tiles, monkeypatch):
     _check(vertical_slash_attention(q, k, v, vertical, slash, 0.25, q_offset), ref)
 
 
+@pytest.mark.parametrize("bands", [[0, 2, 3, 5], [1, 3], [0, 1, 2, 3, 4, 5]])
+def test_kernel_on_whole_bands(bands):
+    """Band selections (runs of 64 offsets; a one-band gap leaves two runs in some tiles' windows)."""
+    gen = torch.Generator().manual_seed(len(bands))
+    sq, sk, h, kvh, d, q_offset = 100, 400, 2, 1, 16, 300
+    q, k, v = (torch.randn(n, hh, d, generator=gen).to(DEV) for n, hh in ((sq, h), (sk, kvh), (sk, kvh)))
+    vertical = _random_selection(h, sk, 5, gen)
+    slash = band_offsets(torch.tensor([bands, bands[::-1][::-1]]), SLASH_BAND).to(DEV)
+    ref = vertical_slash_attention_reference(q, k, v, vertical, slash, 0.25, q_offset)
+    _check(vertical_slash_attention(q, k, v, vertical, slash, 0.25, q_offset), ref)
+
+
 def test_kernel_every_column_or_every_diagonal_is_dense_attention():
     # a key on a selected column and a selected diagonal must count once: the union is then all keys
     gen = torch.Generator().manual_seed(7)

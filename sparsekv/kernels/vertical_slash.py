@@ -19,8 +19,9 @@ Triton kernel, one program per (block of BLOCK_M query rows, head), online softm
      [BLOCK_M, BLOCK_N] key tiles contain at least one selected offset. With BLOCK_M a multiple of BLOCK_N the
      offsets a tile covers depend only on t = (q_offset // BLOCK_N + (BLOCK_M // BLOCK_N) * m_block) - n_block,
      so sorted t-lists per head serve every query block. Two lists, two loops without branches: tiles whose
-     every offset is selected (the recent band) need only the causal mask; in the others the keys not on a
-     selected diagonal are masked through the tile's selection bits: a tile spans BLOCK_M + BLOCK_N - 1
+     selected offsets form one run [lo, hi] (the recent band, whole 64-offset bands, single diagonals) keep
+     the keys with lo <= offset <= hi, two comparisons; in the others the keys not on a selected diagonal are
+     masked through the tile's selection bits: a tile spans BLOCK_M + BLOCK_N - 1
      consecutive offsets (row i, key j sits on bit i + BLOCK_N - 1 - j of its window), which the launcher packs
      into int64 words per (head, t), so the mask is a shift and an AND per score, no memory gather. The next
      list entry is loaded one iteration ahead so that the K/V loads can be software-pipelined.
@@ -77,7 +78,7 @@ def _kv_mask(row_ok, dim_ok, EVEN_D: tl.constexpr):
 
 @jit
 def _slash_tiles(
-    acc, m_i, l_i, q, pos, rows, offs_n, offs_d, dim_ok, k_base, v_base, words, tlist, t_lo, t_hi, tq,
+    acc, m_i, l_i, q, pos, rows, offs_n, offs_d, dim_ok, k_base, v_base, words, bounds, tlist, t_lo, t_hi, tq,
     Sk, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
     BLOCK_N: tl.constexpr, LOOKUP: tl.constexpr, EVEN_D: tl.constexpr, NUM_WORDS: tl.constexpr,
 ):
@@ -99,12 +100,13 @@ def _slash_tiles(
                     mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         diag = pos[:, None] - cols[None, :]  # offset of each (row, key)
-        keep = col_ok[None, :] & (diag >= 0)
-        if LOOKUP:  # partial tile: keep the keys on a selected diagonal only
+        if LOOKUP:  # scattered selection: keep the keys on a selected diagonal only
             w = tl.load(words + NUM_WORDS * t)
             for extra in tl.static_range(1, NUM_WORDS):
                 w = tl.where(word == extra, tl.load(words + NUM_WORDS * t + extra), w)
-            keep = keep & (((w >> bit) & 1) != 0)
+            keep = col_ok[None, :] & (diag >= 0) & (((w >> bit) & 1) != 0)
+        else:  # one run of selected offsets [lo, hi], lo >= 0 (so causal too)
+            keep = col_ok[None, :] & (diag >= tl.load(bounds + 2 * t)) & (diag <= tl.load(bounds + 2 * t + 1))
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, keep, v)
         t = t_next
     return acc, m_i, l_i
@@ -113,13 +115,13 @@ def _slash_tiles(
 @jit
 def _vs_fwd_kernel(
     Q, K, V, O, LSE,
-    VIDX, SMASK, WORDS, TLIST_FULL, TLIST_PART, RANGES,
+    VIDX, SMASK, WORDS, BOUNDS, TLIST_RUN, TLIST_PART, RANGES,
     stride_qm, stride_qh, stride_qd,
     stride_kn, stride_kh, stride_kd,
     stride_vn, stride_vh, stride_vd,
     stride_om, stride_oh, stride_od,
     stride_lh, stride_lm,
-    stride_vih, stride_smh, stride_wh, stride_tlh, stride_rh, stride_rm,
+    stride_vih, stride_smh, stride_wh, stride_bh, stride_tlh, stride_rh, stride_rm,
     Sq, Sk, D, q_offset, d_lo, d_hi, tq0, qk_scale,
     GROUP: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RATIO: tl.constexpr, NUM_WORDS: tl.constexpr,
@@ -141,22 +143,23 @@ def _vs_fwd_kernel(
     v_base = V + kv_head.to(tl.int64) * stride_vh
     smask = SMASK + head.to(tl.int64) * stride_smh
     words = WORDS + head.to(tl.int64) * stride_wh  # [NT, NUM_WORDS] selection bits of each tile's offset window
+    bounds = BOUNDS + head.to(tl.int64) * stride_bh  # [NT, 2] first and last selected offset of each run tile
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # per (head, query block): [full lo, full hi, partial lo, partial hi, visible vertical count]
+    # per (head, query block): [run lo, run hi, partial lo, partial hi, visible vertical count]
     ranges = RANGES + head.to(tl.int64) * stride_rh + pid_m * stride_rm
     tq = tq0 + RATIO * pid_m
-    # ---- 1a. slash tiles whose every offset is selected (the recent band): causal mask only
+    # ---- 1a. slash tiles whose selected offsets form one run: two comparisons per key
     acc, m_i, l_i = _slash_tiles(
-        acc, m_i, l_i, q, pos, tl.arange(0, BLOCK_M), offs_n, offs_d, dim_ok, k_base, v_base, words,
-        TLIST_FULL + head.to(tl.int64) * stride_tlh, tl.load(ranges), tl.load(ranges + 1), tq,
+        acc, m_i, l_i, q, pos, tl.arange(0, BLOCK_M), offs_n, offs_d, dim_ok, k_base, v_base, words, bounds,
+        TLIST_RUN + head.to(tl.int64) * stride_tlh, tl.load(ranges), tl.load(ranges + 1), tq,
         Sk, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, BLOCK_N, False, EVEN_D, NUM_WORDS)
-    # ---- 1b. slash tiles with some offsets selected: the tile's selection bits mask the keys
+    # ---- 1b. slash tiles with scattered offsets selected: the tile's selection bits mask the keys
     acc, m_i, l_i = _slash_tiles(
-        acc, m_i, l_i, q, pos, tl.arange(0, BLOCK_M), offs_n, offs_d, dim_ok, k_base, v_base, words,
+        acc, m_i, l_i, q, pos, tl.arange(0, BLOCK_M), offs_n, offs_d, dim_ok, k_base, v_base, words, bounds,
         TLIST_PART + head.to(tl.int64) * stride_tlh, tl.load(ranges + 2), tl.load(ranges + 3), tq,
         Sk, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, BLOCK_N, True, EVEN_D, NUM_WORDS)
 
@@ -240,6 +243,18 @@ def _window_words(smask: torch.Tensor, starts: torch.Tensor, width: int) -> torc
     weights = torch.ones(64, dtype=torch.int64, device=smask.device).bitwise_left_shift(
         torch.arange(64, device=smask.device))  # 1 << b; 1 << 63 is negative, the sum stays exact (no overflow)
     return (picked.view(H, bits.shape[0], -1, 64) * weights).sum(-1).contiguous()
+
+
+def _selected_bounds(smask: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """smask [H, W] int8, windows [lo, hi) [NT] of indices into it -> (first, last) [H, NT] int64: the first and the
+    last selected index of each window (first > last when none is)."""
+    H, W = smask.shape
+    idx = torch.arange(W, device=smask.device).expand(H, -1)
+    selected = smask != 0
+    edge = torch.full((H, 1), W, dtype=torch.int64, device=smask.device)
+    nxt = torch.cat([torch.where(selected, idx, W).flip(1).cummin(1).values.flip(1), edge], dim=1)  # [H, W+1]: >= i
+    prv = torch.cat([edge * 0 - 1, torch.where(selected, idx, -1).cummax(1).values], dim=1)  # [H, W+1]: <= i - 1
+    return nxt[:, lo], prv[:, hi]
 
 
 def _vertical_mask(vertical_idx: torch.Tensor, Sk: int) -> torch.Tensor:
@@ -370,12 +385,14 @@ def _vertical_slash_triton(q, k, v, vertical_idx, slash_offsets, scale, q_offset
     hi_i = torch.maximum(lo_i, (hi - d_lo).clamp(0, d_hi - d_lo))
     count = cs[:, hi_i] - cs[:, lo_i]  # [H, NT] selected offsets in each tile's window
     words = _window_words(smask, phi + (t - 1) * block_n + 1 - d_lo, block_m + block_n - 1)  # [H, NT, words]
+    first, last = _selected_bounds(smask, lo_i, hi_i)  # [H, NT] indices into smask
+    bounds = torch.stack([first + d_lo, last + d_lo], dim=2).to(torch.int32).contiguous()  # [H, NT, 2] offsets
     needed = count > 0
-    full = count == width[None, :]
+    run = last - first + 1 == count
     t_rel = (t - t_min).to(torch.int32)[None, :]
     sentinel = torch.full_like(t_rel, _SENTINEL)
-    tlists = torch.stack([torch.where(needed & full, t_rel, sentinel),
-                          torch.where(needed & ~full, t_rel, sentinel)]).sort(dim=2).values.contiguous()
+    tlists = torch.stack([torch.where(needed & run, t_rel, sentinel),
+                          torch.where(needed & ~run, t_rel, sentinel)]).sort(dim=2).values.contiguous()
 
     # per query block: its range of t in each list (key blocks 0..n_hi visible) and its visible columns
     mb = torch.arange(num_m, device=dev)
@@ -401,9 +418,10 @@ def _vertical_slash_triton(q, k, v, vertical_idx, slash_offsets, scale, q_offset
     lse = alloc_output((H, Sq), torch.float32, dev)
     _vs_fwd_kernel[(num_m, H)](
         q, k, v, o, lse,
-        vidx, smask, words, tlists[0], tlists[1], ranges,
+        vidx, smask, words, bounds, tlists[0], tlists[1], ranges,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
-        vidx.stride(0), smask.stride(0), words.stride(0), tlists.stride(1), ranges.stride(0), ranges.stride(1),
+        vidx.stride(0), smask.stride(0), words.stride(0), bounds.stride(0), tlists.stride(1), ranges.stride(0),
+        ranges.stride(1),
         Sq, Sk, D, q_offset, d_lo, d_hi, qb - t_min, scale * LOG2E,
         GROUP=H // KVH, BLOCK_D=block_d, EVEN_D=block_d == D,
         BLOCK_M=block_m, BLOCK_N=block_n, RATIO=ratio, NUM_WORDS=words.shape[2],
