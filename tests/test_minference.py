@@ -568,3 +568,37 @@ def test_gpu_masses_bf16_realistic(sk):
     col, diag = vertical_slash_masses(q, k, 1 / math.sqrt(d))
     ref_col, ref_diag = vertical_slash_masses_reference(q, k, 1 / math.sqrt(d), sk - L)
     assert _rel_err(col, ref_col) < 1e-2 and _rel_err(diag, ref_diag) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_masses_with_given_lse_and_offset_window():
+    h, kvh, d, L, sk = 32, 8, 128, 64, 20000
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(L, h, d, generator=gen).to(DEV, torch.bfloat16)
+    k = torch.randn(sk, kvh, d, generator=gen).to(DEV, torch.bfloat16)
+    row0, scale = sk + 3000, 1 / math.sqrt(d)  # rows after every key, as for a streamed prefix group
+    lse = last_rows_lse(q, k, scale, row0) - 2.0
+    col, diag = vertical_slash_masses(q, k, scale, row0, lse=lse, offsets_from=3001)
+    ref_col, ref_diag = vertical_slash_masses_reference(q, k, scale, row0, lse=lse, offsets_from=3001)
+    assert _rel_err(col, ref_col) < 1e-2 and _rel_err(diag, ref_diag) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("granularity", [1, SLASH_BAND])
+def test_gpu_estimate_and_prefill_do_not_sync(granularity):
+    from tests.conftest import host_sync_sites
+
+    h, kvh, d, n, sk = 32, 8, 128, 2048, 16384
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(n, h, d, generator=gen).to(DEV, torch.bfloat16)
+    k, v = (torch.randn(sk, kvh, d, generator=gen).to(DEV, torch.bfloat16) for _ in range(2))
+    policy = MInferencePolicy(slash_granularity=granularity)
+    policy.compute_prefill(q, k, v, 0, d ** -0.5)  # compile first
+    assert host_sync_sites(lambda: policy.estimate_pattern(q, k, d ** -0.5)) == []
+    vertical, slash = policy.estimate_pattern(q, k, d ** -0.5)
+    assert vertical.shape == (h, 1000) and slash.shape[1] == (6096 if granularity == 1 else 96 * SLASH_BAND)
+    out = policy.compute_prefill(q, k, v, 0, d ** -0.5)
+    ref, _ = vertical_slash_attention_reference(q, k, v, vertical, slash, d ** -0.5, sk - n)
+    assert _rel_err(out, ref) < 1e-2
