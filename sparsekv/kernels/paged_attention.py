@@ -3,6 +3,14 @@
 Flash-decoding: phase 1 runs a program per (sequence, kv head, split of the context) that
 attends all H // KVH query heads of the GQA group at once; phase 2 merges the splits with their
 log-sum-exps. With a single split phase 1 writes the final result and phase 2 is skipped.
+
+FUSED_REDUCE (default) does phase 2 inside the phase-1 launch: every split program writes its partial and
+bumps a per-(sequence, kv head) arrival counter; the program that arrives last merges the group's partials
+and sets the counter back to 0. Both paths merge with the same code (:func:`_merge_group`: splits in a fixed
+order, elementwise fp32 accumulation), so they give bitwise-equal results whichever program arrives last.
+The counters are one int32 buffer per device, made once outside CUDA-graph capture (:func:`split_counters`);
+every launch leaves them at 0, so graph replays and eager calls share it. Launches that use it must not run
+concurrently on two streams.
 """
 
 from __future__ import annotations
@@ -11,7 +19,8 @@ import math
 
 import torch
 from ._dispatch import (
-    alloc_output, cdiv, choose_splits, jit, next_power_of_2, tl, triton_interpret, use_triton,
+    alloc_output, cdiv, choose_splits, jit, next_power_of_2, pdl_launch_options, pdl_wait, tl, triton_interpret,
+    use_triton,
 )
 from .attention import SUPPORTED_HEAD_DIMS, flash_attn_with_lse_reference
 
@@ -28,22 +37,73 @@ MIN_GROUP_ROWS = 16  # tl.dot needs >= 16 rows: the GQA group is padded up to th
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in merging than it saves
 MAX_SPLITS = 128
 PROGRAMS_PER_SM = 4  # target B * KVH * splits ~= PROGRAMS_PER_SM * num SMs
-REDUCE_CHUNK = 16  # splits merged per step of the reduce kernel
+REDUCE_CHUNK = 16  # splits merged per (unrolled) step of the merge
+FUSED_REDUCE = True  # merge the splits in the split launch (last-arriving program); False: a second kernel
+COUNTER_SLOTS = 1 << 16  # arrival counters per device: B * KVH of one launch at most
+
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+@jit
+def _merge_group(
+    OP, LP, O, L, b64, heads, h_ok,
+    stride_opb, stride_oph, stride_ops, stride_opd,
+    stride_lpb, stride_lph, stride_lps,
+    stride_ob, stride_oh, stride_od, stride_lh, stride_lb,
+    num_splits,
+    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Merge the partials of query heads `heads` [BLOCK_H] (valid where h_ok) of sequence b64: OP [B, H, S, D]
+    fp32, LP [B, H, S] log2 units -> O [B, H, D], L [H, B] natural log. Splits are added one after another in
+    split order with elementwise ops only (no tree reductions but the exact max), so the result does not depend
+    on the launch shape, the layout the compiler picks, or which program runs it."""
+    offs_s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
+    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    lp = LP + b64 * stride_lpb + heads * stride_lph  # [BLOCK_H]
+    op = OP + b64 * stride_opb + heads[:, None] * stride_oph + offs_d[None, :] * stride_opd  # [BLOCK_H, D]
+    # .cg: the partials were just written by other SMs; read them from L2, never from a stale L1 line
+    lse_all = tl.load(lp[:, None] + offs_s[None, :] * stride_lps,
+                      mask=h_ok[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"),
+                      cache_modifier=".cg")  # [BLOCK_H, BLOCK_S]
+    m = tl.max(lse_all, 1)  # [BLOCK_H]; max is exact in any order
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros_like(m)  # [BLOCK_H]
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)  # [BLOCK_H, D]
+    for s0 in range(0, num_splits, CHUNK):
+        for j in tl.static_range(CHUNK):  # unrolled: the CHUNK loads of a step can all be in flight
+            s = s0 + j
+            s_ok = h_ok & (heads * 0 + s < num_splits)  # [BLOCK_H] (a tensor also under the interpreter)
+            w = tl.exp2(tl.load(lp + s * stride_lps, mask=s_ok, other=float("-inf"),
+                                cache_modifier=".cg") - m)  # [BLOCK_H]; 0 for empty or absent splits
+            o = tl.load(op + s * stride_ops, mask=(w > 0.0)[:, None], other=0.0,
+                        cache_modifier=".cg")  # [BLOCK_H, D]
+            total += w
+            acc += o * w[:, None]
+    nonempty = total > 0.0
+    t_safe = tl.where(nonempty, total, 1.0)
+    tl.store(O + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+             (acc / t_safe[:, None]).to(O.dtype.element_ty), mask=h_ok[:, None])
+    lse = tl.where(nonempty, (m + tl.log2(t_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(L + heads * stride_lh + b64 * stride_lb, lse, mask=h_ok)
 
 
 @jit
 def _paged_decode_split_kernel(
-    Q, K, V, BT, CTX, OP, LP,
+    Q, K, V, BT, CTX, OP, LP, O, L, CNT,
     stride_qb, stride_qh, stride_qd,
     stride_kblk, stride_kslot, stride_kh, stride_kd,
     stride_vblk, stride_vslot, stride_vh, stride_vd,
     stride_btb, stride_btn,
     stride_opb, stride_oph, stride_ops, stride_opd,
     stride_lpb, stride_lph, stride_lps,
+    stride_ob, stride_oh, stride_od, stride_lh, stride_lb,
     qk_scale, split_len, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    # q, the step's own K/V and the block table come from earlier kernels: wait before any load
+    pdl_wait(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -90,14 +150,27 @@ def _paged_decode_split_kernel(
     l_safe = tl.where(has_keys, l_i, 1.0)
     out = acc / l_safe[:, None]  # [BLOCK_G, D]; 0 for an empty split
     lse2 = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))  # log2 units
-    if DIRECT:  # OP = o [B, H, D], LP = lse [H, B]: stride_lph is its H, stride_lps its B stride
-        tl.store(OP + b64 * stride_opb + heads[:, None] * stride_oph + offs_d[None, :] * stride_opd,
-                 out.to(OP.dtype.element_ty), mask=g_ok[:, None])
-        tl.store(LP + heads * stride_lph + b64 * stride_lps, lse2 * 0.6931471805599453, mask=g_ok)
+    if DIRECT:  # O = o [B, H, D], L = lse [H, B]
+        tl.store(O + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 out.to(O.dtype.element_ty), mask=g_ok[:, None])
+        tl.store(L + heads * stride_lh + b64 * stride_lb, lse2 * 0.6931471805599453, mask=g_ok)
     else:  # OP = partial o [B, H, S, D] fp32, LP = partial lse [B, H, S] (log2 units)
         tl.store(OP + b64 * stride_opb + heads[:, None] * stride_oph + split * stride_ops
                  + offs_d[None, :] * stride_opd, out, mask=g_ok[:, None])
         tl.store(LP + b64 * stride_lpb + heads * stride_lph + split * stride_lps, lse2, mask=g_ok)
+        if FUSED:
+            # Every thread's partial stores come before the (single-thread) release of the counter bump.
+            tl.debug_barrier()
+            cnt = CNT + b64 * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:  # the last program of the group: all partials are written
+                offs_h = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+                _merge_group(OP, LP, O, L, b64, kv_head * GROUP + offs_h, offs_h < GROUP,
+                             stride_opb, stride_oph, stride_ops, stride_opd,
+                             stride_lpb, stride_lph, stride_lps,
+                             stride_ob, stride_oh, stride_od, stride_lh, stride_lb,
+                             num_splits, BLOCK_H=BLOCK_H, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, CHUNK=CHUNK)
+                tl.store(cnt, 0)  # ready for the next launch (and graph replay)
 
 
 @jit
@@ -107,33 +180,17 @@ def _paged_decode_reduce_kernel(
     stride_lpb, stride_lph, stride_lps,
     stride_ob, stride_oh, stride_od, stride_lh, stride_lb,
     num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
-    offs_c = tl.arange(0, CHUNK)  # [CHUNK]
-    offs_d = tl.arange(0, HEAD_DIM)  # [D]
-    lp = LP + b * stride_lpb + h * stride_lph
-    lse_all = tl.load(lp + offs_s * stride_lps, mask=offs_s < num_splits, other=float("-inf"))
-    m = tl.max(lse_all, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp2(lse_all - m), 0)
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    op = OP + b * stride_opb + h * stride_oph
-    for s0 in range(0, num_splits, CHUNK):
-        s_idx = s0 + offs_c
-        s_ok = s_idx < num_splits
-        w = tl.exp2(tl.load(lp + s_idx * stride_lps, mask=s_ok, other=float("-inf")) - m)
-        o = tl.load(op + s_idx[:, None] * stride_ops + offs_d[None, :] * stride_opd,
-                    mask=s_ok[:, None] & (w > 0.0)[:, None], other=0.0)  # [CHUNK, D]
-        acc += tl.sum(o * w[:, None], 0)
-    nonempty = total > 0.0
-    t_safe = tl.where(nonempty, total, 1.0)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_d * stride_od,
-             (acc / t_safe).to(O.dtype.element_ty))
-    lse = tl.where(nonempty, (m + tl.log2(t_safe)) * 0.6931471805599453, float("-inf"))
-    tl.store(L + h * stride_lh + b * stride_lb, lse)
+    pdl_wait(USE_PDL)
+    b64 = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    _merge_group(OP, LP, O, L, b64, tl.program_id(1) * GROUP + offs_h, offs_h < GROUP,
+                 stride_opb, stride_oph, stride_ops, stride_opd,
+                 stride_lpb, stride_lph, stride_lps,
+                 stride_ob, stride_oh, stride_od, stride_lh, stride_lb,
+                 num_splits, BLOCK_H=BLOCK_H, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, CHUNK=CHUNK)
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
@@ -190,28 +247,53 @@ def choose_num_splits(batch: int, kv_heads: int, max_context_len: int,
                          programs_per_sm=PROGRAMS_PER_SM, max_splits=MAX_SPLITS)
 
 
-def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+def split_counters(device: torch.device, slots: int) -> torch.Tensor:
+    """The device's int32 arrival counters of the fused reduce (all 0 between launches): made once, on the first
+    launch, and kept for the process, since CUDA graphs captured later hold its address."""
+    key = (device.type, device.index if device.type != "cuda" or device.index is not None
+           else torch.cuda.current_device())
+    if slots > COUNTER_SLOTS:
+        raise ValueError(f"the fused paged decode needs B * KVH = {slots} arrival counters, more than "
+                         f"COUNTER_SLOTS={COUNTER_SLOTS}: raise sparsekv.kernels.paged_attention.COUNTER_SLOTS "
+                         f"before the first launch, or set FUSED_REDUCE = False")
+    buf = _COUNTERS.get(key)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the fused paged decode's counters are made on its first launch, which must not be "
+                               "inside CUDA-graph capture: run paged_decode_attention once eagerly (warm-up) "
+                               "before capturing")
+        buf = _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return buf
+
+
+def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                 group: int = 1) -> None:
     """Phase 2 of flash-decoding: merge per-split partials o_part [B, H, S, D] fp32 and lse_part [B, H, S] fp32
-    (log2 units, -inf for an empty split) into o [B, H, D] and lse [H, B] (natural log)."""
+    (log2 units, -inf for an empty split) into o [B, H, D] and lse [H, B] (natural log); one program per
+    `group` heads of a sequence (the result does not depend on it)."""
     B, H, num_splits, D = o_part.shape
-    _paged_decode_reduce_kernel[(B, H)](
+    if group < 1 or H % group:
+        raise ValueError(f"merge_splits: group={group} must divide H={H} (o_part {tuple(o_part.shape)})")
+    _paged_decode_reduce_kernel[(B, H // group)](
         o_part, lse_part, o, lse, *o_part.stride(), *lse_part.stride(), *o.stride(),
-        *lse.stride(), num_splits, HEAD_DIM=D, BLOCK_S=max(2, next_power_of_2(num_splits)),
-        CHUNK=REDUCE_CHUNK, num_warps=NUM_WARPS)
+        *lse.stride(), num_splits, GROUP=group, BLOCK_H=next_power_of_2(group), HEAD_DIM=D,
+        BLOCK_S=max(2, next_power_of_2(num_splits)), CHUNK=REDUCE_CHUNK, num_warps=NUM_WARPS,
+        **pdl_launch_options(o.device))
 
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor,
     softmax_scale: float | None = None, *,
-    max_context_len: int | None = None, num_splits: int | None = None,
+    max_context_len: int | None = None, num_splits: int | None = None, fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over a paged cache.
 
     q [B, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks]
     int32; context_lens [B] int32. Returns o [B, H, D] (q.dtype) and lse [H, B] fp32.
     ``max_context_len`` (>= context_lens.max(), known on the host) avoids a device sync;
-    ``num_splits`` overrides the split heuristic (tests, tuning).
+    ``num_splits`` overrides the split heuristic (tests, tuning); ``fused`` overrides FUSED_REDUCE
+    (one launch that also merges the splits, or a second reduce kernel: bitwise-equal results).
     """
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
     if not use_triton(q.device):
@@ -238,25 +320,30 @@ def paged_decode_attention(
     num_splits = max(1, int(num_splits))
     split_len = cdiv(cdiv(max(max_context_len, 1), num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max_context_len, split_len))
+    fused = FUSED_REDUCE if fused is None else fused
     group = H // KVH
+    pdl = pdl_launch_options(q.device)
     common = dict(GROUP=group, BLOCK_G=max(MIN_GROUP_ROWS, next_power_of_2(group)), HEAD_DIM=D,
-                  PAGE_SIZE=page_size, BLOCK_N=block_n, num_warps=NUM_WARPS,
-                  num_stages=NUM_STAGES)
+                  PAGE_SIZE=page_size, BLOCK_N=block_n, BLOCK_H=next_power_of_2(group), CHUNK=REDUCE_CHUNK,
+                  num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl)
     args = (q, k_cache, v_cache, block_tables, context_lens)
     strides = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride())
+    out_strides = (*o.stride(), *lse.stride())
     grid = (B, KVH, num_splits)
     if num_splits == 1:
         _paged_decode_split_kernel[grid](
-            *args, o, lse, *strides, o.stride(0), o.stride(1), 0, o.stride(2),
-            0, lse.stride(0), lse.stride(1),
-            scale * LOG2E, split_len, num_splits, DIRECT=True, **common)
+            *args, o, lse, o, lse, lse, *strides, 0, 0, 0, 0, 0, 0, 0, *out_strides,
+            scale * LOG2E, split_len, num_splits, DIRECT=True, FUSED=False, BLOCK_S=2, **common)
         return o, lse
     o_part = alloc_output((B, H, num_splits, D), torch.float32, q.device)  # [B, H, S, D]
     lse_part = alloc_output((B, H, num_splits), torch.float32, q.device)  # [B, H, S] log2
+    counters = split_counters(q.device, B * KVH) if fused else lse_part  # [>= B * KVH] int32, all 0
     _paged_decode_split_kernel[grid](
-        *args, o_part, lse_part, *strides, *o_part.stride(), *lse_part.stride(),
-        scale * LOG2E, split_len, num_splits, DIRECT=False, **common)
-    merge_splits(o_part, lse_part, o, lse)
+        *args, o_part, lse_part, o, lse, counters, *strides, *o_part.stride(), *lse_part.stride(),
+        *out_strides, scale * LOG2E, split_len, num_splits, DIRECT=False, FUSED=fused,
+        BLOCK_S=max(2, next_power_of_2(num_splits)) if fused else 2, **common)
+    if not fused:
+        merge_splits(o_part, lse_part, o, lse, group)
     return o, lse
 
 
