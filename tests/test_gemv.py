@@ -61,6 +61,7 @@ def _check(out: torch.Tensor, ref: torch.Tensor) -> None:
 PATHS = [("gemv", 1, GemvConfig(16, 16, 4, 1, 1, False, 1))]
 PATHS += [("fma3d", m, GemvConfig(16, 16, 4, 1, 1, False, G.next_power_of_2(m))) for m in (3, 8, 16)]
 PATHS += [("dot", m, GemvConfig(16, 16, 4, 2, 1, True, 16)) for m in (1, 3, 8, 16)]
+PATHS += [("gemv-pipelined", 1, GemvConfig(16, 16, 4, 3, 1, False, 1))]  # tl.range(num_stages=3) K loop
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -171,6 +172,85 @@ def test_heuristic_follows_overridden_constants(monkeypatch):
     assert after != before and (after.block_n, after.block_k, after.num_warps) == (8, 512, 8) and after.split_k == 2
     fma3 = choose_config(4, 2560, 9728, 2, "cpu")  # a 3-d FMA row: BLOCK_K cut to FMA_MAX_ACC
     assert not fma3.use_dot and fma3.block_m == 4 and fma3.block_k * 8 * 4 <= G.FMA_MAX_ACC
+
+
+SHAPE_ROWS = ((50, 100, True, 16, 32, 4, 3, 2), (40, 96, False, 8, 32, 2, 2, None))
+
+
+def test_shape_rows_apply_at_one_row_and_fall_back_to_configs(monkeypatch):
+    """SHAPE_CONFIGS rows (exact (N, K), M = 1) come before CONFIGS: tensor cores allowed at M = 1, a fixed split
+    count (cut so that no split is empty; an explicit split_k still overrides), other shapes and M > 1 untouched."""
+    before = {(m, n, k): choose_config(m, n, k, 4, "cpu") for m in (1, 4) for n, k in ((50, 100), (40, 96), (64, 64))}
+    monkeypatch.setattr(G, "SHAPE_CONFIGS", SHAPE_ROWS)
+    assert choose_config(1, 50, 100, 4, "cpu") == GemvConfig(16, 32, 4, 3, 2, True, 16)
+    assert choose_config(1, 50, 100, 4, "cpu", split_k=1).split_k == 1
+    fma = choose_config(1, 40, 96, 4, "cpu")
+    assert (fma.use_dot, fma.block_m, fma.block_n, fma.block_k, fma.num_warps, fma.num_stages) == (
+        False, 1, 8, 32, 2, 2)
+    assert choose_config(1, 40, 96, 4, "cpu") == G._choose_config(1, 40, 96, 4, 132, None, tuple(G.CONFIGS),
+                                                                 tuple(SHAPE_ROWS[1][2:]), G.PROGRAMS_PER_SM,
+                                                                 G.MIN_PROGRAM_BYTES, G.MAX_SPLIT_K, G.FMA_MAX_ACC)
+    for (m, n, k), config in before.items():
+        if m > 1 or (n, k) == (64, 64):
+            assert choose_config(m, n, k, 4, "cpu") == config
+    assert G.shape_row(1, 64, 64) is None and G.shape_row(2, 50, 100) is None
+    monkeypatch.setattr(G, "SHAPE_CONFIGS", ((50, 100, True, 16, 32, 4, 3),))
+    with pytest.raises(ValueError, match="7 fields"):
+        choose_config(1, 50, 100, 4, "cpu")
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_shape_rows_match_reference(gated, dtype, monkeypatch, launches):
+    """The launches SHAPE_ROWS select (tensor cores at M = 1 in 2 splits at ragged K = 100; the pipelined FMA loop at
+    K = 96), plain and gated (silu(gate) * up in x's loads)."""
+    monkeypatch.setattr(G, "SHAPE_CONFIGS", SHAPE_ROWS)
+    for n, k in ((50, 100), (40, 96)):
+        x, w, _ = _inputs(1, n, k, dtype, seed=n)
+        if gated:
+            gate_up = torch.cat([x * 2, _inputs(1, n, k, dtype, seed=n + 1)[0]], dim=1)  # [1, 2K]
+            _check(G.silu_mul_linear(gate_up, w), G.silu_mul_linear_reference(gate_up, w))
+        else:
+            _check(skinny_linear(x, w), skinny_linear_reference(x, w))
+    assert launches.calls == 2
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("k", [96, 100])
+def test_pipelined_gemv_loop_gated_and_split(stages, k, launches):
+    """The tl.range(num_stages) K loop of the GEMV path, ragged or not, split or not, gated: equal to the reference."""
+    n = 40
+    g = torch.Generator().manual_seed(k + stages)
+    gate_up = torch.randn(1, 2 * k, generator=g).to(DEV)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(DEV)
+    for split in (1, 3):
+        config = GemvConfig(8, 16, 2, stages, split, False, 1)
+        _check(G.silu_mul_linear(gate_up, w, config=config), G.silu_mul_linear_reference(gate_up, w))
+        _check(skinny_linear(gate_up[:, :k], w, config=config), skinny_linear_reference(gate_up[:, :k], w))
+    assert launches.calls == 4
+
+
+def test_tune_gemv_chain_candidates_are_valid_rows():
+    """scripts/tune_gemv_chain.py (pure Python parts): every candidate of every axis is a SHAPE_CONFIGS row that
+    choose_config takes, differs from the row it came from, and the pasted line's rows name the tuned shapes."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "tune_gemv_chain.py"
+    spec = importlib.util.spec_from_file_location("tune_gemv_chain", path)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    for name, (n, k) in tune.SHAPES.items():
+        for row in (tune.DEFAULT_ROW, (True, 32, 256, 4, 3, None)):
+            for axis in ("block_n", "block_k", "num_warps", "num_stages", "split", "dot"):
+                for cand in tune.axis_candidates(name, row, axis):
+                    assert cand != row and len(cand) == 6
+                    assert G.shape_row(1, n, k, tune.shape_configs({name: cand})) == cand
+                    config = G._choose_config(1, n, k, 2, 132, None, tuple(G.CONFIGS), cand, G.PROGRAMS_PER_SM,
+                                              G.MIN_PROGRAM_BYTES, G.MAX_SPLIT_K, G.FMA_MAX_ACC)
+                    assert config.use_dot == cand[0] and (config.split_k - 1) * G.split_length(k, config) < k
+    assert tune.shape_configs({name: tune.DEFAULT_ROW for name in tune.SHAPES}) == ()
+    assert tune.with_split(2560, 9728, tune.DEFAULT_ROW, "heuristic") == tune.DEFAULT_ROW
 
 
 # ---------------------------------------------------------------------------------------------- the Linear layer

@@ -356,7 +356,7 @@ def _gemv_sweep(model: str, proj: str, x: torch.Tensor, weight: torch.Tensor, nb
     results, seen = [], set()
     for label, row, split in _gemv_candidates(m):
         configs = G.CONFIGS if row is None else ((G.MAX_M, *row),)
-        with override_constants(G, CONFIGS=configs):
+        with override_constants(G, CONFIGS=configs, SHAPE_CONFIGS=G.SHAPE_CONFIGS if row is None else ()):
             config = G.choose_config(m, n, k, weight.element_size(), device, split_k=split)
         if config in seen:
             continue

@@ -21,8 +21,13 @@ only to stream W:
   from the shapes, no host syncs).
 
 Configs: CONFIGS maps M to (tensor cores?, BLOCK_N, BLOCK_K, num_warps, num_stages); the split count aims at
-PROGRAMS_PER_SM programs per SM with each program streaming at least MIN_PROGRAM_BYTES of W. These constants are
-module globals read at each call, so ``python -m sparsekv.kernels.bench --gemv`` can override and sweep them.
+PROGRAMS_PER_SM programs per SM with each program streaming at least MIN_PROGRAM_BYTES of W. For M = 1,
+SHAPE_CONFIGS first: rows for an exact weight shape (N, K), with an optional fixed split count, tensor cores allowed
+(x padded to 16 rows, W pipelined through shared memory); shapes it does not list take CONFIGS' row. On the GEMV
+(FMA) path num_stages > 1 asks Triton to software-pipeline the K loop (``tl.range(num_stages=...)``: cp.async
+copies of W in flight, which a loop without tl.dot gets only when asked); 1 is the plain loop. These constants are
+module globals read at each call, so ``python -m sparsekv.kernels.bench --gemv`` and
+``scripts/tune_gemv_chain.py`` (whole decode chains replayed from a CUDA graph) can override and sweep them.
 Semantics: fp32 products and accumulation, + bias in fp32, one rounding to x's dtype (what F.linear gives up to
 summation order).
 """
@@ -54,6 +59,7 @@ __all__ = [
     "MAX_M",
     "GemvConfig",
     "choose_config",
+    "shape_row",
     "silu_mul_linear",
     "silu_mul_linear_reference",
     "skinny_linear",
@@ -66,15 +72,20 @@ MAX_M = 16  # rows up to which skinny_linear runs the kernel; more rows are a GE
 # Timed on an H100 (session 6, `python -m sparsekv.kernels.bench --gemv --quick`): the sweep's best M = 1 config beat
 # cuBLAS on every Qwen3-4B shape; it split K only for down_proj, so the split rule below (programs stream >= 128 KB)
 # follows it. With it the whole batch-1 4K decode step took 5.32-5.35 ms against 5.43-5.57 with cuBLAS; batch 8
-# gained nothing, hence _dispatch.AUTO_GEMV_MAX_ROWS = 1. (ptxas, sm_90a, bf16: no spills.) The GEMV (FMA) path is not software
-# pipelined by Triton (no cp.async: num_stages does nothing there), so its loads in flight come from occupancy:
-# a [16, 256] tile is 4 16-byte loads per thread at 77 registers, ~6 programs (48 KB of loads) per SM; [16, 512]
-# doubles the loads per program but takes 165 registers. The tensor-core path pipelines W and x through shared
+# gained nothing, hence _dispatch.AUTO_GEMV_MAX_ROWS = 1. (ptxas, sm_90a, bf16: no spills.) At num_stages = 1 the
+# GEMV (FMA) path is not software pipelined (no cp.async; > 1 asks for it: untimed as of session 6), so its loads in
+# flight come from occupancy: a [16, 256] tile is 4 16-byte loads per thread at 77 registers, ~6 programs (48 KB of
+# loads) per SM; [16, 512] doubles the loads per program but takes 165 registers. The tensor-core path pipelines W and x through shared
 # memory (cp.async): [32, 256] W + [16, 256] x tiles, 3 stages, 48 KB of shared memory, mma.sync.
 CONFIGS = (
     (1, False, 16, 256, 4, 1),
     (MAX_M, True, 32, 256, 4, 3),
 )
+# M = 1 rows per weight shape, looked up before CONFIGS: (N, K, tensor cores, BLOCK_N, BLOCK_K, num_warps, num_stages,
+# split_k or None for the heuristic). Empty: every shape takes CONFIGS' M = 1 row. Fill it from the last line that
+# `python scripts/tune_gemv_chain.py OUT_DIR` prints (best config per Qwen3-4B shape, timed as whole decode chains
+# replayed from a CUDA graph on an H100), and note the date and the chain times here.
+SHAPE_CONFIGS: tuple = ()
 PROGRAMS_PER_SM = 4  # split K until row blocks x splits >= PROGRAMS_PER_SM x SMs ...
 MIN_PROGRAM_BYTES = 131072  # ... as long as each program still streams this much of W
 MAX_SPLIT_K = 16
@@ -139,13 +150,21 @@ def _load_x(x_ptrs, mask, K, GATED: tl.constexpr):
 
 
 @jit
+def _gemv_tile(acc2, w_ptrs, x_ptrs, k0, k_end, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr):
+    # acc2 [BLOCK_N, BLOCK_K] fp32 += the W tile at w_ptrs times the x tile at x_ptrs (columns k0 ...)
+    w = _load_w(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
+    x = _load_x(x_ptrs, None if EVEN_K else (k0 + tl.arange(0, BLOCK_K)) < k_end, K, GATED)
+    return acc2 + w.to(tl.float32) * x.to(tl.float32)[None, :]
+
+
+@jit
 def _skinny_linear_kernel(
     X, W, B, OUT,
     stride_xm, stride_wn, stride_om, stride_on, stride_os,
     M, N, K, split_len,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PARTIAL: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr,
+    PARTIAL: tl.constexpr, GATED: tl.constexpr, FMA_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # X [M, K] (GATED: gate_up [M, 2K]), W [N, K], both unit stride along K; OUT is out [M, N] or, with PARTIAL,
     # partials [SPLIT_K, M, N]
@@ -172,12 +191,16 @@ def _skinny_linear_kernel(
         acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-            w = _load_w(w_ptrs, k0, k_end, BLOCK_K, EVEN_K)
-            x = _load_x(x_ptrs, None if EVEN_K else (k0 + tl.arange(0, BLOCK_K)) < k_end, K, GATED)
-            acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
+        if FMA_STAGES > 1:  # cp.async pipelining: Triton pipelines a loop without tl.dot only when asked to
+            for k0 in tl.range(k_start + BLOCK_K, k_end, BLOCK_K, num_stages=FMA_STAGES):
+                acc2 = _gemv_tile(acc2, w_ptrs, x_ptrs, k0, k_end, K, BLOCK_K, EVEN_K, GATED)
+                w_ptrs += BLOCK_K
+                x_ptrs += BLOCK_K
+        else:
+            for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+                acc2 = _gemv_tile(acc2, w_ptrs, x_ptrs, k0, k_end, K, BLOCK_K, EVEN_K, GATED)
+                w_ptrs += BLOCK_K
+                x_ptrs += BLOCK_K
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
     else:
         pdl_wait(USE_PDL)
@@ -240,10 +263,26 @@ def table_row(m: int, configs=None) -> tuple[bool, int, int, int, int]:
     return tuple(configs[-1][1:])
 
 
+def shape_row(m: int, n: int, k: int, shape_configs=None) -> tuple[bool, int, int, int, int, int | None] | None:
+    """(tensor cores, BLOCK_N, BLOCK_K, num_warps, num_stages, split_k or None) of SHAPE_CONFIGS (or
+    `shape_configs`) for W [n, k] at m = 1; None where the shape has no row (or m > 1): CONFIGS applies."""
+    shape_configs = SHAPE_CONFIGS if shape_configs is None else shape_configs
+    if m != 1:
+        return None
+    for row in shape_configs:
+        if len(row) != 8:
+            raise ValueError(f"SHAPE_CONFIGS row {row!r} has {len(row)} fields; expected (N, K, tensor cores, "
+                             f"BLOCK_N, BLOCK_K, num_warps, num_stages, split_k or None)")
+        if row[0] == n and row[1] == k:
+            return tuple(row[2:])
+    return None
+
+
 def choose_config(m: int, n: int, k: int, element_size: int, device: torch.device | str | None = None,
                   split_k: int | None = None) -> GemvConfig:
-    """The launch for x [m, k] @ W [n, k]^T: CONFIGS' row for m, tiles clamped to the problem, and the split
-    count (``split_k`` overrides the heuristic; either way it is cut so that no split is empty)."""
+    """The launch for x [m, k] @ W [n, k]^T: SHAPE_CONFIGS' row for (n, k) at m = 1, else CONFIGS' row for m,
+    tiles clamped to the problem, and the split count (``split_k`` overrides the row's and the heuristic's;
+    either way it is cut so that no split is empty)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cuda":
         sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
@@ -251,15 +290,21 @@ def choose_config(m: int, n: int, k: int, element_size: int, device: torch.devic
         sms = num_sms(None)
     # memoised (a decode step asks the same few questions every layer); the tuning globals are part of the key
     configs = tuple(tuple(row) for row in CONFIGS)
-    return _choose_config(m, n, k, element_size, sms, split_k, configs, PROGRAMS_PER_SM, MIN_PROGRAM_BYTES,
+    row = shape_row(m, n, k, tuple(tuple(r) for r in SHAPE_CONFIGS))
+    return _choose_config(m, n, k, element_size, sms, split_k, configs, row, PROGRAMS_PER_SM, MIN_PROGRAM_BYTES,
                           MAX_SPLIT_K, FMA_MAX_ACC)
 
 
 @functools.lru_cache(maxsize=4096)
-def _choose_config(m: int, n: int, k: int, element_size: int, sms: int, split_k: int | None, configs,
+def _choose_config(m: int, n: int, k: int, element_size: int, sms: int, split_k: int | None, configs, row,
                    programs_per_sm: int, min_program_bytes: int, max_split_k: int, fma_max_acc: int) -> GemvConfig:
-    use_dot, block_n, block_k, warps, stages = table_row(m, configs)
-    use_dot = bool(use_dot) and m > 1
+    if row is not None:  # a SHAPE_CONFIGS row (m = 1): tensor cores allowed, x padded to 16 rows
+        use_dot, block_n, block_k, warps, stages, row_split = row
+        use_dot = bool(use_dot)
+        split_k = row_split if split_k is None else split_k
+    else:
+        use_dot, block_n, block_k, warps, stages = table_row(m, configs)
+        use_dot = bool(use_dot) and m > 1
     block_m = DOT_BLOCK_M if use_dot else next_power_of_2(m)
     low = 16 if use_dot else 1  # tl.dot's smallest side
     block_n = max(low, min(block_n, next_power_of_2(n)))
@@ -371,6 +416,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         m, n, k, split_len,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_DOT=config.use_dot,
         DOT_F32=dot_f32, EVEN_K=k % config.block_k == 0, HAS_BIAS=has_bias, PARTIAL=partial, GATED=gated,
+        FMA_STAGES=config.num_stages if config.block_m == 1 and not config.use_dot else 1,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
     )
     if partial:
