@@ -208,8 +208,12 @@ def test_fused_model_forward_equals_unfused(ckpt, backend, request, switches, mo
 
 
 # ---------------------------------------------------------------------------------------------- PDL
-def test_pdl_switch_is_a_no_op_off_gpu(switches):
-    assert not _dispatch.pdl_requested()  # off by default
+def test_pdl_switch_is_a_no_op_off_gpu(switches, monkeypatch):
+    monkeypatch.delenv(_dispatch.ENV_PDL, raising=False)
+    _dispatch.pdl_requested.cache_clear()
+    assert _dispatch.pdl_requested()  # on by default
+    switches(_dispatch.ENV_PDL, "0")
+    assert not _dispatch.pdl_requested()
     switches(_dispatch.ENV_PDL, "1")
     assert _dispatch.pdl_requested()
     assert _dispatch.pdl_launch_options(torch.device("cpu")) == {"USE_PDL": False}

@@ -164,6 +164,7 @@ def test_heuristic_on_the_decode_shapes(m):
 
 
 def test_heuristic_follows_overridden_constants(monkeypatch):
+    monkeypatch.setattr(G, "SHAPE_CONFIGS", ())  # the CONFIGS heuristic, not the tuned Qwen3-4B rows
     before = choose_config(1, 2560, 9728, 2, "cpu")
     monkeypatch.setattr(G, "CONFIGS", ((16, False, 8, 512, 8, 1),))
     monkeypatch.setattr(G, "MAX_SPLIT_K", 2)
@@ -369,3 +370,14 @@ def test_gpu_replays_inside_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, skinny_linear(x, w, b))
+
+
+def test_tuned_qwen3_4b_rows_apply_at_one_row():
+    """The shipped SHAPE_CONFIGS cover every Qwen3-4B decode GEMV (tuned on an H100) and leave M > 1 alone."""
+    for n, k in ((6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (151936, 2560)):
+        row = next(r for r in G.SHAPE_CONFIGS if r[:2] == (n, k))
+        config = choose_config(1, n, k, 2, "cpu")
+        assert (config.use_dot, config.block_n, config.block_k, config.num_warps) == tuple(row[2:6])
+        assert choose_config(4, n, k, 2, "cpu") == G._choose_config(4, n, k, 2, 132, None, tuple(G.CONFIGS), None,
+                                                                    G.PROGRAMS_PER_SM, G.MIN_PROGRAM_BYTES,
+                                                                    G.MAX_SPLIT_K, G.FMA_MAX_ACC)
