@@ -336,6 +336,25 @@ section_session7() {  # issues 4 and 5, session 7: overlapped decode A/B and bat
     done
 }
 
+section_session8() {  # issues 4 and 5, session 8: decode with fused kernels, PDL and tuned GEMV rows (batch 1/8/32,
+                       # offloaded 8K segmented), 128K prefill of full, xattn_bsa_090 (stride 8, 16), minference_band
+                       # (~8 min; DECODE_STEPS=64 as in session 7)
+    local i b
+    for i in 1 2; do
+        bench "none-4k-b1-$i" "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096
+    done
+    for b in 8 32; do
+        bench "none-4k-b$b" "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096 bench.batch_size=$b \
+            scheduler.max_num_seqs=32
+    done
+    bench "cpu-8k-segmented" "${QWEN[@]}" offload=cpu graph=segmented bench.context=8192
+    local S=(model=qwen3_4b model.load_format=dummy_structured bench.decode_steps=4 bench.context=131072 offload=none)
+    BENCH_TIMEOUT=120 bench "none-full-128k-structured" "${S[@]}" policy=full
+    BENCH_TIMEOUT=120 bench "none-xattn_bsa_090-128k-structured" "${S[@]}" policy=xattn_bsa_090
+    BENCH_TIMEOUT=120 bench "none-xattn_bsa_090-s16-128k-structured" "${S[@]}" policy=xattn_bsa_090 policy.stride=16
+    BENCH_TIMEOUT=120 bench "none-minference_band-128k-structured" "${S[@]}" policy=minference_band
+}
+
 section_summary() {
     python3 -m sparsekv.tasks.bench summarize "$OUT/bench" 2>&1 | tee "$OUT/bench_summary.md"
     # the device tool returns at most 8 files: pack every run's record and log into one archive
@@ -345,9 +364,9 @@ section_summary() {
 [ $# -gt 0 ] || set -- info tests bench
 for SECTION in "$@"; do
     case "$SECTION" in
-        session7|xattn|minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
+        session8|session7|xattn|minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
         summary) ;;
-        *) echo "usage: OUT=dir $0 [session7|xattn|minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
+        *) echo "usage: OUT=dir $0 [session8|session7|xattn|minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
     esac
 done
 [ -d "$OUT/bench" ] && section_summary
