@@ -48,10 +48,30 @@ def test_fused_default_plan_and_single_split():
     lens = [70, 5, 129]
     q, kc, vc, tables, lens_t, _, _ = _paged_case(lens, 8, 2, 64, 16, seed=3)
     ref = paged_decode_attention_reference(q, kc, vc, tables, lens_t, softmax_scale=0.2)
-    for kw in ({}, {"num_splits": 1}, {"max_context_len": 40, "num_splits": 2}):  # 40: the last split takes the rest
+    for kw in ({}, {"num_splits": 1}, {"max_context_len": 40, "num_splits": 2}):  # 40 < 129: split from each length
         fused, split = _both(q, kc, vc, tables, lens_t, softmax_scale=0.2, **kw)
         _assert_bitwise(fused, split)
         _check_attn(fused, ref, q.dtype)
+    assert _counters_zero()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_grid_planned_for_a_long_context_splits_short_ones_evenly(fused, monkeypatch):
+    """The engine plans the grid from max_model_len (fixed for CUDA graphs); each sequence cuts its own context into
+    min(num_splits, len / min_split_tokens) splits, so a short one still spreads over several programs."""
+    lens = [0, 40, 130, 301]
+    q, kc, vc, tables, lens_t, _, _ = _paged_case(lens, 8, 2, 32, 12, seed=11)
+    ref = paged_decode_attention_reference(q, kc, vc, tables, lens_t)
+    kw = dict(max_context_len=4096, num_splits=64, min_split_tokens=64, fused=fused)
+    out = P.paged_decode_attention(q, kc, vc, tables, lens_t, **kw)
+    _check_attn(out, ref, q.dtype)
+    # the partials of the longest sequence: 301 keys over ceil(301 / 64) = 5 splits of 64, the other 59 empty
+    lse_part = torch.full((4, 8, 64), float("nan"))
+    monkeypatch.setattr(P, "alloc_output", lambda shape, dtype, device: (
+        lse_part if tuple(shape) == (4, 8, 64) else torch.empty(shape, dtype=dtype, device=device)))
+    P.paged_decode_attention(q, kc, vc, tables, lens_t, **kw)
+    assert torch.isfinite(lse_part[3, :, :5]).all() and torch.isneginf(lse_part[3, :, 5:]).all()
+    assert torch.isfinite(lse_part[1, :, :1]).all() and torch.isneginf(lse_part[1, :, 1:]).all()  # 40 keys: one
     assert _counters_zero()
 
 

@@ -97,7 +97,7 @@ def _paged_decode_split_kernel(
     stride_opb, stride_oph, stride_ops, stride_opd,
     stride_lpb, stride_lph, stride_lps,
     stride_ob, stride_oh, stride_od, stride_lh, stride_lb,
-    qk_scale, split_len, num_splits,
+    qk_scale, min_split, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
@@ -108,9 +108,13 @@ def _paged_decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(CTX + b)
+    # The sequence's own split plan: as many of the grid's num_splits as give each at least min_split keys. It
+    # depends on ctx and the launch's constants only, so an eager step and a graph replay (whose grid is fixed by
+    # max_model_len) split identically, and a short context still spreads over many programs.
+    active = tl.maximum(tl.minimum(num_splits, tl.cdiv(ctx, min_split)), 1)
+    split_len = tl.cdiv(tl.cdiv(ctx, active), BLOCK_N) * BLOCK_N
     start = split * split_len
-    end = tl.minimum(start + split_len, ctx)
-    end = tl.where(split == num_splits - 1, ctx, end)  # last split takes any overflow
+    end = tl.minimum(start + split_len, ctx)  # splits >= active are empty
 
     offs_g = tl.arange(0, BLOCK_G)  # [BLOCK_G] query heads of this GQA group (padded)
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -169,7 +173,7 @@ def _paged_decode_split_kernel(
                              stride_opb, stride_oph, stride_ops, stride_opd,
                              stride_lpb, stride_lph, stride_lps,
                              stride_ob, stride_oh, stride_od, stride_lh, stride_lb,
-                             num_splits, BLOCK_H=BLOCK_H, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, CHUNK=CHUNK)
+                             active, BLOCK_H=BLOCK_H, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, CHUNK=CHUNK)
                 tl.store(cnt, 0)  # ready for the next launch (and graph replay)
 
 
@@ -286,6 +290,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor, context_lens: torch.Tensor,
     softmax_scale: float | None = None, *,
     max_context_len: int | None = None, num_splits: int | None = None, fused: bool | None = None,
+    min_split_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over a paged cache.
 
@@ -294,6 +299,9 @@ def paged_decode_attention(
     ``max_context_len`` (>= context_lens.max(), known on the host) avoids a device sync;
     ``num_splits`` overrides the split heuristic (tests, tuning); ``fused`` overrides FUSED_REDUCE
     (one launch that also merges the splits, or a second reduce kernel: bitwise-equal results).
+    Each sequence spreads its own context over at most that many splits of at least ``min_split_tokens`` keys
+    (default: one tile), decided in the kernel from its length: a grid sized for a long max_context_len (a CUDA
+    graph captured for max_model_len) still splits a short context evenly.
     """
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
     if not use_triton(q.device):
@@ -320,6 +328,7 @@ def paged_decode_attention(
     num_splits = max(1, int(num_splits))
     split_len = cdiv(cdiv(max(max_context_len, 1), num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max_context_len, split_len))
+    min_split = block_n if min_split_tokens is None else max(block_n, int(min_split_tokens))
     fused = FUSED_REDUCE if fused is None else fused
     group = H // KVH
     pdl = pdl_launch_options(q.device)
@@ -333,14 +342,14 @@ def paged_decode_attention(
     if num_splits == 1:
         _paged_decode_split_kernel[grid](
             *args, o, lse, o, lse, lse, *strides, 0, 0, 0, 0, 0, 0, 0, *out_strides,
-            scale * LOG2E, split_len, num_splits, DIRECT=True, FUSED=False, BLOCK_S=2, **common)
+            scale * LOG2E, min_split, num_splits, DIRECT=True, FUSED=False, BLOCK_S=2, **common)
         return o, lse
     o_part = alloc_output((B, H, num_splits, D), torch.float32, q.device)  # [B, H, S, D]
     lse_part = alloc_output((B, H, num_splits), torch.float32, q.device)  # [B, H, S] log2
     counters = split_counters(q.device, B * KVH) if fused else lse_part  # [>= B * KVH] int32, all 0
     _paged_decode_split_kernel[grid](
         *args, o_part, lse_part, o, lse, counters, *strides, *o_part.stride(), *lse_part.stride(),
-        *out_strides, scale * LOG2E, split_len, num_splits, DIRECT=False, FUSED=fused,
+        *out_strides, scale * LOG2E, min_split, num_splits, DIRECT=False, FUSED=fused,
         BLOCK_S=max(2, next_power_of_2(num_splits)) if fused else 2, **common)
     if not fused:
         merge_splits(o_part, lse_part, o, lse, group)

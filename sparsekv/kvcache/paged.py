@@ -7,7 +7,7 @@ import torch
 
 from sparsekv.engine.context import Context
 from sparsekv.kernels import paged_decode_attention, store_kv
-from sparsekv.kernels.paged_attention import choose_num_splits
+from sparsekv.kernels.paged_attention import MIN_SPLIT_TOKENS, choose_num_splits
 from sparsekv.kvcache.base import KVStore
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,8 @@ class PagedKVStore(KVStore):
         if not context.is_prefill:
             max_len, splits = self.decode_plan(q.shape[0]) or (context.max_context_len, None)
             out, _ = paged_decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens,
-                                            scale, max_context_len=max_len, num_splits=splits)
+                                            scale, max_context_len=max_len, num_splits=splits,
+                                            min_split_tokens=MIN_SPLIT_TOKENS)
             return out
         out = torch.empty_like(q)
         for chunk in context.chunks:
