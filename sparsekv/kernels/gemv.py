@@ -83,15 +83,14 @@ CONFIGS = (
 )
 # M = 1 rows per weight shape, looked up before CONFIGS: (N, K, tensor cores, BLOCK_N, BLOCK_K, num_warps, num_stages,
 # split_k or None for the heuristic). Shapes not listed take CONFIGS' M = 1 row. The rows are the last line of
-# `python scripts/tune_gemv_chain.py OUT_DIR --quick` on an H100 (2026-11-23, session 8): the Qwen3-4B decode chain
-# (36 layers + lm_head, 8.04 GB) replayed from a CUDA graph took 3.152 ms with CONFIGS alone and 2.887 ms with these
-# rows under PDL (3.288 / 3.098 ms without PDL).
+# `python scripts/tune_gemv_chain.py OUT_DIR --rounds 2` on an H100 (2026-11-23, session 8): the Qwen3-4B decode chain
+# (36 layers + lm_head, 8.04 GB) replayed from a CUDA graph took 3.150 ms with CONFIGS alone and 2.854 ms with these
+# rows under PDL (3.287 / 3.116 ms without PDL); lm_head's best was CONFIGS' row.
 SHAPE_CONFIGS: tuple = (
-    (6144, 2560, False, 8, 512, 4, 1, None),  # qkv
-    (2560, 4096, False, 32, 512, 4, 1, None),  # o_proj
-    (19456, 2560, False, 8, 512, 4, 1, None),  # gate_up
+    (6144, 2560, False, 8, 512, 2, 2, None),  # qkv
+    (2560, 4096, False, 8, 512, 8, 1, 2),  # o_proj
+    (19456, 2560, False, 8, 512, 4, 2, None),  # gate_up
     (2560, 9728, False, 32, 256, 4, 1, None),  # down (gated)
-    (151936, 2560, False, 8, 256, 4, 1, None),  # lm_head
 )
 PROGRAMS_PER_SM = 4  # split K until row blocks x splits >= PROGRAMS_PER_SM x SMs ...
 MIN_PROGRAM_BYTES = 131072  # ... as long as each program still streams this much of W
