@@ -380,7 +380,6 @@ def _vertical_slash_triton(q, k, v, vertical_idx, slash_offsets, scale, q_offset
     t = torch.arange(t_min, t_max + 1, device=dev)
     lo = torch.clamp(phi + (t - 1) * block_n + 1, min=d_lo)
     hi = torch.clamp(phi + t * block_n + block_m, max=d_hi)  # exclusive
-    width = (hi - lo).clamp(min=0)
     lo_i = (lo - d_lo).clamp(0, d_hi - d_lo)
     hi_i = torch.maximum(lo_i, (hi - d_lo).clamp(0, d_hi - d_lo))
     count = cs[:, hi_i] - cs[:, lo_i]  # [H, NT] selected offsets in each tile's window
