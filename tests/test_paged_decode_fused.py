@@ -35,7 +35,7 @@ def _counters_zero(device: torch.device = DEV) -> bool:
 @pytest.mark.parametrize("group,kvh", [(1, 2), (4, 2), (3, 1)])
 @pytest.mark.parametrize("num_splits", [2, 3, 5, 18])  # 18 > REDUCE_CHUNK: two merge steps
 def test_fused_equals_two_kernel_and_reference(group, kvh, num_splits):
-    lens = [0, 1, 37, 200, 301]  # ragged: empty sequences, splits with no keys, an overflowing last split
+    lens = [0, 1, 37, 200, 301]  # ragged: empty sequences, splits with no keys, lengths below max_context_len
     q, kc, vc, tables, lens_t, _, _ = _paged_case(lens, group * kvh, kvh, 32, 12, seed=num_splits + group)
     fused, split = _both(q, kc, vc, tables, lens_t, num_splits=num_splits, max_context_len=max(lens))
     _assert_bitwise(fused, split)

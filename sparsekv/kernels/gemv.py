@@ -322,13 +322,17 @@ def _choose_config(m: int, n: int, k: int, element_size: int, sms: int, split_k:
         by_parallelism = cdiv(programs_per_sm * sms, row_blocks)
         by_bytes = (block_n * k * element_size) // max(1, min_program_bytes)
         split_k = max(1, min(by_parallelism, by_bytes, max_split_k))
-    split_len = cdiv(cdiv(k, max(1, int(split_k))), block_k) * block_k
+    split_len = _aligned_split(k, max(1, int(split_k)), block_k)
     return GemvConfig(block_n, block_k, warps, stages, cdiv(k, split_len), use_dot, block_m)
+
+
+def _aligned_split(k: int, split_k: int, block_k: int) -> int:
+    return cdiv(cdiv(k, split_k), block_k) * block_k
 
 
 def split_length(k: int, config: GemvConfig) -> int:
     """Elements of K per split: BLOCK_K-aligned, so only the last split can end mid-tile."""
-    return cdiv(cdiv(k, config.split_k), config.block_k) * config.block_k
+    return _aligned_split(k, config.split_k, config.block_k)
 
 
 # ---------------------------------------------------------------------------------------------- launchers

@@ -331,6 +331,7 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = choose_num_splits(B, KVH, max_context_len, q.device)
     num_splits = max(1, int(num_splits))
+    # the grid: no more splits than max_context_len fills with whole tiles (each sequence sizes its own in the kernel)
     split_len = cdiv(cdiv(max(max_context_len, 1), num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max_context_len, split_len))
     min_split = block_n if min_split_tokens is None else max(block_n, int(min_split_tokens))

@@ -168,7 +168,7 @@ class XAttentionPolicy(SparsePolicy):
         n, seq, bs = q.shape[0], k.shape[0], self.block_size
         nkb = _cdiv(seq, bs)
         qb0 = (seq - n) // bs
-        visible = sum(qb + 1 for qb in range(qb0, nkb))
+        visible = (qb0 + 1 + nkb) * (nkb - qb0) // 2  # sum of qb + 1 over the query blocks qb0 .. nkb-1
         if nkb <= 2 or self.threshold >= 1.0:  # every visible block is the sink or a diagonal / all kept
             self.record_density(visible, visible)
             return super().compute_prefill(q, k, v, layer_id, softmax_scale)
