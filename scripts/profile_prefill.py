@@ -4,7 +4,7 @@
     python scripts/profile_prefill.py --context 131072 model.load_format=dummy_structured policy=xattn_bsa_090
 
 Runs one unprofiled prefill of --context random tokens (wall time), then the same prefill under torch.profiler, and
-prints the kernel time summed by kernel name (top 25), so the attention kernels, the policy's estimate and the
+prints the kernel time summed by kernel name (top 45), so the attention kernels, the policy's estimate and the
 dense layers (GEMMs, norms, rotary, KV writes) can be weighed against the wall time. Model: Qwen3-4B dummy weights.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ def main() -> None:
     kernel_s = sum(_device_us(e) for e in kernels if "memcpy" not in e.key.lower()) / 1e6
     print(json.dumps({"context": args.context, "overrides": args.overrides, "prefill_wall_s": round(wall, 3),
                       "kernel_s": round(kernel_s, 3)}), flush=True)
-    for e in sorted(kernels, key=_device_us, reverse=True)[:25]:
+    for e in sorted(kernels, key=_device_us, reverse=True)[:45]:
         print(f"{_device_us(e) / 1e6:8.3f} s {e.count:7d}x  {e.key[:110]}")
 
 
