@@ -49,10 +49,8 @@ from ._dispatch import (
     num_sms,
     pdl_launch_options,
     pdl_wait,
-    prefetch_l2,
     tl,
     triton_interpret,
-    use_l2_prefetch,
     use_triton,
 )
 from .activation import silu_and_mul, silu_and_mul_reference
@@ -99,10 +97,6 @@ MIN_PROGRAM_BYTES = 131072  # ... as long as each program still streams this muc
 MAX_SPLIT_K = 16
 FMA_MAX_ACC = 8192  # elements (BLOCK_N * BLOCK_M * BLOCK_K) of the 3-d FMA accumulator: 64 fp32 regs at 4 warps
 REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
-# With PDL and SPARSEKV_L2_PREFETCH, a GEMV program asks L2 for up to this many bytes of its next W tiles before it
-# waits on the previous kernel (the first tile it loads outright): W streams in under the previous kernel's tail
-PREFETCH_BYTES = 32768
-L2_LINE_BYTES = 128
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DOT_BLOCK_M = 16  # tl.dot needs >= 16 on each side
 
@@ -177,7 +171,6 @@ def _skinny_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr, GATED: tl.constexpr, FMA_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
-    PREFETCH_TILES: tl.constexpr = 0, LINE: tl.constexpr = 64,
 ):
     # X [M, K] (GATED: gate_up [M, 2K]), W [N, K], both unit stride along K; OUT is out [M, N] or, with PARTIAL,
     # partials [SPLIT_K, M, N]
@@ -197,12 +190,6 @@ def _skinny_linear_kernel(
         # the first W tile streams in before the wait on the previous kernel (with PDL: under its tail); every
         # program has at least one tile (no split is empty). Then the loop from the second tile on.
         w = _load_w(w_ptrs, k_start, k_end, BLOCK_K, EVEN_K)
-        if PREFETCH_TILES > 0:  # and the next tiles into L2 (LINE elements per 128-byte line)
-            lines = tl.arange(0, BLOCK_K // LINE) * LINE  # [BLOCK_K / LINE]
-            for i in tl.static_range(1, PREFETCH_TILES + 1):
-                k0 = k_start + i * BLOCK_K
-                if k0 < k_end:
-                    prefetch_l2(W + rows_n[:, None] * stride_wn + tl.minimum(k0 + lines, k_end - 1)[None, :])
         pdl_wait(USE_PDL)
         x_ptrs = X + offs_k  # [BLOCK_K]
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -433,19 +420,13 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     has_bias = bias is not None
     dot_f32 = config.use_dot and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and triton_interpret()))
     pdl = pdl_launch_options(x.device)
-    fma = config.block_m == 1 and not config.use_dot
-    line = L2_LINE_BYTES // x.element_size()
-    prefetch = 0
-    if fma and config.block_k >= line and use_l2_prefetch(x.device):
-        tile_bytes = config.block_n * config.block_k * x.element_size()
-        prefetch = min(cdiv(split_len, config.block_k) - 1, PREFETCH_BYTES // tile_bytes)
     _skinny_linear_kernel[(cdiv(n, config.block_n), splits)](
         x, weight, bias if has_bias else x, dest,
         x.stride(0), weight.stride(0), dest.stride(-2), dest.stride(-1), dest.stride(0) if partial else 0,
         m, n, k, split_len,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_DOT=config.use_dot,
         DOT_F32=dot_f32, EVEN_K=k % config.block_k == 0, HAS_BIAS=has_bias, PARTIAL=partial, GATED=gated,
-        FMA_STAGES=config.num_stages if fma else 1, PREFETCH_TILES=max(0, prefetch), LINE=line,
+        FMA_STAGES=config.num_stages if config.block_m == 1 and not config.use_dot else 1,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
     )
     if partial:
