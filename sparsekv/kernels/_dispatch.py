@@ -206,35 +206,6 @@ def pdl_wait(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-ENV_L2_PREFETCH = "SPARSEKV_L2_PREFETCH"
-
-
-@functools.lru_cache(maxsize=None)
-def l2_prefetch_requested() -> bool:
-    """SPARSEKV_L2_PREFETCH (read once per process; tests clear this cache; default 1): the PDL paged decode
-    attention prefetches into L2, before its wait on the previous kernel, the step's older K/V (no kernel of the
-    step writes them), so the stream starts under the previous kernel; 0 off. (GEMV programs prefetching their
-    next weight tiles the same way made the batch-1 4K step 4.36 ms against 3.74: not done.)"""
-    choice = os.environ.get(ENV_L2_PREFETCH, "1").strip().lower()
-    if choice not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
-        raise ValueError(f"{ENV_L2_PREFETCH}={choice!r}: use 1 (prefetch into L2 before the PDL wait) or 0 (off)")
-    return choice not in ("0", "false", "no", "off")
-
-
-def use_l2_prefetch(device: torch.device) -> bool:
-    """Whether PDL kernels on ``device`` prefetch before their wait: only with PDL (without it nothing runs under
-    the previous kernel) and SPARSEKV_L2_PREFETCH."""
-    return use_pdl(device) and l2_prefetch_requested()
-
-
-@jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the line of every pointer of ``ptrs`` (prefetch.global.L2: no result, no L1 fill); the
-    pointers must be valid addresses. CUDA only: callers guard it with a constexpr off the interpreter."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
 def alloc_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.empty, or a NaN-filled buffer when POISON_OUTPUTS is set (tests)."""
     if POISON_OUTPUTS:

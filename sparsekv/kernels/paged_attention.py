@@ -19,8 +19,8 @@ import math
 
 import torch
 from ._dispatch import (
-    alloc_output, cdiv, choose_splits, jit, next_power_of_2, pdl_launch_options, pdl_wait, prefetch_l2, tl,
-    triton_interpret, use_l2_prefetch, use_triton,
+    alloc_output, cdiv, choose_splits, jit, next_power_of_2, pdl_launch_options, pdl_wait, tl, triton_interpret,
+    use_triton,
 )
 from .attention import SUPPORTED_HEAD_DIMS, flash_attn_with_lse_reference
 
@@ -43,9 +43,6 @@ PROGRAMS_PER_SM = 4  # target B * KVH * splits ~= PROGRAMS_PER_SM * num SMs
 REDUCE_CHUNK = 16  # splits merged per (unrolled) step of the merge
 FUSED_REDUCE = True  # merge the splits in the split launch (last-arriving program); False: a second kernel
 COUNTER_SLOTS = 1 << 16  # arrival counters per device: B * KVH of one launch at most
-# With PDL and SPARSEKV_L2_PREFETCH the split programs ask L2, before their wait, for at most this many bytes of the
-# older K/V (spread over the launch's programs) while the q/k norm + rotary kernel before them still runs
-PREFETCH_BYTES = 24 << 20
 
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 
@@ -103,16 +100,16 @@ def _paged_decode_split_kernel(
     stride_opb, stride_oph, stride_ops, stride_opd,
     stride_lpb, stride_lph, stride_lps,
     stride_ob, stride_oh, stride_od, stride_lh, stride_lb,
-    qk_scale, min_split, num_splits, prefetch_bytes,
+    qk_scale, min_split, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 64,
 ):
+    # q, the step's own K/V and the block table come from earlier kernels: wait before any load
+    pdl_wait(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # context lengths and block tables are copied in before the step's first kernel: safe to read before the wait
     ctx = tl.load(CTX + b)
     # The sequence's own split plan: as many of the grid's num_splits as give each at least min_split keys. It
     # depends on ctx and the launch's constants only, so an eager step and a graph replay (whose grid is fixed by
@@ -121,34 +118,18 @@ def _paged_decode_split_kernel(
     split_len = tl.cdiv(tl.cdiv(ctx, active), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)  # splits >= active are empty
-    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    b64 = b.to(tl.int64)
-    bt_row = BT + b64 * stride_btb
-    if PREFETCH:
-        # Under the previous kernel, ask L2 for this split's older K/V (all but the newest token, which the previous
-        # kernels write this step), at most prefetch_bytes over the launch's active programs (L2 must hold them).
-        row_bytes = 2 * HEAD_DIM * (128 // LINE)  # K + V bytes per token (LINE elements per 128-byte line)
-        budget = prefetch_bytes // (tl.num_programs(0) * tl.num_programs(1) * active * row_bytes)
-        stop = tl.minimum(tl.minimum(end, ctx - 1), start + budget)
-        lines = tl.arange(0, HEAD_DIM // LINE) * LINE  # [D / LINE] first element of each line of a K/V row
-        for t0 in range(start, stop, BLOCK_N):
-            tok = t0 + offs_n  # [BLOCK_N]
-            page = tl.load(bt_row + (tok // PAGE_SIZE) * stride_btn, mask=tok < stop, other=0).to(tl.int64)
-            row = page * stride_kblk + (tok % PAGE_SIZE) * stride_kslot + kv_head.to(tl.int64) * stride_kh
-            prefetch_l2(K + row[:, None] + lines[None, :] * stride_kd)  # masked tokens: block 0, a valid address
-            row = page * stride_vblk + (tok % PAGE_SIZE) * stride_vslot + kv_head.to(tl.int64) * stride_vh
-            prefetch_l2(V + row[:, None] + lines[None, :] * stride_vd)
-    # q and the step's own K/V come from earlier kernels: wait before loading them
-    pdl_wait(USE_PDL)
 
     offs_g = tl.arange(0, BLOCK_G)  # [BLOCK_G] query heads of this GQA group (padded)
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, HEAD_DIM)  # [D]
     g_ok = offs_g < GROUP
     heads = kv_head * GROUP + offs_g
+    b64 = b.to(tl.int64)
     q = tl.load(Q + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=g_ok[:, None], other=0.0)  # [BLOCK_G, D]
     k_base = K + kv_head.to(tl.int64) * stride_kh + offs_d[None, :] * stride_kd
     v_base = V + kv_head.to(tl.int64) * stride_vh + offs_d[None, :] * stride_vd
+    bt_row = BT + b64 * stride_btb
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -357,9 +338,7 @@ def paged_decode_attention(
     fused = FUSED_REDUCE if fused is None else fused
     group = H // KVH
     pdl = pdl_launch_options(q.device)
-    line = 128 // q.element_size()  # elements per 128-byte line
-    prefetch = D >= line and use_l2_prefetch(q.device)
-    common = dict(PREFETCH=prefetch, LINE=line, GROUP=group, BLOCK_G=max(MIN_GROUP_ROWS, next_power_of_2(group)), HEAD_DIM=D,
+    common = dict(GROUP=group, BLOCK_G=max(MIN_GROUP_ROWS, next_power_of_2(group)), HEAD_DIM=D,
                   PAGE_SIZE=page_size, BLOCK_N=block_n, BLOCK_H=next_power_of_2(group), CHUNK=REDUCE_CHUNK,
                   num_warps=NUM_WARPS, num_stages=stages, **pdl)
     args = (q, k_cache, v_cache, block_tables, context_lens)
@@ -369,14 +348,14 @@ def paged_decode_attention(
     if num_splits == 1:
         _paged_decode_split_kernel[grid](
             *args, o, lse, o, lse, lse, *strides, 0, 0, 0, 0, 0, 0, 0, *out_strides,
-            scale * LOG2E, min_split, num_splits, PREFETCH_BYTES, DIRECT=True, FUSED=False, BLOCK_S=2, **common)
+            scale * LOG2E, min_split, num_splits, DIRECT=True, FUSED=False, BLOCK_S=2, **common)
         return o, lse
     o_part = alloc_output((B, H, num_splits, D), torch.float32, q.device)  # [B, H, S, D]
     lse_part = alloc_output((B, H, num_splits), torch.float32, q.device)  # [B, H, S] log2
     counters = split_counters(q.device, B * KVH) if fused else lse_part  # [>= B * KVH] int32, all 0
     _paged_decode_split_kernel[grid](
         *args, o_part, lse_part, o, lse, counters, *strides, *o_part.stride(), *lse_part.stride(),
-        *out_strides, scale * LOG2E, min_split, num_splits, PREFETCH_BYTES, DIRECT=False, FUSED=fused,
+        *out_strides, scale * LOG2E, min_split, num_splits, DIRECT=False, FUSED=fused,
         BLOCK_S=max(2, next_power_of_2(num_splits)) if fused else 2, **common)
     if not fused:
         merge_splits(o_part, lse_part, o, lse, group)
