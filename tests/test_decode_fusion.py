@@ -14,6 +14,7 @@ import torch
 from sparsekv.kernels import _dispatch
 from sparsekv.kernels import activation as activation_module
 from sparsekv.kernels import gemv as G
+from sparsekv.kernels import linear_norm as linear_norm_module
 from sparsekv.kernels import rmsnorm as rmsnorm_module
 from sparsekv.kernels.activation import silu_and_mul
 from sparsekv.kernels.gemv import (
@@ -172,7 +173,8 @@ def test_rotary_kv_write_bad_inputs():
 def test_fused_model_forward_equals_unfused(ckpt, backend, request, switches, monkeypatch):
     """A prefill and three decode steps of a tiny model with SPARSEKV_DECODE_FUSION=1 and =0: the same tokens
     and bit-equal logits, on the torch path (HF's ops) and the Triton one (skinny GEMV forced). Fused on Triton:
-    no silu_and_mul, no store_kv; the same number of norm launches (the residual adds moved into them)."""
+    no silu_and_mul, no store_kv, and only the first layer's input norm as a norm launch: every other norm runs,
+    with its residual add, in the launch after the o or down projection (kernels/linear_norm.py)."""
     from sparsekv import LLM, SamplingParams
     from sparsekv.kvcache import paged
 
@@ -180,9 +182,11 @@ def test_fused_model_forward_equals_unfused(ckpt, backend, request, switches, mo
     switches(_dispatch.ENV_BACKEND, backend)
     switches(_dispatch.ENV_GEMV, "triton")
     counters = {"norm": CountLaunches(rmsnorm_module._rms_norm_kernel),
-                "silu": CountLaunches(activation_module._silu_and_mul_kernel)}
+                "silu": CountLaunches(activation_module._silu_and_mul_kernel),
+                "linear_norm": CountLaunches(linear_norm_module._reduce_add_rms_norm_kernel)}
     monkeypatch.setattr(rmsnorm_module, "_rms_norm_kernel", counters["norm"])
     monkeypatch.setattr(activation_module, "_silu_and_mul_kernel", counters["silu"])
+    monkeypatch.setattr(linear_norm_module, "_reduce_add_rms_norm_kernel", counters["linear_norm"])
     stores = []
     monkeypatch.setattr(paged, "store_kv", lambda *args: (stores.append(1), store_kv(*args)))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -201,8 +205,9 @@ def test_fused_model_forward_equals_unfused(ckpt, backend, request, switches, mo
     assert torch.equal(results["1"][1], results["0"][1])
     steps, layers = params.max_tokens, 3
     if backend == "triton":
-        assert launches["0"] == {"norm": steps * (2 * layers + 1), "silu": steps * layers, "store_kv": steps * layers}
-        assert launches["1"] == {"norm": steps * (2 * layers + 1), "silu": 0, "store_kv": 0}
+        assert launches["0"] == {"norm": steps * (2 * layers + 1), "silu": steps * layers, "store_kv": steps * layers,
+                                 "linear_norm": 0}
+        assert launches["1"] == {"norm": steps, "silu": 0, "store_kv": 0, "linear_norm": steps * 2 * layers}
     else:
         assert launches["1"]["store_kv"] == launches["0"]["store_kv"] == steps * layers
 

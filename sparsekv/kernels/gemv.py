@@ -399,9 +399,11 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         config: GemvConfig | None = None, gated: bool = False) -> torch.Tensor:
+                         config: GemvConfig | None = None, gated: bool = False, partials: bool = False
+                         ) -> torch.Tensor:
     """The launch, unchecked: x [M, K] (gated: gate_up [M, 2K]), weight [N, K] of one kernel dtype on one device,
-    1 <= M <= 16, N, K > 0."""
+    1 <= M <= 16, N, K > 0. With ``partials`` the fp32 per-split sums [SPLIT_K, M, N] (no bias), for a consumer
+    that reduces them itself (sparsekv.kernels.linear_norm), even when SPLIT_K is 1."""
     m = x.shape[0]
     n, k = weight.shape
     if x.stride(1) != 1:
@@ -414,10 +416,10 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         raise ValueError(f"skinny_linear: config {config.describe()} holds {config.block_m} rows; x has M={m}")
     split_len = split_length(k, config)
     splits = cdiv(k, split_len)
-    out = alloc_output((m, n), x.dtype, x.device)  # [M, N]
-    partial = splits > 1
+    partial = splits > 1 or partials
+    out = None if partials else alloc_output((m, n), x.dtype, x.device)  # [M, N]
+    has_bias = bias is not None and not partials
     dest = alloc_output((splits, m, n), torch.float32, x.device) if partial else out  # [S, M, N] fp32 partials
-    has_bias = bias is not None
     dot_f32 = config.use_dot and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and triton_interpret()))
     pdl = pdl_launch_options(x.device)
     _skinny_linear_kernel[(cdiv(n, config.block_n), splits)](
@@ -429,6 +431,8 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         FMA_STAGES=config.num_stages if config.block_m == 1 and not config.use_dot else 1,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
     )
+    if partials:
+        return dest
     if partial:
         _splitk_reduce_kernel[(cdiv(m * n, REDUCE_BLOCK),)](
             dest, bias if has_bias else dest, out, m * n, n, SPLIT_K=splits, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK,

@@ -11,6 +11,7 @@ from sparsekv.kernels._dispatch import (
 )
 from sparsekv.kernels.activation import silu_and_mul
 from sparsekv.kernels.gemv import MAX_M, silu_mul_linear, skinny_linear
+from sparsekv.kernels.linear_norm import linear_add_rms_norm
 
 
 class Linear(nn.Linear):
@@ -36,3 +37,19 @@ class Linear(nn.Linear):
             out = silu_mul_linear(gate_up.reshape(rows, 2 * self.in_features), self.weight, self.bias)
             return out.view(*gate_up.shape[:-1], self.out_features)  # [..., out_features]
         return self(silu_and_mul(gate_up))
+
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, gated: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(out, residual) of out = self(x) (gated: self.silu_mul_forward(x)), an RMSNorm with its residual add:
+        -> (normed, out + residual), each [..., out_features]. Where the skinny kernel and the fused elementwise
+        kernels run, the GEMV's split-K reduction, the add and the norm are one launch after it
+        (sparsekv.kernels.linear_norm); the same values either way."""
+        width = (2 if gated else 1) * self.in_features
+        rows = x.numel() // width if width else 0
+        if (decode_fusion() and use_triton_gemv(x.device, rows, MAX_M) and use_fused_elementwise(x.device)
+                and residual.shape == (*x.shape[:-1], self.out_features)):
+            normed, new_residual = linear_add_rms_norm(
+                x.reshape(rows, width), self.weight, self.bias, residual.reshape(rows, self.out_features),
+                norm.weight, norm.eps, gated=gated)
+            return normed.view(residual.shape), new_residual.view(residual.shape)
+        return norm(self.silu_mul_forward(x) if gated else self(x), residual)

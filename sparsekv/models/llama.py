@@ -71,6 +71,12 @@ class GatedMLP(nn.Module):
         # silu(gate) * up: in the down projection's loads for decode on Triton, else one kernel (or torch's ops)
         return self.down_proj.silu_mul_forward(self.gate_up_proj(x))
 
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(self(x), residual) -> (normed, self(x) + residual): the down projection, the residual add and the
+        next RMSNorm fused where the skinny GEMV runs."""
+        return self.down_proj.add_norm_forward(self.gate_up_proj(x), residual, norm, gated=True)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer_id: int, qk_norm: bool):
@@ -92,26 +98,30 @@ class DecoderLayer(nn.Module):
     def post_attention(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """o projection, residual, post norm, MLP, residual: -> the layer's output [N, hidden]. Reads `hidden`
         without writing it (the segmented graph runner copies the result into its static buffer)."""
-        # residual add + post norm in one kernel on Triton: normed = norm(o + hidden), hidden = o + hidden
-        normed, hidden = self.post_attention_layernorm(self.self_attn.project_out(attn_out), hidden)
+        # o projection, residual add and post norm: normed = norm(o + hidden), hidden = o + hidden
+        normed, hidden = self.project_out_add_norm(attn_out, hidden)
         return hidden + self.mlp(normed)
 
-    def forward(self, hidden: torch.Tensor, rope: Rope, residual: torch.Tensor | None = None
+    def project_out_add_norm(self, attn_out: torch.Tensor, residual: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """attn_out [N, H, D] -> (post_attention_layernorm(o + residual), o + residual), o the o projection."""
+        attn = self.self_attn
+        return attn.o_proj.add_norm_forward(attn_out.reshape(attn_out.shape[0], attn.q_size), residual,
+                                            self.post_attention_layernorm)
+
+    def forward(self, normed: torch.Tensor, residual: torch.Tensor, rope: Rope, next_norm: nn.Module
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer on a residual stream held as two terms: stream = hidden + residual (residual None: hidden
-        alone, the embedding). Returns (mlp_out, stream + attention's o projection), whose sum is the layer's
-        output: the next layer's input norm (or the final norm) adds them in its kernel. Same values as
-        post_attention(hidden, attention(*pre_attention(hidden))), one kernel (and one [N, hidden] pass) fewer."""
-        if residual is None:
-            normed, residual = self.input_layernorm(hidden), hidden
-        else:
-            normed, residual = self.input_layernorm(hidden, residual)  # residual = hidden + residual
+        """The layer on its input already normed: normed = input_layernorm(residual), residual the stream.
+        Returns (next_norm(stream'), stream'), stream' = the layer's output, with next_norm the next layer's input
+        norm (or the model's final norm). Same values as post_attention(residual, attention(*pre_attention(
+        residual))) followed by next_norm; each norm runs with its residual add in the launch after its linear
+        layer (sparsekv.kernels.linear_norm), so the step has no separate norm or split-K reduction kernels."""
         # on the Triton path the rotary kernel also stores k/v into the paged cache (no index copies)
         kv_target = self.self_attn.attn.kv_write_target() if rope.cos is None else None
         q, k, v = self.self_attn.project_qkv(normed, rope, kv_target)
         attn_out = self.self_attn.attn(q, k, v, kv_written=kv_target is not None)
-        normed, residual = self.post_attention_layernorm(self.self_attn.project_out(attn_out), residual)
-        return self.mlp(normed), residual
+        normed, residual = self.project_out_add_norm(attn_out, residual)
+        return self.mlp.add_norm_forward(normed, residual, next_norm)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -151,10 +161,13 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 hidden = layer.post_attention(hidden, layer.attention(*layer.pre_attention(hidden, rope)))
             return self.norm(hidden)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, rope, residual)
-        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+        if not self.layers:
+            return self.norm(hidden)
+        normed = self.layers[0].input_layernorm(hidden)
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            normed, hidden = layer(normed, hidden, rope, next_norm)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [B, vocab]
