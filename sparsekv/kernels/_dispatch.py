@@ -185,7 +185,8 @@ def use_pdl(device: torch.device) -> bool:
     the stream is still running, so a PDL kernel must call ``gdc_wait`` before it reads anything a previous
     kernel wrote and before its first store (an output buffer can be memory a previous kernel still reads), and
     every program must call it (a program that exits without waiting lets the next kernel pass its own wait
-    before this kernel's predecessor is done). Loads of weights may come before the wait."""
+    before this kernel's predecessor is done). Loads of weights, and of the step's inputs that the host copies in
+    before its first kernel (positions, slots, context lengths, block tables), may come before the wait."""
     if device.type != "cuda" or not HAS_TRITON or not pdl_requested() or triton_interpret():
         return False
     return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())

@@ -33,28 +33,31 @@ __all__ = ["linear_add_rms_norm", "linear_add_rms_norm_reference"]
 def _reduce_add_rms_norm_kernel(
     P, B, R, NW, OUT, RES_OUT,
     stride_r, stride_o, stride_ro,
-    M, N, SPLIT_K, eps,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    M, N, eps,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # P: fp32 partials [SPLIT_K, M, N] contiguous; row m of the result from P[:, m]
-    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     ok = offs < N
+    # weights before the wait (no kernel writes them): their loads overlap the previous kernel's tail
+    w = tl.load(NW + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(B + offs, mask=ok, other=0.0).to(tl.float32)
+    pdl_wait(USE_PDL)
+    r = tl.load(R + row * stride_r + offs, mask=ok, other=0.0)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for s in range(SPLIT_K):  # split order, as the GEMV's split-K reduction
+    for s in tl.static_range(SPLIT_K):  # split order, as the GEMV's split-K reduction; unrolled: loads in flight
         acc += tl.load(P + s * M * N + row * N + offs, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(B + offs, mask=ok, other=0.0).to(tl.float32)
+        acc += bias
     act = R.dtype.element_ty
     out = acc.to(act)  # the linear layer's output, rounded
-    r = tl.load(R + row * stride_r + offs, mask=ok, other=0.0)
     x = (out.to(tl.float32) + r.to(tl.float32)).to(act)  # the residual stream, rounded like torch's add
     tl.store(RES_OUT + row * stride_ro + offs, x, mask=ok)
     x32 = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps)
     xn = (x32 * inv).to(act).to(tl.float32)
-    w = tl.load(NW + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(OUT + row * stride_o + offs, (w * xn).to(OUT.dtype.element_ty), mask=ok)
 
 
@@ -101,8 +104,8 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     _reduce_add_rms_norm_kernel[(m,)](
         partials, bias if bias is not None else partials, residual, norm_weight, normed, new_residual,
         residual.stride(0), normed.stride(0), new_residual.stride(0),
-        m, n, partials.shape[0], float(eps),
-        HAS_BIAS=bias is not None, BLOCK_N=block, num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
+        m, n, float(eps),
+        SPLIT_K=partials.shape[0], HAS_BIAS=bias is not None, BLOCK_N=block, num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
         **pdl_launch_options(x.device),
     )
     return normed, new_residual

@@ -105,12 +105,13 @@ def _paged_decode_split_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # q, the step's own K/V and the block table come from earlier kernels: wait before any load
-    pdl_wait(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # context lengths (and block tables) are copied in before the step's first kernel: read before the wait
     ctx = tl.load(CTX + b)
+    # q and the step's own K/V come from the previous kernels
+    pdl_wait(USE_PDL)
     # The sequence's own split plan: as many of the grid's num_splits as give each at least min_split keys. It
     # depends on ctx and the launch's constants only, so an eager step and a graph replay (whose grid is fixed by
     # max_model_len) split identically, and a short context still spreads over many programs.

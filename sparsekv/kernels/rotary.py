@@ -116,16 +116,18 @@ def _rotary_kernel(
     HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, WRITE_KV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     act = Q.dtype.element_ty
     offs_d = tl.arange(0, BLOCK_HALF)
     d_ok = offs_d < HALF
+    # positions (and slots) are copied in before the step's first kernel, inv_freq is constant: cos/sin are
+    # computed before the wait, under the previous kernel's tail
     pos = tl.load(POS + row * stride_pos).to(tl.float32)
     freqs = pos * tl.load(INV_FREQ + offs_d, mask=d_ok, other=0.0).to(tl.float32)  # [BLOCK_HALF]
     cos = (tl.cos(freqs) * scaling).to(act).to(tl.float32)  # cast to the activation dtype like the reference
     sin = (tl.sin(freqs) * scaling).to(act).to(tl.float32)
+    pdl_wait(USE_PDL)
     if blk < Q_BLOCKS:
         _norm_rope_tile(Q, QO, QW, row, blk * BLOCK_H, H, stride_qn, stride_qh, stride_qon, stride_qoh,
                         cos, sin, offs_d, d_ok, eps, D, HALF, QO, QO, 0,
