@@ -1,7 +1,7 @@
 """Vertical-slash sparse attention (the MInference pattern) that also returns the log-sum-exp of each row.
 
 vertical_slash_attention(q [Sq, H, D], k/v [Sk, KVH, D], vertical_idx [H, NV], slash_offsets [H, NS],
-                         softmax_scale, q_offset) -> (o [Sq, H, D], lse [H, Sq] fp32)
+                         softmax_scale, q_offset, pair_counter=None) -> (o [Sq, H, D], lse [H, Sq] fp32)
 
 Positions are absolute: query row i sits at position q_offset + i, key j at position j. Query p of head h
 attends exactly to the union of
@@ -15,20 +15,25 @@ accepted). Entries out of range (columns outside [0, Sk), offsets outside [0, q_
 so a caller pads ragged per-head selections with a large sentinel at the end. Duplicates are ignored.
 
 Triton kernel, one program per (block of BLOCK_M query rows, head), online softmax over two loops:
-  1. slash tiles: the launcher turns the selected offsets into the list of "block diagonals" t whose
-     [BLOCK_M, BLOCK_N] key tiles contain at least one selected offset. With BLOCK_M a multiple of BLOCK_N the
-     offsets a tile covers depend only on t = (q_offset // BLOCK_N + (BLOCK_M // BLOCK_N) * m_block) - n_block,
-     so sorted t-lists per head serve every query block. Two lists, two loops without branches: tiles whose
-     selected offsets form one run [lo, hi] (the recent band, whole 64-offset bands, single diagonals) keep
-     the keys with lo <= offset <= hi, two comparisons; in the others the keys not on a selected diagonal are
-     masked through the tile's selection bits: a tile spans BLOCK_M + BLOCK_N - 1
-     consecutive offsets (row i, key j sits on bit i + BLOCK_N - 1 - j of its window), which the launcher packs
-     into int64 words per (head, t), so the mask is a shift and an AND per score, no memory gather. The next
-     list entry is loaded one iteration ahead so that the K/V loads can be software-pipelined.
+  1. slash tiles: with BLOCK_M a multiple of BLOCK_N the offsets a [BLOCK_M, BLOCK_N] key tile covers depend only on
+     its "block diagonal" t = (q_offset // BLOCK_N + (BLOCK_M // BLOCK_N) * m_block) - n_block, so sorted lists of
+     the t whose tiles contain at least one selected offset serve every query block. Two lists, two loops without
+     branches: tiles whose selected offsets form one run [lo, hi] (the recent band, whole 64-offset bands, single
+     diagonals) keep the keys with lo <= offset <= hi, two comparisons; in the others the keys not on a selected
+     diagonal are masked through the tile's selection bits: a tile spans BLOCK_M + BLOCK_N - 1 consecutive offsets
+     (row i, key j sits on bit i + BLOCK_N - 1 - j of its window), packed into int64 words per (head, t), so the
+     mask is a shift and an AND per score, no memory gather. The next list entry is loaded one iteration ahead so
+     that the K/V loads can be software-pipelined.
   2. vertical columns: the selected columns are gathered BLOCK_N at a time by index (causally visible ones
-     only: the launcher counts them per query block), masking keys that lie on a selected diagonal of the row
-     (already counted in loop 1).
+     only: counted per query block), masking keys that lie on a selected diagonal of the row (already counted in
+     loop 1).
+The lists, bits, run bounds and per-query-block ranges are built by sparsekv.kernels.vertical_slash_index (four
+small Triton kernels and a zero fill; a torch reference there builds the same tensors).
 The pure-torch reference builds the dense boolean mask [H, rows, Sk] block of rows by block of rows.
+
+Pair count: with pair_counter (int64 [1] or [H]) each program also counts the (query, key) pairs it adds to its
+softmax (a key hit by a column and a diagonal once) and adds them with one atomic; on the reference path
+vertical_slash_pair_count is added instead, the same number. No host sync either way.
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ from __future__ import annotations
 import math
 
 import torch
-from ._dispatch import HAS_TRITON, alloc_output, cdiv, jit, next_power_of_2, tl, triton_interpret, use_triton
+
+from ._dispatch import HAS_TRITON, alloc_output, jit, next_power_of_2, tl, triton_interpret, use_triton
 from .attention import _empty_result, check_qkv, masked_attention_rows, online_softmax_step
+from .vertical_slash_index import offset_range, slash_mask, vertical_slash_index
 
 __all__ = [
     "vertical_slash_attention",
@@ -56,7 +63,6 @@ GPU_CONFIG_16BIT = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (64, 32, 4, 2)
 GPU_CONFIG_FP32 = {64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (32, 16, 4, 1)}
 INTERPRET_CONFIG = (32, 16, 4, 1)  # small tiles keep the CPU interpreter fast; BLOCK_M = 2 BLOCK_N covers RATIO > 1
 REFERENCE_CHUNK_ELEMENTS = 1 << 24  # [H, rows, Sk] scores the reference materialises at once
-_SENTINEL = 1 << 30
 
 
 # ----------------------------------------------------------------------------------------- Triton kernel
@@ -78,9 +84,10 @@ def _kv_mask(row_ok, dim_ok, EVEN_D: tl.constexpr):
 
 @jit
 def _slash_tiles(
-    acc, m_i, l_i, q, pos, rows, offs_n, offs_d, dim_ok, k_base, v_base, words, bounds, tlist, t_lo, t_hi, tq,
+    acc, m_i, l_i, cnt, q, pos, rows, offs_n, offs_d, dim_ok, k_base, v_base, words, bounds, tlist, t_lo, t_hi, tq,
     Sk, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
     BLOCK_N: tl.constexpr, LOOKUP: tl.constexpr, EVEN_D: tl.constexpr, NUM_WORDS: tl.constexpr,
+    COUNT_PAIRS: tl.constexpr,
 ):
     # key blocks n_block = tq - t for the entries t_lo..t_hi of the sorted t-list. The next entry is loaded
     # one iteration ahead, so the K/V addresses are loop-carried and the compiler can pipeline their loads.
@@ -108,23 +115,26 @@ def _slash_tiles(
         else:  # one run of selected offsets [lo, hi], lo >= 0 (so causal too)
             keep = col_ok[None, :] & (diag >= tl.load(bounds + 2 * t)) & (diag <= tl.load(bounds + 2 * t + 1))
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, keep, v)
+        if COUNT_PAIRS:
+            cnt += tl.sum(keep.to(tl.int32), 1)
         t = t_next
-    return acc, m_i, l_i
+    return acc, m_i, l_i, cnt
 
 
 @jit
 def _vs_fwd_kernel(
     Q, K, V, O, LSE,
-    VIDX, SMASK, WORDS, BOUNDS, TLIST_RUN, TLIST_PART, RANGES,
+    VIDX, SMASK, WORDS, BOUNDS, TLIST_RUN, TLIST_PART, RANGES, PAIRS,
     stride_qm, stride_qh, stride_qd,
     stride_kn, stride_kh, stride_kd,
     stride_vn, stride_vh, stride_vd,
     stride_om, stride_oh, stride_od,
     stride_lh, stride_lm,
-    stride_vih, stride_smh, stride_wh, stride_bh, stride_tlh, stride_rh, stride_rm,
+    stride_vih, stride_smh, stride_wh, stride_bh, stride_tlh, stride_rh, stride_rm, stride_ph,
     Sq, Sk, D, q_offset, d_lo, d_hi, tq0, qk_scale,
     GROUP: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RATIO: tl.constexpr, NUM_WORDS: tl.constexpr,
+    COUNT_PAIRS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -148,20 +158,21 @@ def _vs_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    cnt = tl.zeros([BLOCK_M], dtype=tl.int32)  # COUNT_PAIRS: keys kept per row so far
 
     # per (head, query block): [run lo, run hi, partial lo, partial hi, visible vertical count]
     ranges = RANGES + head.to(tl.int64) * stride_rh + pid_m * stride_rm
     tq = tq0 + RATIO * pid_m
     # ---- 1a. slash tiles whose selected offsets form one run: two comparisons per key
-    acc, m_i, l_i = _slash_tiles(
-        acc, m_i, l_i, q, pos, tl.arange(0, BLOCK_M), offs_n, offs_d, dim_ok, k_base, v_base, words, bounds,
+    acc, m_i, l_i, cnt = _slash_tiles(
+        acc, m_i, l_i, cnt, q, pos, tl.arange(0, BLOCK_M), offs_n, offs_d, dim_ok, k_base, v_base, words, bounds,
         TLIST_RUN + head.to(tl.int64) * stride_tlh, tl.load(ranges), tl.load(ranges + 1), tq,
-        Sk, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, BLOCK_N, False, EVEN_D, NUM_WORDS)
+        Sk, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, BLOCK_N, False, EVEN_D, NUM_WORDS, COUNT_PAIRS)
     # ---- 1b. slash tiles with scattered offsets selected: the tile's selection bits mask the keys
-    acc, m_i, l_i = _slash_tiles(
-        acc, m_i, l_i, q, pos, tl.arange(0, BLOCK_M), offs_n, offs_d, dim_ok, k_base, v_base, words, bounds,
+    acc, m_i, l_i, cnt = _slash_tiles(
+        acc, m_i, l_i, cnt, q, pos, tl.arange(0, BLOCK_M), offs_n, offs_d, dim_ok, k_base, v_base, words, bounds,
         TLIST_PART + head.to(tl.int64) * stride_tlh, tl.load(ranges + 2), tl.load(ranges + 3), tq,
-        Sk, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, BLOCK_N, True, EVEN_D, NUM_WORDS)
+        Sk, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, BLOCK_N, True, EVEN_D, NUM_WORDS, COUNT_PAIRS)
 
     # ---- 2. vertical columns visible to this query block, BLOCK_N at a time, minus those on a slash
     v_cnt = tl.load(ranges + 4)
@@ -185,6 +196,8 @@ def _vs_fwd_kernel(
         on_slash = tl.load(smask + (diag - d_lo), mask=keep & (diag >= d_lo) & (diag < d_hi), other=0)
         keep = keep & (on_slash == 0)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, keep, v)
+        if COUNT_PAIRS:
+            cnt += tl.sum(keep.to(tl.int32), 1)
         idx = idx_next
         prev = prev_next
 
@@ -196,6 +209,8 @@ def _vs_fwd_kernel(
         + offs_d[None, :] * stride_od
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=_kv_mask(row_ok, dim_ok, EVEN_D))
     tl.store(LSE + head.to(tl.int64) * stride_lh + offs_m * stride_lm, lse, mask=row_ok)
+    if COUNT_PAIRS:  # rows past Sq (the last block's padding) are not pairs
+        tl.atomic_add(PAIRS + head * stride_ph, tl.sum(tl.where(row_ok, cnt, 0).to(tl.int64), 0))
 
 
 # ------------------------------------------------------------------------------------------- validation
@@ -214,47 +229,6 @@ def _check_inputs(q, k, v, vertical_idx, slash_offsets, q_offset) -> None:
         raise ValueError(f"q, k, v on different devices: {q.device}, {k.device}, {v.device}")
     if isinstance(q_offset, bool) or not isinstance(q_offset, int) or q_offset < 0:
         raise ValueError(f"q_offset must be a non-negative int (position of q's first row); got {q_offset!r}")
-
-
-def _offset_range(Sq: int, Sk: int, q_offset: int) -> tuple[int, int]:
-    """[d_lo, d_hi): the offsets p - j that any causally visible (query, key) pair can have."""
-    return max(0, q_offset - Sk + 1), q_offset + Sq
-
-
-def _slash_mask(slash_offsets: torch.Tensor, d_lo: int, d_hi: int) -> torch.Tensor:
-    """Dense [H, d_hi - d_lo] int8: 1 where offset d_lo + i is selected (out-of-range entries ignored)."""
-    H = slash_offsets.shape[0]
-    width = d_hi - d_lo
-    s = slash_offsets.long()
-    idx = torch.where((s >= d_lo) & (s < d_hi), s - d_lo, width)
-    mask = torch.zeros((H, width + 1), dtype=torch.int8, device=s.device)
-    mask.scatter_(1, idx, 1)
-    return mask[:, :width].contiguous()
-
-
-def _window_words(smask: torch.Tensor, starts: torch.Tensor, width: int) -> torch.Tensor:
-    """smask [H, W] int8 per-offset selection, starts [NT] (index into smask of each tile's first offset, may lie
-    outside [0, W)) -> [H, NT, ceil(width / 64)] int64: bit b of word b // 64 is smask[h, starts + b] (0 outside)."""
-    H, W = smask.shape
-    span = 64 * cdiv(width, 64)
-    bits = starts[:, None] + torch.arange(span, device=smask.device)[None, :]  # [NT, span]
-    valid = (bits >= 0) & (bits < W) & (torch.arange(span, device=smask.device) < width)[None, :]
-    picked = smask[:, bits.clamp(0, max(W - 1, 0))].to(torch.int64) * valid  # [H, NT, span]
-    weights = torch.ones(64, dtype=torch.int64, device=smask.device).bitwise_left_shift(
-        torch.arange(64, device=smask.device))  # 1 << b; 1 << 63 is negative, the sum stays exact (no overflow)
-    return (picked.view(H, bits.shape[0], -1, 64) * weights).sum(-1).contiguous()
-
-
-def _selected_bounds(smask: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """smask [H, W] int8, windows [lo, hi) [NT] of indices into it -> (first, last) [H, NT] int64: the first and the
-    last selected index of each window (first > last when none is)."""
-    H, W = smask.shape
-    idx = torch.arange(W, device=smask.device).expand(H, -1)
-    selected = smask != 0
-    edge = torch.full((H, 1), W, dtype=torch.int64, device=smask.device)
-    nxt = torch.cat([torch.where(selected, idx, W).flip(1).cummin(1).values.flip(1), edge], dim=1)  # [H, W+1]: >= i
-    prv = torch.cat([edge * 0 - 1, torch.where(selected, idx, -1).cummax(1).values], dim=1)  # [H, W+1]: <= i - 1
-    return nxt[:, lo], prv[:, hi]
 
 
 def _vertical_mask(vertical_idx: torch.Tensor, Sk: int) -> torch.Tensor:
@@ -282,9 +256,9 @@ def vertical_slash_attention_reference(
     if Sq == 0 or Sk == 0:
         return _empty_result(q)
     group = H // KVH
-    d_lo, d_hi = _offset_range(Sq, Sk, q_offset)
+    d_lo, d_hi = offset_range(Sq, Sk, q_offset)
     width = d_hi - d_lo
-    on_slash = torch.cat([_slash_mask(slash_offsets, d_lo, d_hi).bool(),
+    on_slash = torch.cat([slash_mask(slash_offsets, d_lo, d_hi).bool(),
                           torch.zeros((H, 1), dtype=torch.bool, device=q.device)], dim=1)  # [H, width+1]
     vertical = _vertical_mask(vertical_idx, Sk)  # [H, Sk]
     kf = k.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, Sk, D]
@@ -314,9 +288,9 @@ def vertical_slash_pair_count(
     dev = vertical_idx.device
     if Sq == 0 or Sk == 0:
         return torch.zeros(H, dtype=torch.int64, device=dev)
-    d_lo, d_hi = _offset_range(Sq, Sk, q_offset)
+    d_lo, d_hi = offset_range(Sq, Sk, q_offset)
     p_lo, p_hi = q_offset, q_offset + Sq - 1
-    on_slash = _slash_mask(slash_offsets, d_lo, d_hi).long()  # [H, W]
+    on_slash = slash_mask(slash_offsets, d_lo, d_hi).long()  # [H, W]
     cs = torch.nn.functional.pad(on_slash.cumsum(1), (1, 0))  # [H, W+1]: selected offsets < d_lo + i
     d = torch.arange(d_lo, d_hi, device=dev)
     slash_rows = (torch.minimum(torch.full_like(d, p_hi), d + Sk - 1) - torch.clamp(d, min=p_lo) + 1).clamp(min=0)
@@ -359,93 +333,68 @@ def _config(q: torch.Tensor) -> tuple[int, int, int, int]:
     raise ValueError(f"vertical_slash_attention supports head dims up to 256; got D={D} (q {tuple(q.shape)})")
 
 
-def _vertical_slash_triton(q, k, v, vertical_idx, slash_offsets, scale, q_offset):
+def _vertical_slash_triton(q, k, v, vertical_idx, slash_offsets, scale, q_offset, pair_counter):
     Sq, H, D = q.shape
     Sk, KVH, _ = k.shape
-    dev = q.device
     block_m, block_n, warps, stages = _config(q)
-    ratio = block_m // block_n
-    num_m = cdiv(Sq, block_m)
-    num_n = cdiv(Sk, block_n)
-    d_lo, d_hi = _offset_range(Sq, Sk, q_offset)
-
-    # per-offset selection mask and its prefix counts
-    smask = _slash_mask(slash_offsets, d_lo, d_hi)  # [H, W] int8
-    cs = torch.nn.functional.pad(smask.to(torch.int32).cumsum(1, dtype=torch.int32), (1, 0))  # [H, W+1]
-
-    # block diagonals t = tq(m) - n; the tile (m, n) covers offsets [phi + (t-1)*BN + 1, phi + t*BN + BM - 1]
-    qb, phi = divmod(q_offset, block_n)
-    t_min = qb - (num_n - 1)
-    t_max = qb + ratio * (num_m - 1)
-    t = torch.arange(t_min, t_max + 1, device=dev)
-    lo = torch.clamp(phi + (t - 1) * block_n + 1, min=d_lo)
-    hi = torch.clamp(phi + t * block_n + block_m, max=d_hi)  # exclusive
-    lo_i = (lo - d_lo).clamp(0, d_hi - d_lo)
-    hi_i = torch.maximum(lo_i, (hi - d_lo).clamp(0, d_hi - d_lo))
-    count = cs[:, hi_i] - cs[:, lo_i]  # [H, NT] selected offsets in each tile's window
-    words = _window_words(smask, phi + (t - 1) * block_n + 1 - d_lo, block_m + block_n - 1)  # [H, NT, words]
-    first, last = _selected_bounds(smask, lo_i, hi_i)  # [H, NT] indices into smask
-    bounds = torch.stack([first + d_lo, last + d_lo], dim=2).to(torch.int32).contiguous()  # [H, NT, 2] offsets
-    needed = count > 0
-    run = last - first + 1 == count
-    t_rel = (t - t_min).to(torch.int32)[None, :]
-    sentinel = torch.full_like(t_rel, _SENTINEL)
-    tlists = torch.stack([torch.where(needed & run, t_rel, sentinel),
-                          torch.where(needed & ~run, t_rel, sentinel)]).sort(dim=2).values.contiguous()
-
-    # per query block: its range of t in each list (key blocks 0..n_hi visible) and its visible columns
-    mb = torch.arange(num_m, device=dev)
-    p_last = torch.clamp(q_offset + (mb + 1) * block_m - 1, max=q_offset + Sq - 1)
-    key_last = torch.clamp(p_last, max=Sk - 1)  # last key any row of the block may see
-    tq = (qb - t_min) + ratio * mb
-    n_hi = key_last // block_n
-    t_first = (tq - n_hi).to(torch.int32)[None, :].expand(H, -1).contiguous()
-    t_last = tq.to(torch.int32)[None, :].expand(H, -1).contiguous()
-    ranges = torch.zeros((H, num_m, 5), dtype=torch.int32, device=dev)
-    for i in range(2):
-        ranges[:, :, 2 * i] = torch.searchsorted(tlists[i], t_first, right=False)
-        ranges[:, :, 2 * i + 1] = torch.searchsorted(tlists[i], t_last, right=True)
-    if vertical_idx.shape[1] > 0:
-        vidx = vertical_idx.to(torch.int32).contiguous()
-        ranges[:, :, 4] = torch.searchsorted(vidx, key_last.to(torch.int32)[None, :].expand(H, -1).contiguous(),
-                                             right=True)
-    else:
-        vidx = torch.full((H, 1), _SENTINEL, dtype=torch.int32, device=dev)
-
+    index = vertical_slash_index(vertical_idx, slash_offsets, Sq, Sk, q_offset, block_m, block_n)
+    g = index.geometry
+    count = pair_counter is not None
+    counter = pair_counter if count else index.ranges  # (a pointer the kernel never touches without COUNT_PAIRS)
     block_d = max(16, next_power_of_2(D))
-    o = alloc_output((Sq, H, D), q.dtype, dev)
-    lse = alloc_output((H, Sq), torch.float32, dev)
-    _vs_fwd_kernel[(num_m, H)](
+    o = alloc_output((Sq, H, D), q.dtype, q.device)
+    lse = alloc_output((H, Sq), torch.float32, q.device)
+    _vs_fwd_kernel[(g.num_m, H)](
         q, k, v, o, lse,
-        vidx, smask, words, bounds, tlists[0], tlists[1], ranges,
+        index.vidx, index.smask, index.words, index.bounds, index.tlists[0], index.tlists[1], index.ranges, counter,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
-        vidx.stride(0), smask.stride(0), words.stride(0), bounds.stride(0), tlists.stride(1), ranges.stride(0),
-        ranges.stride(1),
-        Sq, Sk, D, q_offset, d_lo, d_hi, qb - t_min, scale * LOG2E,
+        index.vidx.stride(0), index.smask.stride(0), index.words.stride(0), index.bounds.stride(0),
+        index.tlists.stride(1), index.ranges.stride(0), index.ranges.stride(1),
+        counter.stride(0) if count and counter.shape[0] == H else 0,
+        Sq, Sk, D, q_offset, g.d_lo, g.d_hi, g.t0, scale * LOG2E,
         GROUP=H // KVH, BLOCK_D=block_d, EVEN_D=block_d == D,
-        BLOCK_M=block_m, BLOCK_N=block_n, RATIO=ratio, NUM_WORDS=words.shape[2],
-        num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, RATIO=block_m // block_n, NUM_WORDS=index.words.shape[2],
+        COUNT_PAIRS=count, num_warps=warps, num_stages=stages,
     )
     return o, lse
+
+
+def _check_counter(pair_counter: torch.Tensor | None, H: int, device: torch.device) -> None:
+    if pair_counter is None:
+        return
+    if not isinstance(pair_counter, torch.Tensor) or pair_counter.dtype != torch.int64 \
+            or tuple(pair_counter.shape) not in ((1,), (H,)):
+        got = (tuple(pair_counter.shape), pair_counter.dtype) if isinstance(pair_counter, torch.Tensor) \
+            else type(pair_counter).__name__
+        raise ValueError(f"pair_counter must be an int64 tensor of shape [1] or [H={H}]; got {got}")
+    if pair_counter.device != device:
+        raise ValueError(f"pair_counter is on {pair_counter.device} but q is on {device}")
 
 
 def vertical_slash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     vertical_idx: torch.Tensor, slash_offsets: torch.Tensor,
-    softmax_scale: float | None = None, q_offset: int = 0,
+    softmax_scale: float | None = None, q_offset: int = 0, pair_counter: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention over selected columns and diagonals (see the module docstring).
 
     q [Sq, H, D] at positions q_offset.., k/v [Sk, KVH, D] at positions 0..Sk-1, vertical_idx [H, NV] and
     slash_offsets [H, NS] sorted integer tensors -> (o [Sq, H, D] in q.dtype, lse [H, Sq] fp32 natural log).
+    pair_counter: optional int64 tensor [1] or [H] on q's device; the computed (query, key) pairs (all heads, or
+    per head) are added to it on the device, vertical_slash_pair_count's number, without a host sync.
     Runs the Triton kernel on CUDA (or on CPU under TRITON_INTERPRET=1), else the reference.
     """
     _check_inputs(q, k, v, vertical_idx, slash_offsets, q_offset)
     Sq, H, D = q.shape
     Sk = k.shape[0]
+    _check_counter(pair_counter, H, q.device)
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     if Sq == 0 or Sk == 0 or D == 0:
         return _empty_result(q)
     if HAS_TRITON and use_triton(q.device):
-        return _vertical_slash_triton(q, k, v, vertical_idx, slash_offsets, scale, q_offset)
-    return vertical_slash_attention_reference(q, k, v, vertical_idx, slash_offsets, scale, q_offset)
+        return _vertical_slash_triton(q, k, v, vertical_idx, slash_offsets, scale, q_offset, pair_counter)
+    out = vertical_slash_attention_reference(q, k, v, vertical_idx, slash_offsets, scale, q_offset)
+    if pair_counter is not None:
+        pairs = vertical_slash_pair_count(Sq, Sk, q_offset, vertical_idx, slash_offsets)  # [H]
+        pair_counter += pairs if pair_counter.shape[0] == H else pairs.sum()
+    return out

@@ -65,12 +65,8 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 import torch
 
 from sparsekv.kernels import merge_attention_outputs
+from sparsekv.kernels.vertical_slash import vertical_slash_attention, visible_pair_count
 from sparsekv.kernels.vertical_slash_estimate import last_rows_lse, vertical_slash_masses
-from sparsekv.kernels.vertical_slash import (
-    vertical_slash_attention,
-    vertical_slash_pair_count,
-    visible_pair_count,
-)
 from sparsekv.policies.base import SparsePolicy
 
 if TYPE_CHECKING:
@@ -151,9 +147,9 @@ class MInferencePolicy(SparsePolicy):
             self.record_density(visible, visible)
             return super().compute_prefill(q, k, v, layer_id, softmax_scale)
         vertical_idx, slash_offsets = self.estimate_pattern(q, k, softmax_scale)
-        out, _ = vertical_slash_attention(q, k, v, vertical_idx, slash_offsets, softmax_scale, S - n)
-        self.record_density(vertical_slash_pair_count(n, S, S - n, vertical_idx, slash_offsets).sum(),
-                          H * visible_pair_count(n, S, S - n))
+        pairs = torch.zeros(1, dtype=torch.int64, device=q.device)  # computed pairs, counted by the kernel
+        out, _ = vertical_slash_attention(q, k, v, vertical_idx, slash_offsets, softmax_scale, S - n, pairs)
+        self.record_density(pairs, H * visible_pair_count(n, S, S - n))
         return out
 
     def estimate_pattern(self, q: torch.Tensor, k: torch.Tensor, softmax_scale: float
@@ -220,7 +216,7 @@ class MInferencePolicy(SparsePolicy):
         slash_top = _top_values(slash_m[:, :fg], NSg)  # running top-NSg over finished granules
 
         out = lse = None
-        pairs = torch.zeros((), dtype=torch.int64, device=q.device)
+        pairs = torch.zeros(1, dtype=torch.int64, device=q.device)  # computed pairs, counted by the kernels
         size = max(1, offload_engine.num_slots // 2)
         ends = list(range(len(blocks), 0, -size))  # groups of consecutive blocks, newest first
         order = [b for end in ends for b in blocks[max(0, end - size):end]]
@@ -244,17 +240,15 @@ class MInferencePolicy(SparsePolicy):
             vertical_idx = _compact(col_g >= _kth(col_top, V), 0)
             slash_offsets = _compact(_offsets_kept(slash_m >= slash_thr, e0, e1, g), e0)
             grp_out, grp_lse = vertical_slash_attention(q, k_grp, v_grp, vertical_idx, slash_offsets,
-                                                        softmax_scale, c0 - a)
+                                                        softmax_scale, c0 - a, pairs)
             offload_engine.record_slots_compute_done(slot, len(group))
-            pairs = pairs + vertical_slash_pair_count(n, W, c0 - a, vertical_idx, slash_offsets).sum()
             out, lse = (grp_out, grp_lse) if out is None else merge_attention_outputs(out, lse, grp_out, grp_lse)
 
         # the chunk's own keys, with the final thresholds
         slash_top = _top_values(torch.cat([slash_top, slash_m[:, fg:]], dim=1), NSg)
         vertical_idx = _compact(col_loc >= _kth(col_top, V), 0)
         slash_offsets = _compact(_offsets_kept(slash_m >= _kth(slash_top, NSg), 0, n, g), 0)
-        own_out, own_lse = vertical_slash_attention(q, k, v, vertical_idx, slash_offsets, softmax_scale, 0)
-        pairs = pairs + vertical_slash_pair_count(n, n, 0, vertical_idx, slash_offsets).sum()
+        own_out, own_lse = vertical_slash_attention(q, k, v, vertical_idx, slash_offsets, softmax_scale, 0, pairs)
         if out is not None:
             own_out, _ = merge_attention_outputs(out, lse, own_out, own_lse)
         self.record_density(pairs, H * (n * c0 + visible_pair_count(n, n, 0)))
