@@ -66,7 +66,7 @@ def test_grid_planned_for_a_long_context_splits_short_ones_evenly(fused, monkeyp
     out = P.paged_decode_attention(q, kc, vc, tables, lens_t, **kw)
     _check_attn(out, ref, q.dtype)
     # the partials of the longest sequence: 301 keys over ceil(301 / 64) = 5 splits of 64, the other 59 empty
-    lse_part = torch.full((4, 8, 64), float("nan"))
+    lse_part = torch.full((4, 8, 64), float("nan"), device=q.device)
     monkeypatch.setattr(P, "alloc_output", lambda shape, dtype, device: (
         lse_part if tuple(shape) == (4, 8, 64) else torch.empty(shape, dtype=dtype, device=device)))
     P.paged_decode_attention(q, kc, vc, tables, lens_t, **kw)
