@@ -121,7 +121,8 @@ def test_merge_splits_group_invariant():
 
 
 def test_counter_slots_limit(monkeypatch):
-    q, kc, vc, tables, lens_t, _, _ = _paged_case([50, 60], 4, 2, 32, 16)
+    # contexts of several GPU tiles (64 keys at D = 32; the interpreter's are 32): two splits, not one direct pass
+    q, kc, vc, tables, lens_t, _, _ = _paged_case([500, 600], 4, 2, 32, 16)
     monkeypatch.setattr(P, "COUNTER_SLOTS", 3)  # B * KVH = 4
     with pytest.raises(ValueError, match="COUNTER_SLOTS=3"):
         P.paged_decode_attention(q, kc, vc, tables, lens_t, num_splits=2, fused=True)
