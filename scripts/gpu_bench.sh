@@ -355,6 +355,19 @@ section_session8() {  # issues 4 and 5, session 8: decode with fused kernels, PD
     BENCH_TIMEOUT=120 bench "none-minference_band-128k-structured" "${S[@]}" policy=minference_band
 }
 
+section_session9_minference() {  # issue 4, session 9: 128K prefill of full and minference_band (default, 500/3072,
+                                  # 300/2048 budgets) on dummy_structured, then a kernel profile of minference_band
+    local S=(model=qwen3_4b model.load_format=dummy_structured bench.decode_steps=4 bench.context=131072 offload=none)
+    BENCH_TIMEOUT=120 bench "none-full-128k-structured" "${S[@]}" policy=full
+    BENCH_TIMEOUT=120 bench "none-minference_band-128k-structured" "${S[@]}" policy=minference_band
+    BENCH_TIMEOUT=120 bench "none-minference_band-v500-s3072-128k-structured" "${S[@]}" policy=minference_band \
+        policy.vertical_size=500 policy.slash_size=3072
+    BENCH_TIMEOUT=120 bench "none-minference_band-v300-s2048-128k-structured" "${S[@]}" policy=minference_band \
+        policy.vertical_size=300 policy.slash_size=2048
+    (cd scripts && timeout 150 python3 profile_prefill.py --context 131072 model.load_format=dummy_structured \
+        policy=minference_band > "$OUT/profile_minference_band.log" 2>&1)
+}
+
 section_summary() {
     python3 -m sparsekv.tasks.bench summarize "$OUT/bench" 2>&1 | tee "$OUT/bench_summary.md"
     # the device tool returns at most 8 files: pack every run's record and log into one archive
@@ -364,9 +377,9 @@ section_summary() {
 [ $# -gt 0 ] || set -- info tests bench
 for SECTION in "$@"; do
     case "$SECTION" in
-        session8|session7|xattn|minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
+        session9_minference|session8|session7|xattn|minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
         summary) ;;
-        *) echo "usage: OUT=dir $0 [session8|session7|xattn|minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
+        *) echo "usage: OUT=dir $0 [session9_minference|session8|session7|xattn|minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
     esac
 done
 [ -d "$OUT/bench" ] && section_summary
