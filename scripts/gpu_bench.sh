@@ -368,6 +368,28 @@ section_session9_minference() {  # issue 4, session 9: 128K prefill of full and 
         policy=minference_band > "$OUT/profile_minference_band.log" 2>&1)
 }
 
+section_session9() {  # issues 4 and 5, session 9 (final code): decode b1 x2 / b8 / b32, offloaded 8K segmented, offloaded
+                      # 128K full and quest (4096-token budget), minference_band quality at 32K with the 2.5x budgets
+    local i b
+    for i in 1 2; do
+        bench "none-4k-b1-$i" "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096
+    done
+    for b in 8 32; do
+        bench "none-4k-b$b" "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096 bench.batch_size=$b \
+            scheduler.max_num_seqs=32
+    done
+    bench "cpu-8k-segmented" "${QWEN[@]}" offload=cpu graph=segmented bench.context=8192
+    BENCH_TIMEOUT=150 bench "cpu-128k" "${QWEN[@]}" offload=cpu bench.context=131072
+    BENCH_TIMEOUT=150 bench "cpu-quest-128k" "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 \
+        policy.dense_layers=0 bench.context=131072
+    local budgets
+    for budgets in "500 3072" "300 2048"; do
+        set -- $budgets
+        timeout 90 python3 -m sparsekv task=quality policy=minference_band policy.vertical_size=$1 \
+            policy.slash_size=$2 quality.context=32768 quality.phase=prefill 2>&1 | tail -12 | tee -a "$OUT/quality.log"
+    done
+}
+
 section_summary() {
     python3 -m sparsekv.tasks.bench summarize "$OUT/bench" 2>&1 | tee "$OUT/bench_summary.md"
     # the device tool returns at most 8 files: pack every run's record and log into one archive
@@ -377,9 +399,9 @@ section_summary() {
 [ $# -gt 0 ] || set -- info tests bench
 for SECTION in "$@"; do
     case "$SECTION" in
-        session9_minference|session8|session7|xattn|minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
+        session9|session9_minference|session8|session7|xattn|minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf) "section_$SECTION" ;;
         summary) ;;
-        *) echo "usage: OUT=dir $0 [session9_minference|session8|session7|xattn|minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
+        *) echo "usage: OUT=dir $0 [session9|session9_minference|session8|session7|xattn|minference|decode_kernels|decode_resident|ab_gemv|sparse_prefill|offload_graphs|segmented|info|tests|bench|kernels|offload|report_sweeps|graph_micro|prefill_lite|quest|gather|prefill|profile|long|longest|graphs|sweep|sweep_hf|summary]..." >&2; exit 2 ;;
     esac
 done
 [ -d "$OUT/bench" ] && section_summary
