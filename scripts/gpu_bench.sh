@@ -336,9 +336,7 @@ section_session7() {  # issues 4 and 5, session 7: overlapped decode A/B and bat
     done
 }
 
-section_session8() {  # issues 4 and 5, session 8: decode with fused kernels, PDL and tuned GEMV rows (batch 1/8/32,
-                       # offloaded 8K segmented), 128K prefill of full, xattn_bsa_090 (stride 8, 16), minference_band
-                       # (~8 min; DECODE_STEPS=64 as in session 7)
+decode_rows() {  # issue 5's decode rows: GPU-resident 4K at batch 1 (twice), 8 and 32; offloaded 8K, segmented graphs
     local i b
     for i in 1 2; do
         bench "none-4k-b1-$i" "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096
@@ -348,6 +346,12 @@ section_session8() {  # issues 4 and 5, session 8: decode with fused kernels, PD
             scheduler.max_num_seqs=32
     done
     bench "cpu-8k-segmented" "${QWEN[@]}" offload=cpu graph=segmented bench.context=8192
+}
+
+section_session8() {  # issues 4 and 5, session 8: decode with fused kernels, PDL and tuned GEMV rows (batch 1/8/32,
+                       # offloaded 8K segmented), 128K prefill of full, xattn_bsa_090 (stride 8, 16), minference_band
+                       # (~8 min; DECODE_STEPS=64 as in session 7)
+    decode_rows
     local S=(model=qwen3_4b model.load_format=dummy_structured bench.decode_steps=4 bench.context=131072 offload=none)
     BENCH_TIMEOUT=120 bench "none-full-128k-structured" "${S[@]}" policy=full
     BENCH_TIMEOUT=120 bench "none-xattn_bsa_090-128k-structured" "${S[@]}" policy=xattn_bsa_090
@@ -370,15 +374,7 @@ section_session9_minference() {  # issue 4, session 9: 128K prefill of full and 
 
 section_session9() {  # issues 4 and 5, session 9 (final code): decode b1 x2 / b8 / b32, offloaded 8K segmented, offloaded
                       # 128K full and quest (4096-token budget), minference_band quality at 32K with the 2.5x budgets
-    local i b
-    for i in 1 2; do
-        bench "none-4k-b1-$i" "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096
-    done
-    for b in 8 32; do
-        bench "none-4k-b$b" "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096 bench.batch_size=$b \
-            scheduler.max_num_seqs=32
-    done
-    bench "cpu-8k-segmented" "${QWEN[@]}" offload=cpu graph=segmented bench.context=8192
+    decode_rows
     BENCH_TIMEOUT=150 bench "cpu-128k" "${QWEN[@]}" offload=cpu bench.context=131072
     BENCH_TIMEOUT=150 bench "cpu-quest-128k" "${QWEN[@]}" offload=cpu policy=quest policy.token_budget=4096 \
         policy.dense_layers=0 bench.context=131072
