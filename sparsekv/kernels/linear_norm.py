@@ -21,10 +21,17 @@ import torch
 
 from ._dispatch import alloc_output, jit, next_power_of_2, pdl_launch_options, pdl_wait, tl, use_fused_elementwise
 from .gemv import (
-    MAX_M, _check, _kernel_applies, silu_mul_linear, silu_mul_linear_reference, skinny_linear,
-    skinny_linear_reference, skinny_linear_triton,
+    MAX_M,
+    _check,
+    _kernel_applies,
+    silu_mul_linear,
+    silu_mul_linear_reference,
+    skinny_linear,
+    skinny_linear_reference,
+    skinny_linear_triton,
 )
-from .rmsnorm import KERNEL_DTYPES, MAX_ONE_PASS, _check as _check_norm, add_rms_norm, add_rms_norm_reference
+from .rmsnorm import KERNEL_DTYPES, MAX_ONE_PASS, add_rms_norm, add_rms_norm_reference
+from .rmsnorm import _check as _check_norm
 
 __all__ = ["linear_add_rms_norm", "linear_add_rms_norm_reference"]
 
