@@ -21,7 +21,6 @@ import torch
 
 from ._dispatch import alloc_output, jit, next_power_of_2, pdl_launch_options, pdl_wait, tl, use_fused_elementwise
 from .gemv import (
-    MAX_M,
     _check,
     _kernel_applies,
     silu_mul_linear,
@@ -30,7 +29,7 @@ from .gemv import (
     skinny_linear_reference,
     skinny_linear_triton,
 )
-from .rmsnorm import KERNEL_DTYPES, MAX_ONE_PASS, add_rms_norm, add_rms_norm_reference
+from .rmsnorm import KERNEL_DTYPES, MAX_ONE_PASS, add_rms_norm, add_rms_norm_reference, norm_warps
 from .rmsnorm import _check as _check_norm
 
 __all__ = ["linear_add_rms_norm", "linear_add_rms_norm_reference"]
@@ -85,7 +84,7 @@ def _separate(x, weight, bias, residual, norm_weight, eps, gated):
 def _fusable(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
     n = weight.shape[0]
     return (_kernel_applies(x, weight) and use_fused_elementwise(x.device) and next_power_of_2(n) <= MAX_ONE_PASS
-            and x.shape[0] <= MAX_M and residual.stride(-1) == 1 and norm_weight.dtype in KERNEL_DTYPES)
+            and residual.stride(-1) == 1 and norm_weight.dtype in KERNEL_DTYPES)
 
 
 def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
@@ -112,7 +111,7 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         partials, bias if bias is not None else partials, residual, norm_weight, normed, new_residual,
         residual.stride(0), normed.stride(0), new_residual.stride(0),
         m, n, float(eps),
-        SPLIT_K=partials.shape[0], HAS_BIAS=bias is not None, BLOCK_N=block, num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
+        SPLIT_K=partials.shape[0], HAS_BIAS=bias is not None, BLOCK_N=block, num_warps=norm_warps(block),
         **pdl_launch_options(x.device),
     )
     return normed, new_residual

@@ -135,6 +135,12 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
 
 
+def norm_warps(block: int) -> int:
+    """Warps of a one-row norm program over `block` elements; kernels that must round and reduce as this one does
+    (sparsekv.kernels.linear_norm) launch with the same count."""
+    return 4 if block <= 1024 else (8 if block <= 4096 else 16)
+
+
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     n = x.shape[-1]
     x2 = _rows(x, n)
@@ -145,7 +151,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         r2 = _rows(residual, n) if residual is not None else x2
         one_pass = next_power_of_2(n) <= MAX_ONE_PASS
         block = next_power_of_2(n) if one_pass else CHUNK
-        warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
+        warps = norm_warps(block)
         ro = res_out if res_out is not None else out
         _rms_norm_kernel[(rows,)](
             x2, r2, weight, out, ro,
