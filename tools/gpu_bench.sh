@@ -1,0 +1,196 @@
+#!/usr/bin/env bash
+# The figures of docs/benchmarks.md on a GPU host, one section per capability, each writing JSON records.
+#
+#     OUT=/tmp/bench tools/gpu_bench.sh decode offload quest prefill sparse_prefill memory summary
+#     python3 tools/bench_table.py /tmp/bench/records --update docs/benchmarks.md
+#
+# Sections (each fits a 10-minute limit on an H100; times are rough):
+#   info            nvidia-smi, versions, the measured ceilings (python3 -m sparsekv.floors)
+#   tests           the GPU-marked tests (pytest -m gpu)
+#   decode          GPU-resident graphed decode at 4K, batch 1 / 8 / 32                                      ~1.5 min
+#   offload         offloaded full decode at 8K (whole-step graph and segmented), 32K and 128K with HF beside ~5 min
+#   quest           Quest decode at 128K (every layer selecting; the default 2 dense layers) beside full      ~3 min
+#   prefill         32K prefill resident (one chunk) and offloaded with HF beside it; 128K offloaded           ~3 min
+#   sparse_prefill  128K resident prefill on structured weights: full, minference_band, xattn_bsa_090 presets ~4 min
+#   quality         the sparse prefill presets' density, error and needle hits at 32K on planted inputs       ~6 min
+#   memory          GPU peak and host RSS of offloaded runs at 32K, 128K and 512K                             ~6 min
+#   capacity        the longest context the default host pool holds (prefill alone ~6 min)                    ~10 min
+#   summary         $OUT/tables.md (tools/bench_table.py) and $OUT/records.tgz
+#
+# Each run goes to $OUT/records/<section>/<row>/: the task's record (bench.json or quality.json), run.json (the
+# exact command, the date, the row it is compared with) and run.log. A failing run is logged and the script goes on.
+# Settings: DECODE_STEPS (default 64 for `decode`, 16 elsewhere), BENCH_TIMEOUT (default 150 s per run),
+# TEST_TIMEOUT (default 560 s), BENCH_MODEL_ARGS (default "model=qwen3_4b model.load_format=dummy";
+# "model=tiny device=cpu" gives a dry run of the script without a GPU).
+set -u
+set -o pipefail
+export PYTHONUNBUFFERED=1
+
+: "${OUT:?set OUT to the folder the records go to}"
+OUT="$(mkdir -p "$OUT" && cd "$OUT" && pwd)"
+RECORDS="$OUT/records"
+mkdir -p "$RECORDS"
+TEST_TIMEOUT="${TEST_TIMEOUT:-560}"
+BENCH_TIMEOUT="${BENCH_TIMEOUT:-150}"
+TOOLS="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+# sparsekv's pure-Python dependencies (hydra-core, omegaconf, antlr4, pluggy) may come as wheels in .whl/
+if ! python3 -c "import hydra, omegaconf, pluggy" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+case ":${PYTHONPATH:-}:" in *":$PWD:"*) ;; *) export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ;; esac
+
+read -ra MODEL <<< "${BENCH_MODEL_ARGS:-model=qwen3_4b model.load_format=dummy}"
+STRUCTURED=(model=qwen3_4b model.load_format=dummy_structured)
+[ -n "${BENCH_MODEL_ARGS:-}" ] && STRUCTURED=("${MODEL[@]}")
+
+status() {  # status NAME RC SECONDS
+    printf '%-40s rc=%-4s %6ss\n' "$1" "$2" "$3" | tee -a "$OUT/status.log"
+}
+
+run_task() {  # run_task SECTION ROW TASK [overrides...]; VS=section/row names the row it is compared with
+    local section="$1" row="$2" task="$3"; shift 3
+    local dir="$RECORDS/$section/$row" start=$SECONDS rc
+    mkdir -p "$dir"
+    local cmd=(python3 -m sparsekv "task=$task" "$@")
+    python3 -c 'import json, sys, datetime
+section, row, vs, out = sys.argv[1:5]
+json.dump({"section": section, "row": row, "vs": vs or None, "command": " ".join(sys.argv[5:]),
+           "date": datetime.date.today().isoformat()}, open(out, "w"), indent=2)' \
+        "$section" "$row" "${VS:-}" "$dir/run.json" python -m sparsekv "task=$task" "$@"
+    echo "==== $section/$row: ${cmd[*]}"
+    timeout --signal=INT --kill-after=30 "$BENCH_TIMEOUT" "${cmd[@]}" task.name="$row" task.progress=false \
+        output_dir="$dir" hydra.run.dir="$dir/hydra" > "$dir/run.log" 2>&1
+    rc=$?
+    tail -n 25 "$dir/run.log"
+    rm -rf "$dir/hydra"
+    status "$section/$row" "$rc" "$((SECONDS - start))"
+}
+
+bench() {  # bench SECTION ROW [overrides...]
+    local section="$1" row="$2"; shift 2
+    run_task "$section" "$row" bench "$@"
+}
+
+section_info() {
+    {
+        echo "== date";          date -u
+        echo "== host";          hostname; nproc; free -g
+        echo "== nvidia-smi";    nvidia-smi
+        echo "== versions"
+        python3 - <<'EOF'
+import platform, torch
+print("python", platform.python_version())
+print("torch", torch.__version__, "cuda", torch.version.cuda)
+print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
+for name in ("triton", "hydra", "omegaconf", "pluggy", "transformers", "flash_attn"):
+    try:
+        module = __import__(name)
+        print(name, getattr(module, "__version__", "?"))
+    except Exception as err:  # noqa: BLE001
+        print(name, "unavailable:", type(err).__name__, err)
+EOF
+        echo "== measured ceilings (python3 -m sparsekv.floors)"
+        timeout 120 python3 -m sparsekv.floors
+    } 2>&1 | tee "$OUT/info.log"
+}
+
+section_tests() {
+    local start=$SECONDS rc
+    timeout --kill-after=20 "$TEST_TIMEOUT" python3 -m pytest -q -m gpu tests/ ${TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -20
+    rc=$?
+    status "gpu tests" "$rc" "$((SECONDS - start))"
+}
+
+section_decode() {  # GPU-resident, whole-step CUDA graphs, 4K context
+    local steps="${DECODE_STEPS:-64}" b
+    bench decode none-4k-b1 "${MODEL[@]}" offload=none graph=cudagraph task.context=4096 task.decode_steps="$steps"
+    for b in 8 32; do
+        bench decode "none-4k-b$b" "${MODEL[@]}" offload=none graph=cudagraph task.context=4096 \
+            task.decode_steps="$steps" task.batch_size=$b scheduler.max_num_seqs=32
+    done
+}
+
+section_offload() {  # full attention, KV in host memory; HF transformers beside the 32K and 128K rows
+    local steps="${DECODE_STEPS:-16}"
+    bench offload cpu-8k "${MODEL[@]}" offload=cpu task.context=8192 task.decode_steps="$steps"
+    bench offload cpu-8k-segmented "${MODEL[@]}" offload=cpu graph=segmented task.context=8192 task.decode_steps="$steps"
+    BENCH_TIMEOUT=200 bench offload cpu-32k-hf "${MODEL[@]}" offload=cpu task.context=32768 \
+        task.decode_steps="$steps" task.baseline=true
+    BENCH_TIMEOUT=300 bench offload cpu-128k-hf "${MODEL[@]}" offload=cpu task.context=131072 \
+        task.decode_steps="${DECODE_STEPS:-8}" task.baseline=true
+}
+
+section_quest() {  # Quest at 128K against full offloaded decode in the same run
+    local steps="${DECODE_STEPS:-16}"
+    bench quest cpu-128k-full "${MODEL[@]}" offload=cpu task.context=131072 task.decode_steps="$steps"
+    VS=quest/cpu-128k-full bench quest cpu-quest-128k-all-layers "${MODEL[@]}" offload=cpu policy=quest \
+        policy.token_budget=4096 policy.dense_layers=0 task.context=131072 task.decode_steps="$steps"
+    VS=quest/cpu-128k-full bench quest cpu-quest-128k-default "${MODEL[@]}" offload=cpu policy=quest \
+        task.context=131072 task.decode_steps="$steps"
+}
+
+section_prefill() {  # full-attention prefill; HF transformers beside the 32K rows
+    bench prefill none-32k-1chunk-hf "${MODEL[@]}" offload=none task.context=32768 \
+        scheduler.max_num_batched_tokens=32768 task.decode_steps=4 task.baseline=true
+    bench prefill cpu-32k-hf "${MODEL[@]}" offload=cpu task.context=32768 task.decode_steps=4 task.baseline=true
+    bench prefill cpu-128k "${MODEL[@]}" offload=cpu task.context=131072 task.decode_steps=4
+}
+
+section_sparse_prefill() {  # 128K, GPU-resident, weights with planted attention structure; each preset against full
+    local S=("${STRUCTURED[@]}" offload=none task.context=131072 task.decode_steps=4)
+    bench sparse_prefill full "${S[@]}" policy=full
+    VS=sparse_prefill/full bench sparse_prefill minference_band "${S[@]}" policy=minference_band
+    VS=sparse_prefill/full bench sparse_prefill minference_band-v500-s3072 "${S[@]}" policy=minference_band \
+        policy.vertical_size=500 policy.slash_size=3072
+    VS=sparse_prefill/full bench sparse_prefill minference_band-v300-s2048 "${S[@]}" policy=minference_band \
+        policy.vertical_size=300 policy.slash_size=2048
+    VS=sparse_prefill/full bench sparse_prefill xattn_bsa_090 "${S[@]}" policy=xattn_bsa_090
+    VS=sparse_prefill/full bench sparse_prefill xattn_bsa_090-stride16 "${S[@]}" policy=xattn_bsa_090 policy.stride=16
+}
+
+section_quality() {  # the sparse prefill presets on planted inputs at 32K: density, error, needle hits
+    local Q=(task.context=32768 task.phase=prefill)
+    BENCH_TIMEOUT=90 run_task quality minference_band quality policy=minference_band "${Q[@]}"
+    BENCH_TIMEOUT=90 run_task quality minference_band-v500-s3072 quality policy=minference_band \
+        policy.vertical_size=500 policy.slash_size=3072 "${Q[@]}"
+    BENCH_TIMEOUT=90 run_task quality minference_band-v300-s2048 quality policy=minference_band \
+        policy.vertical_size=300 policy.slash_size=2048 "${Q[@]}"
+    BENCH_TIMEOUT=90 run_task quality xattn_bsa_090 quality policy=xattn_bsa_090 "${Q[@]}"
+    BENCH_TIMEOUT=90 run_task quality xattn_bsa_090-stride16 quality policy=xattn_bsa_090 policy.stride=16 "${Q[@]}"
+}
+
+section_memory() {  # GPU memory stays flat while the context grows (offloaded); 512K pins ~72 GiB of host memory
+    bench memory cpu-32k "${MODEL[@]}" offload=cpu task.context=32768 task.decode_steps=4
+    bench memory cpu-128k "${MODEL[@]}" offload=cpu task.context=131072 task.decode_steps=4
+    BENCH_TIMEOUT=560 bench memory cpu-512k "${MODEL[@]}" offload=cpu task.context=524288 task.decode_steps=4
+}
+
+section_capacity() {  # the longest prompt the default host pool holds (Qwen3-4B: 144 KiB of KV per token)
+    local ctx
+    ctx=$(python3 -c "
+from sparsekv.kvcache.offload_store import host_pool_blocks
+per_token = 36 * 8 * 128 * 2 * 2
+pool_tokens = host_pool_blocks(None, 1024 * per_token) * 1024  # the default pool: 0.9 x available - 4 GiB
+print(min(${CAPACITY_CAP:-786432}, (pool_tokens - 16384) // 16384 * 16384))")
+    echo "== capacity: default host pool -> context $ctx" | tee -a "$OUT/status.log"
+    BENCH_TIMEOUT="${BENCH_TIMEOUT_CAPACITY:-575}" bench capacity "cpu-$ctx" "${MODEL[@]}" offload=cpu \
+        task.context="$ctx" task.decode_steps=16
+}
+
+section_summary() {
+    python3 "$TOOLS/bench_table.py" "$RECORDS" 2>&1 | tee "$OUT/tables.md"
+    tar czf "$OUT/records.tgz" -C "$OUT" records
+}
+
+SECTIONS="info tests decode offload quest prefill sparse_prefill quality memory capacity summary"
+[ $# -gt 0 ] || set -- info decode offload quest prefill sparse_prefill memory summary
+for SECTION in "$@"; do
+    case " $SECTIONS " in
+        *" $SECTION "*) "section_$SECTION" ;;
+        *) echo "usage: OUT=dir $0 [${SECTIONS// /|}]..." >&2; exit 2 ;;
+    esac
+done
+echo "== done ($*) in ${SECONDS}s; records under $RECORDS"
+exit 0
