@@ -55,6 +55,16 @@ def make_checkpoint(path: Path, arch: str = "qwen3", *, tie: bool = True, dtype=
     return path
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need a CUDA device: without one they are skipped, so a test needs only the marker."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu: needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def triton_kernels(monkeypatch):
     """Run the Triton kernels (interpreted off-GPU; on CUDA the fused elementwise ones too, which are opt-in there)

@@ -21,7 +21,6 @@ PROMPTS = [[5, 9, 77, 300, 12, 44], [256, 72, 101, 108, 108, 111], [17, 400, 33,
            [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]]
 
 gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def build(async_decode: bool, *overrides: str, model: str = "tiny", base: list[str] = TINY) -> LLM:
@@ -266,7 +265,6 @@ GPU_PROMPTS = [random_prompt(n, seed=n) for n in (75, 33, 9, 120)]
 
 
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mode", ["cudagraph", "eager"])
 def test_gpu_async_decode_tokens_equal_sync(qwen3_ckpt, dtype, mode):
@@ -286,7 +284,6 @@ def test_gpu_async_decode_tokens_equal_sync(qwen3_ckpt, dtype, mode):
 
 
 @gpu
-@needs_cuda
 def test_gpu_async_decode_stop_tokens_equal_sync(qwen3_ckpt):
     """Stop tokens mid-batch: the step after each stop carries the stopped row (discarded), so batch sizes differ
     from synchronous decode for one step; float32, where that moves the other rows' logits by rounding at most."""
@@ -303,7 +300,6 @@ def test_gpu_async_decode_stop_tokens_equal_sync(qwen3_ckpt):
 
 
 @gpu
-@needs_cuda
 def test_gpu_overlapped_launch_does_not_sync(qwen3_ckpt):
     """Scheduling and launching step N+1 behind step N issues no host sync (the graph replay, lm_head, sampling and
     the copy of the tokens to the host are all queued); only reading step N's tokens waits."""

@@ -170,7 +170,6 @@ def test_enabled_in_module_dict_reaches_public_api(variants, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("variants", VARIANTS, ids=_vid)
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_variant_bf16(variants, causal):
@@ -180,7 +179,6 @@ def test_gpu_variant_bf16(variants, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("variants", SINGLE + COMBOS[-1:], ids=_vid)
 @pytest.mark.parametrize("d", [64, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)

@@ -205,7 +205,6 @@ def test_block_selecting_policy_is_held_to_the_bytes_it_loads(tmp_path, monkeypa
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_measured_ceilings_are_plausible():
     measured = floors.measure_floors("cuda")
     print(json.dumps(measured, indent=2))
@@ -217,7 +216,6 @@ def test_gpu_measured_ceilings_are_plausible():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_bench_tiny_reports_floors_and_ratios(tmp_path):
     _, record = run_bench(tmp_path, "device=cuda", "bench.context=2048", "bench.decode_steps=8")
     assert record["prompt_tokens"] == 2048 and record["decode_steps"] == 8

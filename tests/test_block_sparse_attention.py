@@ -175,7 +175,6 @@ def _gpu_inputs(seq: int, n: int, kind: str, seed: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["ragged", "structured", "mixed"])
 def test_gpu_loop_modes_bf16(kind):
     seq, n = 16384 + 77, 4096
@@ -188,7 +187,6 @@ def test_gpu_loop_modes_bf16(kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_every_block_matches_the_dense_kernel_without_sync():
     seq, n = 16384, 4096
     q, k, v, _, (idx, count) = _gpu_inputs(seq, n, "dense", 4)

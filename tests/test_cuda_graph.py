@@ -29,7 +29,6 @@ OFFLOAD = ["offload=cpu", "offload.host_pool_gib=0.05", "offload.block_size=16",
 DECODE_STEPS = GREEDY.max_tokens - 1  # the first token comes from the prefill step
 
 gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA = torch.device("cuda")
 
 
@@ -302,7 +301,6 @@ def test_offload_cudagraph_falls_back_to_eager_when_a_capture_fails(qwen3_ckpt, 
 
 # ---------------------------------------------------------------- GPU: real graphs, exact tokens
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("store, mode", [("none", "cudagraph"), ("cpu", "segmented"), ("none", "segmented")])
 def test_gpu_graph_tokens_equal_eager(qwen3_ckpt, dtype, store, mode):
@@ -323,7 +321,6 @@ def test_gpu_graph_tokens_equal_eager(qwen3_ckpt, dtype, store, mode):
 
 
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("policy", ["full", "quest"])
 def test_gpu_offload_cudagraph_tokens_equal_eager(qwen3_ckpt, policy, dtype):
@@ -346,7 +343,6 @@ def test_gpu_offload_cudagraph_tokens_equal_eager(qwen3_ckpt, policy, dtype):
 
 
 @gpu
-@needs_cuda
 def test_gpu_offload_cudagraph_memory_does_not_creep_with_layouts(qwen3_ckpt):
     """Every block that fills makes a new layout and a capture with a memory pool of its own: dozens per run here.
     The pools of dropped graphs go back to the device, so the memory the caching allocator holds after a second
@@ -366,7 +362,6 @@ def test_gpu_offload_cudagraph_memory_does_not_creep_with_layouts(qwen3_ckpt):
 
 
 @gpu
-@needs_cuda
 def test_gpu_cudagraph_long_contexts_equal_eager(qwen3_ckpt):
     """With a long max_model_len the captured split plan (from max_model_len) differs from the one the kernel's
     heuristic would pick from a step's lengths; the store plans eager steps the same way, so bf16 tokens of
@@ -382,7 +377,6 @@ def test_gpu_cudagraph_long_contexts_equal_eager(qwen3_ckpt):
 
 
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("policy", ["test_top_half", "quest"])
 def test_gpu_segmented_with_a_block_selecting_policy(qwen3_ckpt, policy):
     overrides = ["device=cuda", "dtype=bfloat16", *OFFLOAD, *policy_overrides(policy)]
@@ -395,7 +389,6 @@ def test_gpu_segmented_with_a_block_selecting_policy(qwen3_ckpt, policy):
 
 
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("store, mode", [("none", "cudagraph"), ("cpu", "cudagraph")])
 def test_gpu_auto_picks_the_mode_and_large_batches_fall_back(qwen3_ckpt, store, mode):
     overrides = ["device=cuda", "dtype=bfloat16", *(NONE if store == "none" else OFFLOAD)]
@@ -408,7 +401,6 @@ def test_gpu_auto_picks_the_mode_and_large_batches_fall_back(qwen3_ckpt, store, 
 
 
 @gpu
-@needs_cuda
 def test_gpu_cudagraph_replay_does_not_sync(qwen3_ckpt):
     """A replay issues no host sync, and it computes what the eager forward computes for the same step."""
     from sparsekv.engine.context import set_context

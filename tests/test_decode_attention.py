@@ -20,7 +20,6 @@ from tests.test_kernels import DEV, _check_attn, _qkv
 
 pytestmark = pytest.mark.usefixtures("triton_kernels")
 gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.fixture
@@ -238,7 +237,6 @@ def test_flash_attn_with_lse_dispatches_small_sq(monkeypatch):
 
 # ------------------------------------------------------------------ GPU only
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("sk", [1, 7, 64, 255, 256, 1000, 4096, 4097, 8192])
 def test_gpu_decode_bf16_realistic(sk, monkeypatch):
     monkeypatch.setenv(_dispatch.ENV_BACKEND, "triton")
@@ -256,7 +254,6 @@ def test_gpu_decode_bf16_realistic(sk, monkeypatch):
 
 
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("sq,sk", [(3, 4096), (16, 8192), (16, 5), (8, 300)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_decode_causal_small_sq(sq, sk, dtype, monkeypatch):

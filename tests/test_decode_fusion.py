@@ -31,7 +31,6 @@ from tests.conftest import CountLaunches, random_prompt
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 pytestmark = pytest.mark.usefixtures("triton_kernels", "one_thread")
 
@@ -246,7 +245,6 @@ def _decode_chain(x, r, norm_w, wqkv, wo, wgu, wdown, positions, inv_freq, kv_wr
 
 
 @gpu
-@needs_cuda
 def test_gpu_pdl_chain_inside_a_cuda_graph_equals_eager_without_pdl(switches):
     """Qwen3-4B decode shapes in bf16: the layer's kernels launched with PDL, eagerly and captured in a CUDA graph
     (replayed on new inputs), give bit-for-bit what they give without PDL, the KV cache writes included."""
@@ -305,7 +303,6 @@ def test_gpu_pdl_chain_inside_a_cuda_graph_equals_eager_without_pdl(switches):
 
 
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_cudagraph_tokens_with_pdl_and_fusion_equal_eager_without(qwen3_ckpt, dtype, switches):
     """The tiny Qwen3 decoding with graph=cudagraph, PDL on and the fused layer: the tokens of eager decode with

@@ -22,7 +22,6 @@ from tests.conftest import CountLaunches
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TOL = 1e-5  # fp32 relative error
 
 
@@ -281,7 +280,6 @@ def test_emulated_segmented_graphs_with_fused_kernels_give_the_eager_tokens(qwen
 
 # ---------------------------------------------------------------------------------------------- GPU
 @gpu
-@needs_cuda
 def test_bf16_kernels_match_references_on_gpu():
     """Qwen3-4B shapes in bf16; positions up to 128K check that in-kernel cos/sin stay accurate at large angles."""
     g = _gen(7)
@@ -307,7 +305,6 @@ def test_bf16_kernels_match_references_on_gpu():
 
 
 @gpu
-@needs_cuda
 def test_kernels_replay_inside_a_cuda_graph():
     """Capture-safe: captured once, replayed on new inputs written into the same buffers, equal to eager."""
     g = _gen(8)

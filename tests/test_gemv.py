@@ -21,7 +21,6 @@ from tests.conftest import CountLaunches
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 pytestmark = pytest.mark.usefixtures("triton_kernels", "one_thread")
 
@@ -337,7 +336,6 @@ def test_bench_gemv_smoke_on_a_tiny_shape():
 
 # ---------------------------------------------------------------------------------------------- GPU
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("m", [1, 4, 8, 16])
 def test_gpu_qwen3_4b_shapes_match_cublas(m):
     """bf16 at the real decode shapes against F.linear (cuBLAS): within bf16 rounding of each other."""
@@ -352,7 +350,6 @@ def test_gpu_qwen3_4b_shapes_match_cublas(m):
 
 
 @gpu
-@needs_cuda
 def test_gpu_replays_inside_a_cuda_graph():
     """Capture-safe (no host syncs, fixed allocations): replays on new inputs equal eager, bit for bit."""
     x, w, b = _inputs(4, 2560, 9728, torch.bfloat16, bias=True, seed=1)  # split-K at the default config

@@ -336,7 +336,6 @@ def test_store_kv_roundtrip_and_bad_shapes():
 
 # ------------------------------------------------------------------ GPU only
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("backend", ["triton", "sdpa", "cudnn", "flash_attn"])
 @pytest.mark.parametrize("sq,sk", [(4096, 4096), (1000, 4096)])
@@ -357,7 +356,6 @@ def test_gpu_attention_bf16_realistic(backend, causal, sq, sk, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("sq,sk", [(777, 1500), (1500, 777), (1, 3000)])
 def test_gpu_triton_attention_head_dims(d, sq, sk, monkeypatch):
@@ -369,7 +367,6 @@ def test_gpu_triton_attention_head_dims(d, sq, sk, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("lens", [[32768], [0, 1, 5000, 17, 70000, 4096, 333, 12345]])
 def test_gpu_paged_decode_bf16_realistic(lens):
     q, kc, vc, tables, lens_t, ks, vs = _paged_case(lens, 32, 8, 128, 16, torch.bfloat16)
@@ -379,7 +376,6 @@ def test_gpu_paged_decode_bf16_realistic(lens):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_merge_bf16():
     o1, l1, o2, l2 = _partials(300, 32, 128, torch.bfloat16)
     o, lse = merge_attention_outputs(o1, l1, o2, l2)
@@ -390,7 +386,6 @@ def test_gpu_merge_bf16():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_paged_decode_cuda_graph():
     # With max_context_len given there is no host sync: the call can be captured in a CUDA
     # graph and replayed after context_lens / q change in place.

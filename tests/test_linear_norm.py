@@ -100,7 +100,6 @@ def test_linear_add_norm_forward_switch(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("k,gated", [(4096, False), (9728, True)], ids=["o_proj", "down"])
 def test_qwen3_4b_shapes_on_gpu(k, gated):
     """The decode step's o and down projections of Qwen3-4B (N = 2560, the tuned SHAPE_CONFIGS rows: split 2 and a

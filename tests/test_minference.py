@@ -536,7 +536,6 @@ def test_engine_small_budget_runs_sparse(qwen3_ckpt, monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ GPU only
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_kernel_bf16_realistic():
     sq = sk = 4096
     h, kvh, d = 32, 8, 128
@@ -558,7 +557,6 @@ def test_gpu_kernel_bf16_realistic():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("sk", [8192, 32768 + 77])
 def test_gpu_masses_bf16_realistic(sk):
     h, kvh, d, L = 32, 8, 128, 64
@@ -571,7 +569,6 @@ def test_gpu_masses_bf16_realistic(sk):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_masses_with_given_lse_and_offset_window():
     h, kvh, d, L, sk = 32, 8, 128, 64, 20000
     gen = torch.Generator().manual_seed(1)
@@ -585,7 +582,6 @@ def test_gpu_masses_with_given_lse_and_offset_window():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("granularity", [1, SLASH_BAND])
 def test_gpu_estimate_and_prefill_do_not_sync(granularity):
     from tests.conftest import host_sync_sites

@@ -37,7 +37,6 @@ def test_offloaded_batch_equals_resident(qwen3_ckpt, resident_tokens, layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("layout", [
     ["offload.block_size=16", "offload.num_gpu_blocks=2", "offload.prefill_chunk_size=16"],
     ["offload.block_size=16", "offload.num_gpu_blocks=4", "offload.prefill_chunk_size=48"],

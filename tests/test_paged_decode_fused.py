@@ -143,7 +143,6 @@ def pdl(request, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("lens", [[4096], [32768], [0, 1, 5000, 17, 70000, 4096, 333, 12345]])
 def test_gpu_fused_bitwise_bf16(lens, pdl):
     q, kc, vc, tables, lens_t, _, _ = _bf16_case(lens)
@@ -156,7 +155,6 @@ def test_gpu_fused_bitwise_bf16(lens, pdl):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fused_cuda_graph_replay(pdl):
     # Several layers back to back in one graph (one counter buffer), replayed after q / context_lens change in
     # place: every replay equals the eager fused and two-kernel calls bitwise (same plan: max_context_len fixed).
@@ -185,7 +183,6 @@ def test_gpu_fused_cuda_graph_replay(pdl):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fused_first_launch_inside_capture_raises(monkeypatch):
     q, kc, vc, tables, lens_t, _, _ = _bf16_case([3000])
     P.paged_decode_attention(q, kc, vc, tables, lens_t, max_context_len=4096, fused=True)  # compile

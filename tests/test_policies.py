@@ -443,7 +443,6 @@ def test_quest_budget_rules():
 
 # ---------------------------------------------------------------------------------------------- GPU only
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_bf16_hooks_do_not_sync_and_only_host_selection_syncs():
     dev, dt = torch.device("cuda"), torch.bfloat16
     kv_heads, heads, dim, bs = 8, 32, 128, 1024
@@ -472,7 +471,6 @@ def test_gpu_bf16_hooks_do_not_sync_and_only_host_selection_syncs():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_bf16_xattn_block_sparse_prefill_is_exact():
     dev, dt = torch.device("cuda"), torch.bfloat16
     kv_heads, heads, dim, seq = 8, 32, 128, 8192 + 77

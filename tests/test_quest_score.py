@@ -73,7 +73,6 @@ def test_bad_shapes_are_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.usefixtures("triton_kernels")
 @pytest.mark.parametrize("n", [1, 2, 127, 128, 1000])
 def test_gpu_kernel_real_sizes(n):
@@ -86,7 +85,6 @@ def test_gpu_kernel_real_sizes(n):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.usefixtures("triton_kernels")
 @pytest.mark.parametrize("n,keep", [(4096, 4), (4096, 64), (16384, 4), (16384, 32)])
 def test_gpu_select_many_candidates(n, keep):

@@ -255,7 +255,6 @@ def test_chunked_policy_density_same_on_both_paths(monkeypatch):
 
 # ------------------------------------------------------------------------------------------- GPU only
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["random", "bands"])
 def test_gpu_index_and_counter_at_128k(kind):
     H, Sq, Sk, D = 32, 8192, 131072, 128

@@ -315,7 +315,6 @@ def test_policy_keeping_every_block_is_dense_attention(monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ GPU only
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_block_mass_bf16_realistic():
     gen = torch.Generator().manual_seed(0)
     seq, n, h, kvh, d = 16384, 4096, 32, 8, 128
@@ -326,7 +325,6 @@ def test_gpu_block_mass_bf16_realistic():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_block_sparse_bf16_realistic():
     gen = torch.Generator().manual_seed(1)
     seq, n, h, kvh, d, bs = 16384, 4096, 32, 8, 128, 128
@@ -342,7 +340,6 @@ def test_gpu_block_sparse_bf16_realistic():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_compute_prefill_does_not_sync():
     gen = torch.Generator().manual_seed(2)
     seq, n = 16384 + 77, 4096
