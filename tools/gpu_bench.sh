@@ -60,7 +60,7 @@ json.dump({"section": section, "row": row, "vs": vs or None, "command": " ".join
            "date": datetime.date.today().isoformat()}, open(out, "w"), indent=2)' \
         "$section" "$row" "${VS:-}" "$dir/run.json" python -m sparsekv "task=$task" "$@"
     echo "==== $section/$row: ${cmd[*]}"
-    timeout --signal=INT --kill-after=30 "$BENCH_TIMEOUT" "${cmd[@]}" task.name="$row" task.progress=false \
+    timeout --signal=INT --kill-after=30 "$BENCH_TIMEOUT" "${cmd[@]}" task.name="$row" ${EXTRA:-} \
         output_dir="$dir" hydra.run.dir="$dir/hydra" > "$dir/run.log" 2>&1
     rc=$?
     tail -n 25 "$dir/run.log"
@@ -70,7 +70,7 @@ json.dump({"section": section, "row": row, "vs": vs or None, "command": " ".join
 
 bench() {  # bench SECTION ROW [overrides...]
     local section="$1" row="$2"; shift 2
-    run_task "$section" "$row" bench "$@"
+    EXTRA=task.progress=false run_task "$section" "$row" bench "$@"
 }
 
 section_info() {
