@@ -75,7 +75,7 @@ def linear_add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: t
     return add_rms_norm_reference(out, residual, norm_weight, eps)
 
 
-def _separate(x, weight, bias, residual, norm_weight, eps, gated, pdl):
+def _separate(x, weight, bias, residual, norm_weight, eps, gated, pdl=False):
     """The separate ops (each its kernel or its torch fallback): what the fused launch computes."""
     out = (silu_mul_linear if gated else skinny_linear)(x, weight, bias, pdl=pdl)
     return add_rms_norm(out, residual, norm_weight, eps, pdl=pdl)
