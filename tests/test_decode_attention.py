@@ -12,11 +12,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv.kernels import flash_attn_with_lse, flash_attn_with_lse_reference
+from sparsekv.kernels import flash_attn_with_lse, flash_attn_with_lse_reference, resolve_kernels
 from sparsekv.kernels import attention as attention_module
 from sparsekv.kernels import decode_attention as decode_module
-from sparsekv.kernels.decode_attention import DecodePartials, choose_num_splits, decode_attention, launch_plan
+from sparsekv.kernels.decode_attention import DecodePartials, choose_num_splits, launch_plan
 from tests.test_kernels import DEV, _check_attn, _qkv
+
+TRITON = resolve_kernels(DEV, backend="triton")
+
+
+def decode_attention(q, k, v, scale=None, causal=False, *, num_splits=None):
+    """flash_attn_with_lse on the Triton path (few rows: the decode kernel); num_splits forces the split count."""
+    if num_splits is None:
+        return flash_attn_with_lse(q, k, v, scale, causal, kernels=TRITON)
+    return decode_module.decode_attention_triton(q, k, v, scale or q.shape[2] ** -0.5, causal, num_splits)
 
 pytestmark = pytest.mark.usefixtures("triton_kernels")
 gpu = pytest.mark.gpu

@@ -1,6 +1,8 @@
 """Attention of a few query rows (decode: Sq = 1) over contiguous K/V, flash-decoding style.
 
-decode_attention(q [Sq, H, D], k/v [Sk, KVH, D]) returns exactly what flash_attn_with_lse returns:
+flash_attn_with_lse runs this for Sq <= attention.DECODE_MAX_SQ on the Triton path (decode_attention_triton), and
+DecodePartials for the key sets of an offloaded decode step; q [Sq, H, D], k/v [Sk, KVH, D] give what
+flash_attn_with_lse returns:
 o [Sq, H, D] (q.dtype) and lse [H, Sq] fp32 natural log, -inf (and o = 0) for rows that see no key;
 causal masking is bottom-right aligned (query i sees key j iff j <= i + Sk - Sq).
 
@@ -16,14 +18,12 @@ K/V may be any strided view (last dim contiguous), e.g. a run of GPU ring slots 
 from __future__ import annotations
 
 import functools
-import math
 from typing import TYPE_CHECKING
 
 import torch
 from ._dispatch import INTERPRET, alloc_output, cdiv, choose_splits, default_kernels, jit, next_power_of_2, tl
 from .attention import (
-    SUPPORTED_HEAD_DIMS, _empty_result, check_qkv, flash_attn_with_lse, flash_attn_with_lse_reference,
-    online_softmax_step,
+    SUPPORTED_HEAD_DIMS, _empty_result, check_qkv, flash_attn_with_lse, online_softmax_step,
 )
 from .merge import merge_attention_outputs
 from .paged_attention import MIN_GROUP_ROWS, merge_splits
@@ -31,7 +31,7 @@ from .paged_attention import MIN_GROUP_ROWS, merge_splits
 if TYPE_CHECKING:
     from .backend import KernelChoice
 
-__all__ = ["DecodePartials", "choose_num_splits", "decode_attention", "launch_plan"]
+__all__ = ["DecodePartials", "choose_num_splits", "decode_attention_triton", "launch_plan"]
 
 LOG2E = 1.4426950408889634
 
@@ -188,31 +188,6 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     _launch(q, k, v, o_part, o_part.stride(), lse_part, lse_part.stride(), scale, causal, plan, direct=False)
     merge_splits(o_part, lse_part, o, lse, pdl=pdl)  # o [Sq, H, D] is its [B, H, D], lse [H, Sq] its [H, B]
     return o, lse
-
-
-def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    softmax_scale: float | None = None, causal: bool = False, *, num_splits: int | None = None,
-    kernels: KernelChoice | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash_attn_with_lse for few query rows: q [Sq, H, D], k/v [Sk, KVH, D] -> o [Sq, H, D], lse [H, Sq].
-
-    Meant for Sq <= attention.DECODE_MAX_SQ (any Sq is correct). ``num_splits`` overrides the split heuristic;
-    ``kernels`` picks Triton or the reference (default: the process default for q's device).
-    """
-    check_qkv(q, k, v)
-    Sq, H, D = q.shape
-    Sk = k.shape[0]
-    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
-    if Sq == 0 or Sk == 0:
-        return _empty_result(q)
-    kernels = kernels if kernels is not None else default_kernels(q.device)
-    if not kernels.triton:
-        return flash_attn_with_lse_reference(q, k, v, scale, causal)
-    if D not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"triton decode attention supports head dims {SUPPORTED_HEAD_DIMS}; got D={D} "
-                         f"(q {tuple(q.shape)})")
-    return decode_attention_triton(q, k, v, scale, causal, num_splits, kernels.pdl)
 
 
 class DecodePartials:

@@ -82,7 +82,7 @@ CONFIGS = (
 )
 # M = 1 rows per weight shape, looked up before CONFIGS: (N, K, tensor cores, BLOCK_N, BLOCK_K, num_warps, num_stages,
 # split_k or None for the heuristic). Shapes not listed take CONFIGS' M = 1 row. The rows are the last line of
-# `python scripts/tune_gemv_chain.py OUT_DIR --rounds 2` on an H100 (2026-11-23, session 8): the Qwen3-4B decode chain
+# `python tools/tune_gemv_chain.py OUT_DIR --rounds 2` on an H100 (2026-11-23): the Qwen3-4B decode chain
 # (36 layers + lm_head, 8.04 GB) replayed from a CUDA graph took 3.150 ms with CONFIGS alone and 2.854 ms with these
 # rows under PDL (3.287 / 3.116 ms without PDL); lm_head's best was CONFIGS' row.
 SHAPE_CONFIGS: tuple = (

@@ -8,9 +8,7 @@ import torch
 from torch import nn
 
 from sparsekv.kernels.backend import KernelChoice
-from sparsekv.kernels.rotary import (  # noqa: F401  (rotate_half: re-exported)
-    rotary_cos_sin_reference, rotary_embed_reference, rotate_half,
-)
+from sparsekv.kernels.rotary import rotary_cos_sin_reference, rotary_embed_reference
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:

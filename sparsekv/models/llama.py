@@ -53,14 +53,6 @@ class SelfAttention(nn.Module):
         q, k = RotaryEmbedding.apply(q, rope.cos, rope.sin), RotaryEmbedding.apply(k, rope.cos, rope.sin)
         return q, k, v
 
-    def project_out(self, out: torch.Tensor) -> torch.Tensor:
-        """Attention output [N, H, D] -> [N, hidden]."""
-        return self.o_proj(out.reshape(out.shape[0], self.q_size))
-
-    def forward(self, hidden: torch.Tensor, rope: Rope) -> torch.Tensor:
-        q, k, v = self.project_qkv(hidden, rope)
-        return self.project_out(self.attn(q, k, v))  # attn: [N, H, D]
-
 
 class GatedMLP(nn.Module):
     def __init__(self, spec: ModelSpec, *, kernels: KernelChoice):

@@ -3,7 +3,7 @@
 #
 # Run from the repository root, after carrying the wheels sparsekv needs beyond torch/triton:
 #     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-#     OUT=/some/dir scripts/gpu_bench.sh SECTION...      (sections: the case statement at the end)
+#     OUT=/some/dir tools/gpu_bench.sh SECTION...      (sections: the case statement at the end)
 # Each section below fits one 10-minute device call (H200, 2026-11-22 timings); a session's 30 minutes of device
 # time hold about four calls:  1) info tests prefill   2) profile bench   3) graphs sweep_hf   4) sweep long.
 # Everything is written under $OUT, packed so that at most 8 files come back:
@@ -100,8 +100,8 @@ section_bench() {  # issues 2, 3, 4: most needed first, so a call cut short keep
 section_kernels() {  # new kernels: GPU tests, decode-attention timings and tuning, prefill attention tuning (~5 min)
     timeout 150 python3 -m pytest -q -m gpu tests/test_decode_attention.py tests/test_quest_score.py \
         tests/test_attention_variants.py tests/test_kernels.py 2>&1 | tee "$OUT/kernel_tests.log" | tail -15
-    timeout 150 python3 -m sparsekv.kernels.bench --decode 2>&1 | tee "$OUT/decode_bench.log" | tail -60
-    timeout 300 python3 scripts/tune_attention.py --json "$OUT/tune_attention.json" > "$OUT/tune_attention.log" 2>&1
+    timeout 150 python3 tools/bench_kernels.py --decode 2>&1 | tee "$OUT/decode_bench.log" | tail -60
+    timeout 300 python3 tools/tune_attention.py --json "$OUT/tune_attention.json" > "$OUT/tune_attention.log" 2>&1
     tail -c 6000 "$OUT/tune_attention.log"
     rm -f "$OUT/tune_attention.compile.log"
 }
@@ -119,9 +119,9 @@ section_quest() {  # issue 4: quest decode at 128K, all layers selecting and wit
 
 section_gather() {  # issue 4: the zero-copy block gather (tests, GB/s against copy engines) and a Quest step profile (~4 min)
     timeout 120 python3 -m pytest -q -m gpu tests/test_block_gather.py tests/test_policies.py 2>&1 | tail -5
-    timeout 150 python3 scripts/bench_block_gather.py --json "$OUT/bench/block_gather.json" 2>&1 | tail -40
+    timeout 150 python3 tools/bench_block_gather.py --json "$OUT/bench/block_gather.json" 2>&1 | tail -40
     mkdir -p "$OUT/profile"
-    timeout 150 python3 scripts/profile_decode.py --name cpu-quest-32k --context 32768 --out "$OUT/profile" \
+    timeout 150 python3 tools/profile_decode.py --name cpu-quest-32k --context 32768 --out "$OUT/profile" \
         offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0 2>&1 | grep -v '^\s*$' | head -70
     tar czf "$OUT/profile.tgz" -C "$OUT" profile && rm -rf "$OUT/profile"
 }
@@ -135,10 +135,10 @@ section_prefill() {  # issues 2 and 3: resident prefill by chunk budget, HF on t
     bench cpu-32k-chunk16k  "${QWEN[@]}" offload=cpu offload.prefill_chunk_size=16384 bench.context=32768
 }
 
-section_profile() {  # where decode steps spend their time: scripts/profile_decode.py (~3 min)
+section_profile() {  # where decode steps spend their time: tools/profile_decode.py (~3 min)
     local dir="$OUT/profile" name
     mkdir -p "$dir"
-    profile() { name="$1"; shift; timeout 150 python3 scripts/profile_decode.py --name "$name" --out "$dir" "$@" \
+    profile() { name="$1"; shift; timeout 150 python3 tools/profile_decode.py --name "$name" --out "$dir" "$@" \
         2>&1 | tee "$dir/$name.log" | grep -v '^\s*$' | head -70; }
     profile none-4k-graph --context 4096 offload=none graph=cudagraph
     profile none-4k-eager --context 4096 offload=none graph=eager
@@ -179,7 +179,7 @@ section_graphs() {  # issue 5: CUDA-graph decode by batch size (GPU KV); eager, 
 }
 
 section_graph_micro() {  # per-segment capture choice and eager vs graph in one process (~2 min)
-    timeout 120 python3 scripts/bench_cuda_graph.py --json "$OUT/bench/cuda_graph.json" 2>&1 | tail -40
+    timeout 120 python3 tools/bench_cuda_graph.py --json "$OUT/bench/cuda_graph.json" 2>&1 | tail -40
 }
 
 section_prefill_lite() {  # issue 2: resident prefill at the default chunk budget and in one chunk (~1 min)
@@ -241,8 +241,8 @@ section_decode_kernels() {  # issue 5: the GPU-resident 4K step's kernels: Trito
                            # split plans at 4K, and the whole step with each GEMV (~6 min)
     timeout 240 python3 -m pytest -q -m gpu tests/test_gemv.py tests/test_cuda_graph.py tests/test_offload.py \
         tests/test_policies.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
-    timeout 150 python3 -m sparsekv.kernels.bench --gemv --quick 2>&1 | tee "$OUT/gemv_bench.log" | tail -45
-    timeout 90 python3 -c "from sparsekv.kernels.bench import bench_paged_decode; bench_paged_decode((4096,))" \
+    timeout 150 python3 tools/bench_kernels.py --gemv --quick 2>&1 | tee "$OUT/gemv_bench.log" | tail -45
+    timeout 90 python3 -c "import sys; sys.path.insert(0, 'tools'); from bench_kernels import bench_paged_decode; bench_paged_decode((4096,))" \
         2>&1 | tee "$OUT/paged_bench.log" | tail -25
     bench none-4k-graph-b1 "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096
     SPARSEKV_GEMV=triton bench none-4k-graph-b1-gemv "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096
@@ -253,24 +253,24 @@ section_decode_kernels() {  # issue 5: the GPU-resident 4K step's kernels: Trito
 section_decode_resident() {  # issue 5: GPU-resident decode with the default GEMV choice, batch 1/8/32, and a profile
                             # of the batch-1 step; MInference/xattn prefill pieces timed apart (~5 min)
     timeout 120 python3 -m pytest -q -m gpu tests/test_gemv.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
-    timeout 150 python3 scripts/profile_sparse_prefill.py 2>&1 | tee "$OUT/sparse_prefill_profile.log"
+    timeout 150 python3 tools/profile_sparse_prefill.py 2>&1 | tee "$OUT/sparse_prefill_profile.log"
     local b
     for b in 1 8 32; do
         bench "none-4k-graph-b$b" "${QWEN[@]}" offload=none graph=cudagraph bench.context=4096 bench.batch_size=$b \
             scheduler.max_num_seqs=32
     done
     mkdir -p "$OUT/profile"
-    timeout 150 python3 scripts/profile_decode.py --name none-4k-graph --context 4096 --out "$OUT/profile" \
+    timeout 150 python3 tools/profile_decode.py --name none-4k-graph --context 4096 --out "$OUT/profile" \
         offload=none graph=cudagraph 2>&1 | grep -v '^\s*$' | head -60 | tee "$OUT/profile_decode.log"
     rm -rf "$OUT/profile"
 }
 
 section_ab_gemv() {  # issue 5: batch-1 4K decode with cuBLAS and with the Triton GEMV, interleaved; sparse prefill
                     # pieces on random and on structured-dummy q/k (~5 min)
-    timeout 150 python3 scripts/profile_sparse_prefill.py 2>&1 | tee "$OUT/sparse_prefill_profile.log"
+    timeout 150 python3 tools/profile_sparse_prefill.py 2>&1 | tee "$OUT/sparse_prefill_profile.log"
     local i layer
     for layer in 0 35; do
-        timeout 150 python3 scripts/profile_sparse_prefill.py --structured-layer $layer 2>&1 \
+        timeout 150 python3 tools/profile_sparse_prefill.py --structured-layer $layer 2>&1 \
             | tee -a "$OUT/sparse_prefill_profile.log"
     done
     for i in 1 2; do
@@ -294,9 +294,9 @@ section_minference() {  # issue 4: MInference kernels' GPU tests, per-chunk prof
                          # prefill full vs minference, offload=none (~6 min)
     timeout 150 python3 -m pytest -q -m gpu tests/test_minference.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
     local layer
-    timeout 150 python3 scripts/profile_sparse_prefill.py 2>&1 | tee "$OUT/sparse_prefill_profile.log"
+    timeout 150 python3 tools/profile_sparse_prefill.py 2>&1 | tee "$OUT/sparse_prefill_profile.log"
     for layer in 0 35; do
-        timeout 150 python3 scripts/profile_sparse_prefill.py --structured-layer $layer 2>&1 \
+        timeout 150 python3 tools/profile_sparse_prefill.py --structured-layer $layer 2>&1 \
             | tee -a "$OUT/sparse_prefill_profile.log"
     done
     local S=(model=qwen3_4b model.load_format=dummy_structured bench.decode_steps=4 bench.context=131072)
@@ -309,7 +309,7 @@ section_minference() {  # issue 4: MInference kernels' GPU tests, per-chunk prof
 section_xattn() {  # issue 4: xattn_bsa kernels' GPU tests, per-chunk profile, 128K prefill offload=none (~4 min)
     timeout 200 python3 -m pytest -q -m gpu tests/test_xattn_kernels.py tests/test_policies.py 2>&1 \
         | tee "$OUT/gpu_tests_xattn.log" | tail -15
-    timeout 150 python3 scripts/profile_sparse_prefill.py --structured-layer 35 2>&1 | tee "$OUT/xattn_profile.log"
+    timeout 150 python3 tools/profile_sparse_prefill.py --structured-layer 35 2>&1 | tee "$OUT/xattn_profile.log"
     local S=(model=qwen3_4b model.load_format=dummy_structured bench.decode_steps=4 bench.context=131072)
     BENCH_TIMEOUT=120 bench "none-xattn_bsa-128k-structured" "${S[@]}" offload=none policy=xattn_bsa
 }
