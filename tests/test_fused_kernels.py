@@ -2,8 +2,9 @@
 references, the references against Hugging Face's modules, and a tiny model whose forward runs them.
 
 On CPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set by conftest); the end-to-end test
-selects them as a user does, with SPARSEKV_ATTN_BACKEND=triton. The interpreter rounds fp32 -> bf16 toward zero (GPUs round to nearest even), so
-CPU tests use fp32 (and fp16, which the interpreter rounds like torch); bf16 runs in the GPU-marked tests.
+selects them as a user does, with SPARSEKV_ATTN_BACKEND=triton. The interpreter rounds fp32 -> bf16 toward zero
+(GPUs round to nearest even), so CPU tests use fp32 (and fp16, which the interpreter rounds like torch); bf16 runs
+in the GPU-marked tests.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ GPU_CONFIGS: dict[int, tuple[int, int, int, int]] = {
     256: (128, 64, 8, 2),
 }
 # Hopper (sm_90: 227 KiB of shared memory per SM) fits 128x128 tiles in 3 stages (224 KiB): with the scale fused
-# into exp2 and TMA loads, tools/tune_attention.py timed them 1.15-2.2x faster than (128, 64, 8, 3) on an H100 (2026-11-22).
+# into exp2 and TMA loads they timed 1.15-2.2x faster than (128, 64, 8, 3) on an H100 (2026-11-22).
 GPU_CONFIGS_SM90: dict[int, tuple[int, int, int, int]] = {128: (128, 128, 8, 3)}
 # fp32 inputs need twice the shared memory per tile (not a hot path: smaller tiles).
 GPU_CONFIGS_FP32: dict[int, tuple[int, int, int, int]] = {

@@ -37,7 +37,8 @@ BLOCK_N = 64  # tokens per inner step on GPU (16-bit, D <= 128; shrunk for bigge
 KV_TILE_BYTES = 16384  # BLOCK_N * D * element_size of one K (or V) tile at most
 NUM_WARPS = 4
 NUM_STAGES = 3
-# One sequence (batch 1): wider tiles, 2 stages. tools/tune_decode_attention.py on an H100 (Qwen3-4B dims): 13.35 us per layer at 4K against 14.54 with the tiles above, level at 32K; at batch 8 the tiles above win.
+# One sequence (batch 1): wider tiles, 2 stages. tools/tune_decode_attention.py on an H100 (Qwen3-4B dims): 13.35 us
+# per layer at 4K against 14.54 with the tiles above, level at 32K; at batch 8 the tiles above win.
 SINGLE_SEQUENCE_TILE = (128, 32768, 2)  # (BLOCK_N, KV_TILE_BYTES, NUM_STAGES)
 INTERPRET_BLOCK_N = 32
 MIN_GROUP_ROWS = 16  # tl.dot needs >= 16 rows: the GQA group is padded up to this

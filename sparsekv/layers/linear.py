@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,7 +21,8 @@ class Linear(nn.Linear):
         self.gemv_rows = min(kernels.gemv_max_rows, MAX_M)
         self.fuse = kernels.decode_fusion and self.gemv_rows > 0  # the fusions ride on the skinny GEMV
         self.pdl = kernels.pdl
-        self.silu_and_mul = silu_and_mul if kernels.triton else silu_and_mul_reference
+        self.silu_and_mul = (functools.partial(silu_and_mul, pdl=kernels.pdl) if kernels.triton
+                             else silu_and_mul_reference)
 
     def _rows(self, x: torch.Tensor, width: int) -> int:
         """Input rows of x [..., width] if the skinny GEMV takes them, else 0."""
