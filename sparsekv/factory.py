@@ -9,6 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 from sparsekv.config import Device, DType, OffloadMode, PrefillMode
 from sparsekv.engine.cuda_graph import attach_graph_runner, check_graph_config, graph_settings, resolve_graph_mode
 from sparsekv.engine.llm_engine import LLMEngine
+from sparsekv.kernels.backend import resolve_kernels
 from sparsekv.kvcache.base import available_host_memory
 from sparsekv.kvcache.offload_store import OffloadKVStore
 from sparsekv.kvcache.paged import PagedKVStore
@@ -139,7 +140,7 @@ def build_engine(cfg: DictConfig) -> LLMEngine:
     decode_policy = policy if policy.supports_decode else registry().policies["full"]
     graph_mode = resolve_graph_mode(graph_settings(graph_cfg)[0], cfg.offload.mode, device, decode_policy)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, spec, cls, device, dtype, cfg.seed)
+    model = build_model(cfg.model, spec, cls, device, dtype, cfg.seed, kernels=resolve_kernels(device))
     kv_store = build_kv_store(cfg, spec, dtype, device, max_model_len, policy)
     tokenizer = load_tokenizer(cfg.model.path, spec.vocab_size)
     log.info("built %s on %s (%s), offload=%s: %d KV blocks of %d tokens", spec.architecture, device, dtype,

@@ -67,17 +67,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def triton_kernels(monkeypatch):
-    """Run the Triton kernels (interpreted off-GPU; on CUDA the fused elementwise ones too, which are opt-in there)
-    and poison every output buffer the launchers allocate, so an element a kernel forgets to write fails."""
+    """The KernelChoice that runs the Triton kernels (interpreted off-GPU), for layers and kernels that take one;
+    kernels called without one (as the KV stores and policies call them) follow SPARSEKV_ATTN_BACKEND=triton.
+    Every output buffer the launchers allocate is poisoned, so an element a kernel forgets to write fails."""
     from sparsekv.kernels import _dispatch
+    from sparsekv.kernels.backend import resolve_kernels
 
     monkeypatch.setattr(_dispatch, "POISON_OUTPUTS", True)
-    if torch.cuda.is_available():
-        monkeypatch.delenv(_dispatch.ENV_BACKEND, raising=False)
-        monkeypatch.setenv(_dispatch.ENV_FUSED, "1")
-    else:
-        monkeypatch.setenv(_dispatch.ENV_BACKEND, "triton")
-    assert _dispatch.use_triton("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setenv(_dispatch.ENV_BACKEND, "triton")
+    choice = resolve_kernels("cuda" if torch.cuda.is_available() else "cpu", backend="triton")
+    assert choice.triton
+    return choice
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,12 @@ def _slabs(num_slabs: int, layers: int, per_slab: int, block: tuple[int, ...], d
     return [one() for _ in range(num_slabs)], [one() for _ in range(num_slabs)]
 
 
-@pytest.mark.usefixtures("triton_kernels")
 @pytest.mark.parametrize("dtype,block,ids,layer,first", [
     (torch.bfloat16, (8, 2, 16), [0, 7, 14, 3, 11], 2, 1),
     (torch.float32, (4, 1, 8), [5], 0, 0),
     (torch.float16, (16, 2, 32), [9, 1, 2, 13], 1, 4),
 ])
-def test_kernel_matches_reference(dtype, block, ids, layer, first, monkeypatch):
+def test_kernel_matches_reference(dtype, block, ids, layer, first, triton_kernels, monkeypatch):
     calls = []
     kernel = block_gather._gather_kernel
     monkeypatch.setattr(block_gather, "_gather_kernel",
@@ -42,7 +41,7 @@ def test_kernel_matches_reference(dtype, block, ids, layer, first, monkeypatch):
     block_ids = torch.tensor(ids, dtype=torch.int64, device=DEV)
     dst = torch.full((2, 8, *block), float("nan"), dtype=dtype, device=DEV)
     ref = dst.clone()
-    gather_host_blocks(dst, (k_slabs, v_slabs), offsets, block_ids, layer, first)
+    gather_host_blocks(dst, (k_slabs, v_slabs), offsets, block_ids, layer, first, kernels=triton_kernels)
     assert calls, "the Triton kernel did not run"
     gather_host_blocks_reference(ref, (k_slabs, v_slabs), block_ids, layer, first)
     assert torch.equal(dst[:, first:first + len(ids)], ref[:, first:first + len(ids)])

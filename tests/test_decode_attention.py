@@ -12,11 +12,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv.kernels import _dispatch, flash_attn_with_lse, flash_attn_with_lse_reference
+from sparsekv.kernels import flash_attn_with_lse, flash_attn_with_lse_reference, resolve_kernels
 from sparsekv.kernels import attention as attention_module
 from sparsekv.kernels import decode_attention as decode_module
-from sparsekv.kernels.decode_attention import DecodePartials, choose_num_splits, decode_attention, launch_plan
+from sparsekv.kernels.decode_attention import DecodePartials, choose_num_splits, launch_plan
 from tests.test_kernels import DEV, _check_attn, _qkv
+
+TRITON = resolve_kernels(DEV, backend="triton")
+
+
+def decode_attention(q, k, v, scale=None, causal=False, *, num_splits=None):
+    """flash_attn_with_lse on the Triton path (few rows: the decode kernel); num_splits forces the split count."""
+    if num_splits is None:
+        return flash_attn_with_lse(q, k, v, scale, causal, kernels=TRITON)
+    return decode_module.decode_attention_triton(q, k, v, scale or q.shape[2] ** -0.5, causal, num_splits)
 
 pytestmark = pytest.mark.usefixtures("triton_kernels")
 gpu = pytest.mark.gpu
@@ -197,6 +206,21 @@ def test_decode_partials_reuse_their_buffers_but_never_share_them(kernel_calls):
     _check_attn(third.finish(), flash_attn_with_lse_reference(q, k[:7], v[:7], 32 ** -0.5), torch.float32)
 
 
+def test_decode_partials_keep_outgrown_buffers_alive(kernel_calls):
+    """A longer context outgrows the shared split buffers: the bigger ones replace them, and the old ones stay
+    allocated, since a CUDA graph captured earlier may still address them."""
+    q, k, v = _qkv(1, 300, 8, 2, 32, seed=6)
+    small = DecodePartials(q, 32 ** -0.5, max_sets=1)
+    small.add(k, v)
+    small.finish()
+    retired = len(decode_module._RETIRED)
+    large = DecodePartials(q, 32 ** -0.5, max_sets=64)
+    assert large.o_part.shape[2] > small.o_part.shape[2]
+    assert any(parts[0] is small.o_part for parts in decode_module._RETIRED[retired:])
+    large.add(k, v)
+    _check_attn(large.finish(), flash_attn_with_lse_reference(q, k, v, 32 ** -0.5), torch.float32)
+
+
 def test_decode_partials_empty_and_overflow():
     q, k, v = _qkv(1, 40, 4, 2, 16, seed=1)
     o, lse = DecodePartials(q, 0.25, max_sets=1).finish()
@@ -217,7 +241,7 @@ def test_choose_num_splits():
 
 
 # ------------------------------------------------------------------ dispatch from flash_attn_with_lse
-def test_flash_attn_with_lse_dispatches_small_sq(monkeypatch):
+def test_flash_attn_with_lse_dispatches_small_sq(triton_kernels, monkeypatch):
     calls = []
     launcher = decode_module.decode_attention_triton
 
@@ -226,20 +250,18 @@ def test_flash_attn_with_lse_dispatches_small_sq(monkeypatch):
         return launcher(q, *args, **kwargs)
 
     monkeypatch.setattr(decode_module, "decode_attention_triton", spy)
-    monkeypatch.setenv(_dispatch.ENV_BACKEND, "triton")  # on CUDA too (flash-attn would take the call)
     threshold = attention_module.DECODE_MAX_SQ
     for sq, causal in ((1, False), (1, True), (threshold, True), (threshold + 1, True)):
         q, k, v = _qkv(sq, 40, 8, 2, 64, seed=sq)
         ref = flash_attn_with_lse_reference(q, k, v, causal=causal)
-        _check_attn(flash_attn_with_lse(q, k, v, causal=causal), ref, q.dtype)
+        _check_attn(flash_attn_with_lse(q, k, v, causal=causal, kernels=triton_kernels), ref, q.dtype)
     assert calls == [1, 1, threshold]  # Sq above the threshold runs the prefill kernel
 
 
 # ------------------------------------------------------------------ GPU only
 @gpu
 @pytest.mark.parametrize("sk", [1, 7, 64, 255, 256, 1000, 4096, 4097, 8192])
-def test_gpu_decode_bf16_realistic(sk, monkeypatch):
-    monkeypatch.setenv(_dispatch.ENV_BACKEND, "triton")
+def test_gpu_decode_bf16_realistic(sk):
     q, k, v = _qkv(1, sk, 32, 8, 128, torch.bfloat16, seed=sk)
     ref = flash_attn_with_lse_reference(q, k, v)
     _check_attn(flash_attn_with_lse(q, k, v), ref, torch.bfloat16)  # dispatched to the decode kernel
@@ -256,8 +278,7 @@ def test_gpu_decode_bf16_realistic(sk, monkeypatch):
 @gpu
 @pytest.mark.parametrize("sq,sk", [(3, 4096), (16, 8192), (16, 5), (8, 300)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gpu_decode_causal_small_sq(sq, sk, dtype, monkeypatch):
-    monkeypatch.setenv(_dispatch.ENV_BACKEND, "triton")
+def test_gpu_decode_causal_small_sq(sq, sk, dtype):
     for h, kvh, d in ((32, 8, 128), (16, 2, 64), (8, 1, 256)):
         q, k, v = _qkv(sq, sk, h, kvh, d, dtype, seed=sq + sk)
         for causal in (False, True):

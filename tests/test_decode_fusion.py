@@ -1,22 +1,26 @@
 """Fewer kernels per decode layer: silu(gate) * up in the down projection's loads (kernels/gemv.py), the residual
 add in the next RMSNorm (models/llama.py), the KV-cache write in the q/k norm + rotary kernel (kernels/rotary.py),
-and programmatic dependent launch (SPARSEKV_PDL) of the small decode kernels.
+and programmatic dependent launch (PDL) of the small decode kernels.
 
-On CPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set by conftest) with
-SPARSEKV_ATTN_BACKEND=triton; every fused path is compared bit for bit with the unfused one it replaces. PDL is
-a no-op off-GPU; the GPU-marked tests run it inside CUDA graphs.
+On CPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set by conftest; the `triton_kernels`
+fixture's KernelChoice); every fused path is compared bit for bit with the unfused one it replaces (a KernelChoice
+with decode_fusion=False). PDL is off off-GPU; the GPU-marked tests run it inside CUDA graphs.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
+import sparsekv.factory
 from sparsekv.kernels import _dispatch
 from sparsekv.kernels import activation as activation_module
 from sparsekv.kernels import gemv as G
 from sparsekv.kernels import linear_norm as linear_norm_module
 from sparsekv.kernels import rmsnorm as rmsnorm_module
-from sparsekv.kernels.activation import silu_and_mul
+from sparsekv.kernels.activation import silu_and_mul, silu_and_mul_reference
+from sparsekv.kernels.backend import KernelChoice, resolve_kernels
 from sparsekv.kernels.gemv import (
     GemvConfig,
     silu_mul_linear,
@@ -35,18 +39,9 @@ gpu = pytest.mark.gpu
 pytestmark = pytest.mark.usefixtures("triton_kernels", "one_thread")
 
 
-@pytest.fixture
-def switches(monkeypatch):
-    """Set SPARSEKV_PDL / SPARSEKV_DECODE_FUSION for one test: both are read once per process (cached)."""
-    def set_env(name: str, value: str) -> None:
-        monkeypatch.setenv(name, value)
-        _dispatch.pdl_requested.cache_clear()
-        _dispatch.decode_fusion.cache_clear()
-
-    yield set_env
-    monkeypatch.undo()
-    _dispatch.pdl_requested.cache_clear()
-    _dispatch.decode_fusion.cache_clear()
+def build_engines_with(monkeypatch, kernels: KernelChoice) -> None:
+    """Engines built from here on get `kernels` instead of what resolve_kernels gives."""
+    monkeypatch.setattr(sparsekv.factory, "resolve_kernels", lambda device: kernels)
 
 
 def _gate_up(m: int, k: int, n: int, dtype: torch.dtype, seed: int):
@@ -82,38 +77,34 @@ def test_silu_mul_linear_bias_fallback_and_bad_inputs():
     b = torch.randn(20).to(DEV)
     torch.testing.assert_close(silu_mul_linear(gate_up, w, b), silu_mul_linear_reference(gate_up, w, b),
                                atol=1e-5, rtol=1e-5)
-    many = gate_up.repeat(G.MAX_M, 1)  # beyond MAX_M rows: F.linear(silu_and_mul(.))
-    assert torch.equal(silu_mul_linear(many, w), torch.nn.functional.linear(silu_and_mul(many), w))
+    many = gate_up.repeat(G.MAX_M, 1)  # beyond MAX_M rows: F.linear of the reference silu_and_mul
+    assert torch.equal(silu_mul_linear(many, w), torch.nn.functional.linear(silu_and_mul_reference(many), w))
     with pytest.raises(ValueError, match="2K=96 but weight"):
         silu_mul_linear(gate_up, w[:, :40])
     with pytest.raises(ValueError, match=r"gate_up \[M, 2K\]"):
         silu_mul_linear(gate_up[None], w)
 
 
-def test_linear_silu_mul_forward_switch(switches):
-    """Linear.silu_mul_forward: one launch where the GEMV runs (SPARSEKV_GEMV=triton here), the same values as
-    self(silu_and_mul(.)); unfused with SPARSEKV_DECODE_FUSION=0 or where the GEMV does not run."""
+def test_linear_silu_mul_forward_follows_its_kernel_choice(triton_kernels, monkeypatch):
+    """Linear.silu_mul_forward: one launch where the GEMV runs (gemv_max_rows here), the same values as
+    self(silu_and_mul(.)); unfused with decode_fusion=False or where the GEMV does not run."""
+    gemv = dataclasses.replace(triton_kernels, gemv_max_rows=G.MAX_M)
     torch.manual_seed(0)
-    layer = Linear(48, 24, bias=False).to(DEV)
+    weight = torch.randn(24, 48, device=DEV)
     gate_up = torch.randn(1, 1, 96, device=DEV)
     counter = CountLaunches(G._skinny_linear_kernel)
     silu = CountLaunches(activation_module._silu_and_mul_kernel)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(G, "_skinny_linear_kernel", counter)
-        mp.setattr(activation_module, "_silu_and_mul_kernel", silu)
-        switches(_dispatch.ENV_GEMV, "triton")
-        fused = layer.silu_mul_forward(gate_up)
-        assert (counter.calls, silu.calls) == (1, 0) and fused.shape == (1, 1, 24)
-        switches(_dispatch.ENV_DECODE_FUSION, "0")
-        assert torch.equal(layer.silu_mul_forward(gate_up), fused)
-        assert (counter.calls, silu.calls) == (2, 1)
-        switches(_dispatch.ENV_DECODE_FUSION, "1")
-        switches(_dispatch.ENV_GEMV, "torch")
-        assert torch.equal(layer.silu_mul_forward(gate_up), layer(silu_and_mul(gate_up)))
-        assert counter.calls == 2
-        switches(_dispatch.ENV_DECODE_FUSION, "maybe")
-        with pytest.raises(ValueError, match="SPARSEKV_DECODE_FUSION='maybe'"):
-            layer.silu_mul_forward(gate_up)
+    monkeypatch.setattr(G, "_skinny_linear_kernel", counter)
+    monkeypatch.setattr(activation_module, "_silu_and_mul_kernel", silu)
+    outputs = []
+    for kernels, launches in ((gemv, (1, 0)), (dataclasses.replace(gemv, decode_fusion=False), (2, 1)),
+                              (dataclasses.replace(gemv, gemv_max_rows=0), (2, 2))):
+        layer = Linear(48, 24, bias=False, kernels=kernels).to(DEV)
+        layer.weight.data.copy_(weight)
+        outputs.append(layer.silu_mul_forward(gate_up))
+        assert (counter.calls, silu.calls) == launches and outputs[-1].shape == (1, 1, 24)
+    assert torch.equal(outputs[0], outputs[1])
+    assert torch.equal(outputs[2], torch.nn.functional.linear(silu_and_mul(gate_up), weight))
 
 
 # ---------------------------------------------------------------------------------------------- KV write in rotary
@@ -129,13 +120,10 @@ def _rotary_inputs(n: int, h: int, kvh: int, d: int, seed: int, dtype=torch.floa
     return q, k, v, weights, positions, inv_freq
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["triton", "torch"])
 @pytest.mark.parametrize("n,h,kvh,d", [(3, 4, 2, 16), (2, 6, 3, 12)])
-def test_rotary_kv_write_equals_store_kv(fused, n, h, kvh, d, monkeypatch):
+def test_rotary_kv_write_equals_store_kv(n, h, kvh, d):
     """The caches after apply_rotary(kv_write=...) equal store_kv of its outputs, bit for bit; q and k as without
     the write; untouched slots stay as they were. Padding rows share one scratch slot (CUDA-graph padding)."""
-    if not fused:
-        monkeypatch.setenv(_dispatch.ENV_FUSED, "0")
     q, k, v, (qw, kw), positions, inv_freq = _rotary_inputs(n, h, kvh, d, seed=n + d)
     blocks, block_size = 4, 4
     k_cache = torch.randn(blocks, block_size, kvh, d).to(DEV)  # [blocks, block_size, KVH, D]
@@ -169,8 +157,8 @@ def test_rotary_kv_write_bad_inputs():
 # ---------------------------------------------------------------------------------------------- the model
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("ckpt", ["qwen3_ckpt", "llama_ckpt"])
-def test_fused_model_forward_equals_unfused(ckpt, backend, request, switches, monkeypatch):
-    """A prefill and three decode steps of a tiny model with SPARSEKV_DECODE_FUSION=1 and =0: the same tokens
+def test_fused_model_forward_equals_unfused(ckpt, backend, request, triton_kernels, monkeypatch):
+    """A prefill and three decode steps of a tiny model with decode_fusion on and off: the same tokens
     and bit-equal logits, on the torch path (HF's ops) and the Triton one (skinny GEMV forced). Fused on Triton:
     no silu_and_mul, no store_kv, and only the first layer's input norm as a norm launch: every other norm runs,
     with its residual add, in the launch after the o or down projection (kernels/linear_norm.py)."""
@@ -178,8 +166,9 @@ def test_fused_model_forward_equals_unfused(ckpt, backend, request, switches, mo
     from sparsekv.kvcache import paged
 
     path = request.getfixturevalue(ckpt)
-    switches(_dispatch.ENV_BACKEND, backend)
-    switches(_dispatch.ENV_GEMV, "triton")
+    monkeypatch.setenv(_dispatch.ENV_BACKEND, backend)  # the kernels the KV store calls
+    fused_choice = (dataclasses.replace(triton_kernels, gemv_max_rows=G.MAX_M) if backend == "triton"
+                    else KernelChoice.torch_reference())
     counters = {"norm": CountLaunches(rmsnorm_module._rms_norm_kernel),
                 "silu": CountLaunches(activation_module._silu_and_mul_kernel),
                 "linear_norm": CountLaunches(linear_norm_module._reduce_add_rms_norm_kernel)}
@@ -192,7 +181,8 @@ def test_fused_model_forward_equals_unfused(ckpt, backend, request, switches, mo
     overrides = [f"device={DEV.type}", "dtype=float32", "offload.block_size=16", "graph=eager"]
     results, launches = {}, {}
     for fusion in ("0", "1"):
-        switches(_dispatch.ENV_DECODE_FUSION, fusion)
+        build_engines_with(monkeypatch, dataclasses.replace(fused_choice, decode_fusion=fused_choice.triton
+                                                            and fusion == "1"))
         for counter in counters.values():
             counter.calls = 0
         stores.clear()
@@ -212,40 +202,31 @@ def test_fused_model_forward_equals_unfused(ckpt, backend, request, switches, mo
 
 
 # ---------------------------------------------------------------------------------------------- PDL
-def test_pdl_switch_is_a_no_op_off_gpu(switches, monkeypatch):
-    monkeypatch.delenv(_dispatch.ENV_PDL, raising=False)
-    _dispatch.pdl_requested.cache_clear()
-    assert _dispatch.pdl_requested()  # on by default
-    switches(_dispatch.ENV_PDL, "0")
-    assert not _dispatch.pdl_requested()
-    switches(_dispatch.ENV_PDL, "1")
-    assert _dispatch.pdl_requested()
-    assert _dispatch.pdl_launch_options(torch.device("cpu")) == {"USE_PDL": False}
-    x, w = _gate_up(1, 16, 16, torch.float32, seed=2)  # x [1, 32], w [16, 16]: a plain GEMV of w's 16 x 16
-    x = x[:, :16]
-    torch.testing.assert_close(skinny_linear(x, w), G.skinny_linear_reference(x, w), atol=1e-5, rtol=1e-5)
-    switches(_dispatch.ENV_PDL, "sometimes")
-    with pytest.raises(ValueError, match="SPARSEKV_PDL='sometimes'"):
-        _dispatch.pdl_requested()
+def test_pdl_is_off_off_gpu_and_needs_triton():
+    assert not resolve_kernels("cpu", backend="triton").pdl
+    assert not _dispatch.pdl_supported(torch.device("cpu"))
+    assert _dispatch.pdl_launch_options(False) == {"USE_PDL": False}
+    with pytest.raises(ValueError, match="need triton=True"):
+        KernelChoice(attention="torch", triton=False, gemv_max_rows=0, decode_fusion=False, pdl=True)
 
 
-def _decode_chain(x, r, norm_w, wqkv, wo, wgu, wdown, positions, inv_freq, kv_write):
+def _decode_chain(x, r, norm_w, wqkv, wo, wgu, wdown, positions, inv_freq, kv_write, pdl: bool):
     """One decode layer's Triton kernels in their order, on static inputs -> every output."""
-    normed = rmsnorm_module.rms_norm(x, norm_w, 1e-6)
-    qkv = skinny_linear(normed, wqkv)  # [1, (32 + 16) * 128]
+    normed = rmsnorm_module.rms_norm(x, norm_w, 1e-6, pdl=pdl)
+    qkv = skinny_linear(normed, wqkv, pdl=pdl)  # [1, (32 + 16) * 128]
     q, k, v = qkv[:, :4096].view(1, 32, 128), qkv[:, 4096:5120].view(1, 8, 128), qkv[:, 5120:].view(1, 8, 128)
     q, k = apply_rotary(q, k, positions, inv_freq, 1.0, norm_w[:128], norm_w[128:256], 1e-6,
-                        KVWrite(v, *kv_write))
-    o = skinny_linear(q.reshape(1, 4096), wo)
-    normed2, resid = rmsnorm_module.add_rms_norm(o, r, norm_w, 1e-6)
-    gate_up = skinny_linear(normed2, wgu)
-    down = silu_mul_linear(gate_up, wdown)  # split-K: + the reduction kernel
-    final, resid2 = rmsnorm_module.add_rms_norm(down, resid, norm_w, 1e-6)
+                        KVWrite(v, *kv_write), pdl=pdl)
+    o = skinny_linear(q.reshape(1, 4096), wo, pdl=pdl)
+    normed2, resid = rmsnorm_module.add_rms_norm(o, r, norm_w, 1e-6, pdl=pdl)
+    gate_up = skinny_linear(normed2, wgu, pdl=pdl)
+    down = silu_mul_linear(gate_up, wdown, pdl=pdl)  # split-K: + the reduction kernel
+    final, resid2 = rmsnorm_module.add_rms_norm(down, resid, norm_w, 1e-6, pdl=pdl)
     return normed, q, k, o, normed2, resid, gate_up, down, final, resid2
 
 
 @gpu
-def test_gpu_pdl_chain_inside_a_cuda_graph_equals_eager_without_pdl(switches):
+def test_gpu_pdl_chain_inside_a_cuda_graph_equals_eager_without_pdl():
     """Qwen3-4B decode shapes in bf16: the layer's kernels launched with PDL, eagerly and captured in a CUDA graph
     (replayed on new inputs), give bit-for-bit what they give without PDL, the KV cache writes included."""
     if torch.cuda.get_device_capability()[0] < 9:
@@ -264,13 +245,11 @@ def test_gpu_pdl_chain_inside_a_cuda_graph_equals_eager_without_pdl(switches):
     caches = [torch.zeros(16, 16, 8, 128, device=DEV, dtype=bf16) for _ in range(2)]
     slots = torch.tensor([37], device=DEV)
 
-    def run():
-        return _decode_chain(x, r, norm_w, *weights, positions, inv_freq, (*caches, slots))
+    def run(pdl: bool = True):
+        return _decode_chain(x, r, norm_w, *weights, positions, inv_freq, (*caches, slots), pdl)
 
-    switches(_dispatch.ENV_PDL, "0")
-    want = [t.clone() for t in run()] + [c.clone() for c in caches]
-    switches(_dispatch.ENV_PDL, "1")
-    assert _dispatch.use_pdl(DEV)
+    want = [t.clone() for t in run(pdl=False)] + [c.clone() for c in caches]
+    assert _dispatch.pdl_supported(DEV) and resolve_kernels(DEV).pdl
     for c in caches:
         c.zero_()
     got = list(run()) + list(caches)
@@ -294,31 +273,29 @@ def test_gpu_pdl_chain_inside_a_cuda_graph_equals_eager_without_pdl(switches):
         graph.replay()
         torch.cuda.synchronize()
         got = [t.clone() for t in captured] + [c.clone() for c in caches]
-        switches(_dispatch.ENV_PDL, "0")
         for c in caches:
             c.zero_()
-        for a, b in zip(got, list(run()) + list(caches)):
+        for a, b in zip(got, list(run(pdl=False)) + list(caches)):
             assert torch.equal(a, b)
-        switches(_dispatch.ENV_PDL, "1")
 
 
 @gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_cudagraph_tokens_with_pdl_and_fusion_equal_eager_without(qwen3_ckpt, dtype, switches):
+def test_gpu_cudagraph_tokens_with_pdl_and_fusion_equal_eager_without(qwen3_ckpt, dtype, monkeypatch):
     """The tiny Qwen3 decoding with graph=cudagraph, PDL on and the fused layer: the tokens of eager decode with
-    PDL off and SPARSEKV_DECODE_FUSION=0 (batches of 1 and of 3 padded to 4)."""
+    PDL and the decode fusions off (batches of 1 and of 3 padded to 4)."""
     from sparsekv import LLM, SamplingParams
 
     prompts = [[random_prompt(41, seed=5)], [random_prompt(n, seed=n) for n in (75, 33, 9)]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     overrides = ["device=cuda", f"dtype={dtype}", "offload.block_size=16"]
-    switches(_dispatch.ENV_PDL, "0")
-    switches(_dispatch.ENV_DECODE_FUSION, "0")
-    eager = LLM(str(qwen3_ckpt), overrides=overrides + ["graph=eager"])
-    want = [[o.token_ids for o in eager.generate(p, params)] for p in prompts]
-    del eager
-    switches(_dispatch.ENV_PDL, "1")
-    switches(_dispatch.ENV_DECODE_FUSION, "1")
+    monkeypatch.delenv(_dispatch.ENV_BACKEND, raising=False)
+    default = resolve_kernels(DEV)
+    with monkeypatch.context() as mp:
+        build_engines_with(mp, dataclasses.replace(default, pdl=False, decode_fusion=False))
+        eager = LLM(str(qwen3_ckpt), overrides=overrides + ["graph=eager"])
+        want = [[o.token_ids for o in eager.generate(p, params)] for p in prompts]
+        del eager
     llm = LLM(str(qwen3_ckpt), overrides=overrides + ["graph=cudagraph"])
     assert [[o.token_ids for o in llm.generate(p, params)] for p in prompts] == want
     assert llm.engine.runner.graph_runner.replayed_steps > 0

@@ -1,9 +1,10 @@
 """The fused elementwise kernels (sparsekv/kernels/rmsnorm.py, rotary.py, activation.py) against their pure-torch
 references, the references against Hugging Face's modules, and a tiny model whose forward runs them.
 
-On CPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set by conftest) with
-SPARSEKV_ATTN_BACKEND=triton. The interpreter rounds fp32 -> bf16 toward zero (GPUs round to nearest even), so
-CPU tests use fp32 (and fp16, which the interpreter rounds like torch); bf16 runs in the GPU-marked tests.
+On CPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set by conftest); the end-to-end test
+selects them as a user does, with SPARSEKV_ATTN_BACKEND=triton. The interpreter rounds fp32 -> bf16 toward zero
+(GPUs round to nearest even), so CPU tests use fp32 (and fp16, which the interpreter rounds like torch); bf16 runs
+in the GPU-marked tests.
 """
 from __future__ import annotations
 
@@ -187,11 +188,10 @@ def test_bad_shapes_raise_value_errors_naming_the_shape():
 
 # ---------------------------------------------------------------------------------------------- references
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_references_reproduce_hf_bit_for_bit(dtype, monkeypatch):
+def test_references_reproduce_hf_bit_for_bit(dtype):
     """The torch path (the references) computes exactly what HF's Qwen3 norm and rotary compute."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
-    monkeypatch.setenv(_dispatch.ENV_BACKEND, "torch")
     g = _gen(6)
     n, h, kvh, d = 9, 4, 2, 32
     x, w = torch.randn(n, 64, generator=g).to(dtype), torch.randn(64, generator=g).to(dtype)

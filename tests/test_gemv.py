@@ -1,19 +1,21 @@
 """Tests of sparsekv.kernels.gemv (the skinny linear of decode) and of the Linear layer that switches to it.
 
-On CPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set by conftest) with
-SPARSEKV_ATTN_BACKEND=triton (the `triton_kernels` fixture, which also poisons every output buffer the launchers
-allocate, split-K partials included). The interpreter rounds fp32 -> bf16 toward zero (GPUs round to nearest
-even), so bf16 gets one bf16 ulp of slack; under the interpreter bf16 tl.dot runs on operands upcast to fp32
+On CPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set by conftest; the `triton_kernels`
+fixture also poisons every output buffer the launchers allocate, split-K partials included). The interpreter
+rounds fp32 -> bf16 toward zero (GPUs round to nearest even), so bf16 gets one bf16 ulp of slack; under the interpreter bf16 tl.dot runs on operands upcast to fp32
 (numpy has no bf16 matmul). Real sizes run in the GPU-marked tests.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from sparsekv.kernels import _dispatch
+import sparsekv.factory
+from sparsekv.kernels import KernelChoice, resolve_kernels
 from sparsekv.kernels import gemv as G
 from sparsekv.kernels.gemv import GemvConfig, choose_config, skinny_linear, skinny_linear_reference
 from sparsekv.layers.linear import Linear
@@ -231,69 +233,49 @@ def test_pipelined_gemv_loop_gated_and_split(stages, k, launches):
     assert launches.calls == 4
 
 
-def test_tune_gemv_chain_candidates_are_valid_rows():
-    """scripts/tune_gemv_chain.py (pure Python parts): every candidate of every axis is a SHAPE_CONFIGS row that
-    choose_config takes, differs from the row it came from, and the pasted line's rows name the tuned shapes."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "tune_gemv_chain.py"
-    spec = importlib.util.spec_from_file_location("tune_gemv_chain", path)
-    tune = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tune)
-    for name, (n, k) in tune.SHAPES.items():
-        for row in (tune.DEFAULT_ROW, (True, 32, 256, 4, 3, None)):
-            for axis in ("block_n", "block_k", "num_warps", "num_stages", "split", "dot"):
-                for cand in tune.axis_candidates(name, row, axis):
-                    assert cand != row and len(cand) == 6
-                    assert G.shape_row(1, n, k, tune.shape_configs({name: cand})) == cand
-                    config = G._choose_config(1, n, k, 2, 132, None, tuple(G.CONFIGS), cand, G.PROGRAMS_PER_SM,
-                                              G.MIN_PROGRAM_BYTES, G.MAX_SPLIT_K, G.FMA_MAX_ACC)
-                    assert config.use_dot == cand[0] and (config.split_k - 1) * G.split_length(k, config) < k
-    assert tune.shape_configs({name: tune.DEFAULT_ROW for name in tune.SHAPES}) == ()
-    assert tune.with_split(2560, 9728, tune.DEFAULT_ROW, "heuristic") == tune.DEFAULT_ROW
-
-
 # ---------------------------------------------------------------------------------------------- the Linear layer
-def test_linear_layer_switch(monkeypatch, launches):
+def _linear(kernels: KernelChoice, weight: torch.Tensor, bias: torch.Tensor) -> Linear:
+    layer = Linear(weight.shape[1], weight.shape[0], bias=True, kernels=kernels).to(DEV)
+    layer.weight.data.copy_(weight)
+    layer.bias.data.copy_(bias)
+    return layer
+
+
+def test_linear_layer_follows_its_kernel_choice(triton_kernels, launches):
     torch.manual_seed(0)
-    layer = Linear(40, 24, bias=True).to(DEV)
     plain = torch.nn.Linear(40, 24, bias=True).to(DEV)
-    assert layer.state_dict().keys() == plain.state_dict().keys()  # checkpoint names unchanged
     x = torch.randn(2, 3, 40, device=DEV)  # 6 rows
-    monkeypatch.delenv(_dispatch.ENV_GEMV, raising=False)
-    expected = F.linear(x, layer.weight, layer.bias)
-    assert torch.equal(layer(x), expected) and launches.calls == 0  # auto: 6 rows take cuBLAS
+    expected = F.linear(x, plain.weight, plain.bias)
+    default = _linear(resolve_kernels(DEV, backend="triton"), plain.weight, plain.bias)
+    assert default.state_dict().keys() == plain.state_dict().keys()  # checkpoint names unchanged
+    assert torch.equal(default(x), expected) and launches.calls == 0  # 6 rows take cuBLAS
     one_row = x[:1, :1]
-    auto = layer(one_row)  # auto: one row takes the kernel on CUDA only
+    one = default(one_row)  # one row takes the kernel on CUDA only
     assert launches.calls == (1 if DEV.type == "cuda" else 0)
-    _check(auto, F.linear(one_row, layer.weight, layer.bias))
+    _check(one, F.linear(one_row, plain.weight, plain.bias))
     launches.calls = 0
-    monkeypatch.setenv(_dispatch.ENV_GEMV, "torch")
-    assert torch.equal(layer(x), expected) and launches.calls == 0
-    monkeypatch.setenv(_dispatch.ENV_GEMV, "triton")
-    out = layer(x)
+    reference = _linear(KernelChoice.torch_reference(), plain.weight, plain.bias)
+    assert torch.equal(reference(x), expected) and launches.calls == 0
+    sixteen = _linear(dataclasses.replace(triton_kernels, gemv_max_rows=G.MAX_M), plain.weight, plain.bias)
+    out = sixteen(x)
     assert launches.calls == 1 and out.shape == (2, 3, 24)
-    _check(out, skinny_linear_reference(x.reshape(6, 40), layer.weight, layer.bias).view(2, 3, 24))
-    layer(torch.randn(G.MAX_M + 1, 40, device=DEV))  # prefill-sized: F.linear
+    _check(out, skinny_linear_reference(x.reshape(6, 40), plain.weight, plain.bias).view(2, 3, 24))
+    sixteen(torch.randn(G.MAX_M + 1, 40, device=DEV))  # prefill-sized: F.linear
     assert launches.calls == 1
-    monkeypatch.setenv(_dispatch.ENV_GEMV, "cublas")
-    with pytest.raises(ValueError, match="SPARSEKV_GEMV"):
-        layer(x)
 
 
 def test_linear_builds_on_meta_and_materialises():
     """The loader builds on the meta device, then to_empty: a Linear does the same as nn.Linear."""
     with torch.device("meta"):
-        layer = Linear(16, 8, bias=False)
+        layer = Linear(16, 8, bias=False, kernels=KernelChoice.torch_reference())
     layer = layer.to_empty(device=DEV).to(torch.bfloat16)
     assert layer.weight.device.type == DEV.type and layer.weight.dtype == torch.bfloat16 and layer.bias is None
     assert isinstance(layer, torch.nn.Linear)
 
 
-def test_tiny_model_greedy_unchanged_with_triton_gemv(qwen3_ckpt, monkeypatch):
-    """A prefill (6 rows: also <= MAX_M) and decode steps of the tiny Qwen3 with SPARSEKV_GEMV=triton: the same
-    greedy tokens and last logits as the torch path; every projection and the lm_head ran the kernel."""
+def test_tiny_model_greedy_unchanged_with_triton_gemv(qwen3_ckpt, triton_kernels, monkeypatch):
+    """A prefill (6 rows: also <= MAX_M) and decode steps of the tiny Qwen3 with the GEMV for up to MAX_M rows:
+    the same greedy tokens and last logits as the torch path; every projection and the lm_head ran the kernel."""
     from sparsekv import LLM, SamplingParams
     from tests.conftest import random_prompt
 
@@ -303,9 +285,11 @@ def test_tiny_model_greedy_unchanged_with_triton_gemv(qwen3_ckpt, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     overrides = [f"device={DEV.type}", "dtype=float32", "offload.block_size=16", "graph=eager"]
     results = {}
-    for backend, gemv in (("torch", "torch"), ("triton", "triton")):
-        monkeypatch.setenv(_dispatch.ENV_BACKEND, backend)
-        monkeypatch.setenv(_dispatch.ENV_GEMV, gemv)
+    choices = {"torch": KernelChoice.torch_reference(),
+               "triton": dataclasses.replace(triton_kernels, gemv_max_rows=G.MAX_M)}
+    for backend, kernels in choices.items():
+        monkeypatch.setenv("SPARSEKV_ATTN_BACKEND", backend)  # the kernels the KV store calls
+        monkeypatch.setattr(sparsekv.factory, "resolve_kernels", lambda device, kernels=kernels: kernels)
         llm = LLM(str(qwen3_ckpt), overrides=overrides)
         results[backend] = llm.generate([prompt], params)[0].token_ids, llm.engine.runner.last_logits[0].clone()
         if backend == "torch":
@@ -316,22 +300,6 @@ def test_tiny_model_greedy_unchanged_with_triton_gemv(qwen3_ckpt, monkeypatch):
     assert triton_tokens == torch_tokens
     atol = 1e-4 if DEV.type == "cpu" else 1e-2  # on GPU the Triton attention's fp32 tl.dot runs in tf32
     assert torch.allclose(triton_logits, torch_logits, atol=atol, rtol=0), (triton_logits - torch_logits).abs().max()
-
-
-def test_bench_gemv_smoke_on_a_tiny_shape():
-    """The --gemv timing helper end to end at a tiny shape (interpreted off-GPU): a row per M, a sweep line."""
-    from sparsekv.kernels import bench
-
-    rows = bench.bench_gemv(shapes=(("tiny", "proj", 48, 80),), ms=(1, 3), dtype=torch.float32, device=DEV.type,
-                            sweep_ms=(1,), warmup=1, rep=2)
-    assert [r["m"] for r in rows] == [1, 3]
-    assert all(r["rel_err"] < 1e-5 and r["triton_us"] > 0 and r["cublas_us"] > 0 for r in rows)
-    with pytest.raises(SystemExit):
-        bench.main(["--help"])
-    if DEV.type == "cpu":
-        with pytest.raises(SystemExit) as exc:  # --gemv parses, then says that it needs CUDA
-            bench.main(["--gemv", "--quick"])
-        assert exc.value.code == 2
 
 
 # ---------------------------------------------------------------------------------------------- GPU

@@ -13,14 +13,15 @@ import pytest
 import torch
 
 from sparsekv.kernels import (
+    KernelChoice,
     _dispatch,
-    attention_backend,
     flash_attn_with_lse,
     flash_attn_with_lse_reference,
     merge_attention_outputs,
     merge_attention_outputs_reference,
     paged_decode_attention,
     paged_decode_attention_reference,
+    resolve_kernels,
     store_kv,
 )
 
@@ -144,22 +145,22 @@ def test_attention_bad_shapes_raise():
         flash_attn_with_lse(q[0], k, v)
     with pytest.raises(ValueError, match="dtype"):
         flash_attn_with_lse(q.double(), k, v)
-    if attention_backend(DEV, q.dtype, False, 8, 8, 48) == "triton":
+    if _dispatch.attention_backend("triton", q.dtype, False, 8, 8, 48) == "triton":
         q3, k3, v3 = _qkv(8, 8, 4, 2, 48)
         with pytest.raises(ValueError, match="D=48"):
             flash_attn_with_lse(q3, k3, v3)
 
 
-def test_attention_backend_env_override(monkeypatch):
-    monkeypatch.setenv(_dispatch.ENV_BACKEND, "torch")
-    assert attention_backend(DEV) == "torch"
-    monkeypatch.setenv(_dispatch.ENV_BACKEND, "bogus")
+def test_attention_backend_override(monkeypatch):
+    assert resolve_kernels(DEV, backend="torch") == KernelChoice.torch_reference()
     with pytest.raises(ValueError, match="bogus"):
-        attention_backend(DEV)
-    monkeypatch.setenv(_dispatch.ENV_BACKEND, "torch")
+        resolve_kernels(DEV, backend="bogus")
+    monkeypatch.setenv(_dispatch.ENV_BACKEND, "torch")  # the one environment switch, read by resolve_kernels
+    assert resolve_kernels(DEV) == KernelChoice.torch_reference()
     q, k, v = _qkv(9, 12, 4, 2, 32)
     ref = flash_attn_with_lse_reference(q, k, v, causal=True)
-    _check_attn(flash_attn_with_lse(q, k, v, causal=True), ref, q.dtype)
+    out = flash_attn_with_lse(q, k, v, causal=True, kernels=KernelChoice.torch_reference())
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
 
 
 # ------------------------------------------------------------------ merge
@@ -339,11 +340,11 @@ def test_store_kv_roundtrip_and_bad_shapes():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("backend", ["triton", "sdpa", "cudnn", "flash_attn"])
 @pytest.mark.parametrize("sq,sk", [(4096, 4096), (1000, 4096)])
-def test_gpu_attention_bf16_realistic(backend, causal, sq, sk, monkeypatch):
+def test_gpu_attention_bf16_realistic(backend, causal, sq, sk):
     if backend == "flash_attn" and not _dispatch.has_flash_attn():
         pytest.skip("flash_attn not installed")
-    monkeypatch.setenv(_dispatch.ENV_BACKEND, backend)
-    chosen = attention_backend(DEV, torch.bfloat16, causal, sq, sk, 128)
+    kernels = resolve_kernels(DEV, backend=backend)
+    chosen = _dispatch.attention_backend(kernels.attention, torch.bfloat16, causal, sq, sk, 128)
     if backend == "cudnn" and not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
         pytest.skip("this torch has no cuDNN attention op")
     if backend in ("sdpa", "cudnn") and causal and sq != sk:
@@ -352,14 +353,13 @@ def test_gpu_attention_bf16_realistic(backend, causal, sq, sk, monkeypatch):
         assert chosen == backend
     q, k, v = _qkv(sq, sk, 32, 8, 128, torch.bfloat16, seed=1)
     ref = flash_attn_with_lse_reference(q, k, v, causal=causal)
-    _check_attn(flash_attn_with_lse(q, k, v, causal=causal), ref, torch.bfloat16)
+    _check_attn(flash_attn_with_lse(q, k, v, causal=causal, kernels=kernels), ref, torch.bfloat16)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("sq,sk", [(777, 1500), (1500, 777), (1, 3000)])
-def test_gpu_triton_attention_head_dims(d, sq, sk, monkeypatch):
-    monkeypatch.setenv(_dispatch.ENV_BACKEND, "triton")
+def test_gpu_triton_attention_head_dims(d, sq, sk):
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         q, k, v = _qkv(sq, sk, 8, 2, d, dtype, seed=d)
         ref = flash_attn_with_lse_reference(q, k, v, causal=True)

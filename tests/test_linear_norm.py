@@ -81,17 +81,25 @@ def test_bad_inputs_name_the_shapes():
         linear_add_rms_norm(x[:, :30], w, b, residual, norm_w, 1e-6)
 
 
-def test_linear_add_norm_forward_switch(monkeypatch):
+def test_linear_add_norm_forward_follows_its_kernel_choice(triton_kernels, monkeypatch):
     """Linear.add_norm_forward: the fused launch where the skinny GEMV runs, else norm(self(x), residual)."""
-    from sparsekv.kernels import _dispatch
+    import dataclasses
+
+    from sparsekv.kernels import KernelChoice
 
     torch.manual_seed(0)
-    layer, norm = Linear(32, 24, bias=True).to(DEV), RMSNorm(24).to(DEV)
+    weight, bias, norm_w = torch.randn(24, 32, device=DEV), torch.randn(24, device=DEV), torch.randn(24, device=DEV)
     x, residual = torch.randn(1, 32, device=DEV), torch.randn(1, 24, device=DEV)
     reduce = CountLaunches(LN._reduce_add_rms_norm_kernel)
     monkeypatch.setattr(LN, "_reduce_add_rms_norm_kernel", reduce)
-    for gemv, launches in (("triton", 1), ("torch", 1)):
-        monkeypatch.setenv(_dispatch.ENV_GEMV, gemv)
+    gemv = dataclasses.replace(triton_kernels, gemv_max_rows=G.MAX_M)
+    for kernels, launches in ((gemv, 1), (dataclasses.replace(gemv, gemv_max_rows=0), 1),
+                              (KernelChoice.torch_reference(), 1)):
+        layer = Linear(32, 24, bias=True, kernels=kernels).to(DEV)
+        norm = RMSNorm(24, kernels=kernels).to(DEV)
+        layer.weight.data.copy_(weight)
+        layer.bias.data.copy_(bias)
+        norm.weight.data.copy_(norm_w)
         normed, new_residual = layer.add_norm_forward(x, residual, norm)
         want = norm(layer(x), residual)
         torch.testing.assert_close(normed, want[0], atol=1e-5, rtol=1e-5)

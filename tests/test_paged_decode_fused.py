@@ -1,15 +1,18 @@
-"""The fused flash-decoding reduce of sparsekv.kernels.paged_attention (FUSED_REDUCE): the last split program of
-each (sequence, kv head) merges the group's partials in the split launch. It must equal the two-kernel path
-bitwise, match the reference, and leave its arrival counters at 0 (repeated calls, CUDA-graph replays).
+"""The fused flash-decoding reduce of sparsekv.kernels.paged_attention: the last split program of each (sequence,
+kv head) merges the group's partials in the split launch. It must equal merge_splits (the reduce as a kernel of
+its own) over the same partials bitwise, match the reference, and leave its arrival counters at 0 (repeated
+calls, CUDA-graph replays).
 
 On CPU the kernels run under the Triton interpreter (fp32, small sizes); the GPU tests need CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from sparsekv.kernels import _dispatch, paged_decode_attention_reference
+from sparsekv.kernels import paged_decode_attention_reference, resolve_kernels
 from sparsekv.kernels import paged_attention as P
 from tests.test_kernels import DEV, _check_attn, _paged_case
 
@@ -17,9 +20,25 @@ pytestmark = pytest.mark.usefixtures("triton_kernels")
 
 
 def _both(q, kc, vc, tables, lens_t, **kw):
-    fused = P.paged_decode_attention(q, kc, vc, tables, lens_t, fused=True, **kw)
-    split = P.paged_decode_attention(q, kc, vc, tables, lens_t, fused=False, **kw)
-    return fused, split
+    """(the fused call's (o, lse), merge_splits over the partials that call wrote)."""
+    buffers = []  # o, lse, then (several splits) o_part [B, H, S, D], lse_part [B, H, S]
+    alloc = P.alloc_output
+
+    def keep(shape, dtype, device):
+        buffers.append(alloc(shape, dtype, device))
+        return buffers[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(P, "alloc_output", keep)
+        fused = P.paged_decode_attention(q, kc, vc, tables, lens_t, **kw)
+    if len(buffers) == 2:
+        return fused, fused  # one split: the kernel wrote o and lse directly
+    o_part, lse_part = buffers[2:]
+    B, H, _, D = o_part.shape
+    o = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(H, B, dtype=torch.float32, device=q.device)
+    P.merge_splits(o_part, lse_part, o, lse, H // kc.shape[2])
+    return fused, (o, lse)
 
 
 def _assert_bitwise(a, b) -> None:
@@ -34,7 +53,7 @@ def _counters_zero(device: torch.device = DEV) -> bool:
 
 @pytest.mark.parametrize("group,kvh", [(1, 2), (4, 2), (3, 1)])
 @pytest.mark.parametrize("num_splits", [2, 3, 5, 18])  # 18 > REDUCE_CHUNK: two merge steps
-def test_fused_equals_two_kernel_and_reference(group, kvh, num_splits):
+def test_fused_equals_merge_splits_and_reference(group, kvh, num_splits):
     lens = [0, 1, 37, 200, 301]  # ragged: empty sequences, splits with no keys, lengths below max_context_len
     q, kc, vc, tables, lens_t, _, _ = _paged_case(lens, group * kvh, kvh, 32, 12, seed=num_splits + group)
     fused, split = _both(q, kc, vc, tables, lens_t, num_splits=num_splits, max_context_len=max(lens))
@@ -55,14 +74,13 @@ def test_fused_default_plan_and_single_split():
     assert _counters_zero()
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_grid_planned_for_a_long_context_splits_short_ones_evenly(fused, monkeypatch):
+def test_grid_planned_for_a_long_context_splits_short_ones_evenly(monkeypatch):
     """The engine plans the grid from max_model_len (fixed for CUDA graphs); each sequence cuts its own context into
     min(num_splits, len / min_split_tokens) splits, so a short one still spreads over several programs."""
     lens = [0, 40, 130, 301]
     q, kc, vc, tables, lens_t, _, _ = _paged_case(lens, 8, 2, 32, 12, seed=11)
     ref = paged_decode_attention_reference(q, kc, vc, tables, lens_t)
-    kw = dict(max_context_len=4096, num_splits=64, min_split_tokens=64, fused=fused)
+    kw = dict(max_context_len=4096, num_splits=64, min_split_tokens=64)
     out = P.paged_decode_attention(q, kc, vc, tables, lens_t, **kw)
     _check_attn(out, ref, q.dtype)
     # the partials of the longest sequence: 301 keys over ceil(301 / 64) = 5 splits of 64, the other 59 empty
@@ -86,15 +104,6 @@ def test_fused_repeated_calls_reset_counters():
         assert _counters_zero()
         _assert_bitwise(fused, split)
         _check_attn(fused, paged_decode_attention_reference(q, kc, vc, tables, lens_t), q.dtype)
-
-
-def test_fused_is_default_and_flag_selects_two_kernels(monkeypatch):
-    lens = [90, 40]
-    q, kc, vc, tables, lens_t, _, _ = _paged_case(lens, 4, 2, 32, 16, seed=5)
-    assert P.FUSED_REDUCE
-    default = P.paged_decode_attention(q, kc, vc, tables, lens_t, num_splits=3)
-    monkeypatch.setattr(P, "FUSED_REDUCE", False)
-    _assert_bitwise(default, P.paged_decode_attention(q, kc, vc, tables, lens_t, num_splits=3))
 
 
 def test_merge_splits_group_invariant():
@@ -125,8 +134,7 @@ def test_counter_slots_limit(monkeypatch):
     q, kc, vc, tables, lens_t, _, _ = _paged_case([500, 600], 4, 2, 32, 16)
     monkeypatch.setattr(P, "COUNTER_SLOTS", 3)  # B * KVH = 4
     with pytest.raises(ValueError, match="COUNTER_SLOTS=3"):
-        P.paged_decode_attention(q, kc, vc, tables, lens_t, num_splits=2, fused=True)
-    P.paged_decode_attention(q, kc, vc, tables, lens_t, num_splits=2, fused=False)  # needs none
+        P.paged_decode_attention(q, kc, vc, tables, lens_t, num_splits=2)
 
 
 # ------------------------------------------------------------------ GPU only
@@ -135,19 +143,19 @@ def _bf16_case(lens, h=32, kvh=8, block_size=16, seed=0):
 
 
 @pytest.fixture(params=[False, True], ids=["nopdl", "pdl"])
-def pdl(request, monkeypatch):
-    monkeypatch.setenv(_dispatch.ENV_PDL, "1" if request.param else "0")
-    _dispatch.pdl_requested.cache_clear()
-    yield request.param
-    _dispatch.pdl_requested.cache_clear()
+def kernels(request):
+    """The CUDA kernel choice with PDL off, and as resolved (on where the GPU has it)."""
+    resolved = resolve_kernels(DEV, backend="triton")
+    return resolved if request.param else dataclasses.replace(resolved, pdl=False)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens", [[4096], [32768], [0, 1, 5000, 17, 70000, 4096, 333, 12345]])
-def test_gpu_fused_bitwise_bf16(lens, pdl):
+def test_gpu_fused_bitwise_bf16(lens, kernels):
     q, kc, vc, tables, lens_t, _, _ = _bf16_case(lens)
     for splits in (None, 7, 64):
-        fused, split = _both(q, kc, vc, tables, lens_t, max_context_len=max(lens), num_splits=splits)
+        fused, split = _both(q, kc, vc, tables, lens_t, max_context_len=max(lens), num_splits=splits,
+                             kernels=kernels)
         _assert_bitwise(fused, split)
         _check_attn(fused, paged_decode_attention_reference(q, kc, vc, tables, lens_t), torch.bfloat16)
     torch.cuda.synchronize()
@@ -155,14 +163,14 @@ def test_gpu_fused_bitwise_bf16(lens, pdl):
 
 
 @pytest.mark.gpu
-def test_gpu_fused_cuda_graph_replay(pdl):
+def test_gpu_fused_cuda_graph_replay(kernels):
     # Several layers back to back in one graph (one counter buffer), replayed after q / context_lens change in
-    # place: every replay equals the eager fused and two-kernel calls bitwise (same plan: max_context_len fixed).
+    # place: every replay equals the eager call and merge_splits bitwise (same plan: max_context_len fixed).
     layers = [_bf16_case([4096, 700, 4096], seed=i) for i in range(4)]  # later lengths stay within these
     q, _, _, tables, lens_t, _, _ = layers[0]
     caches = [(kc, vc) for _, kc, vc, *_ in layers]
     call = lambda kc, vc: P.paged_decode_attention(q, kc, vc, tables, lens_t, max_context_len=4096,  # noqa: E731
-                                                   fused=True)
+                                                   kernels=kernels)
     for kc, vc in caches:
         call(kc, vc)  # compile, and make the counters outside capture
     graph = torch.cuda.CUDAGraph()
@@ -176,18 +184,7 @@ def test_gpu_fused_cuda_graph_replay(pdl):
         torch.cuda.synchronize()
         assert _counters_zero()
         for (o, lse), (kc, vc) in zip(outs, caches):
-            eager, two = _both(q, kc, vc, tables, lens_t, max_context_len=4096)
+            eager, two = _both(q, kc, vc, tables, lens_t, max_context_len=4096, kernels=kernels)
             _assert_bitwise((o.clone(), lse.clone()), eager)
             _assert_bitwise(eager, two)
             _check_attn((o, lse), paged_decode_attention_reference(q, kc, vc, tables, lens_t), torch.bfloat16)
-
-
-@pytest.mark.gpu
-def test_gpu_fused_first_launch_inside_capture_raises(monkeypatch):
-    q, kc, vc, tables, lens_t, _, _ = _bf16_case([3000])
-    P.paged_decode_attention(q, kc, vc, tables, lens_t, max_context_len=4096, fused=True)  # compile
-    monkeypatch.setattr(P, "_COUNTERS", {})
-    graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="warm-up"):
-        with torch.cuda.graph(graph):
-            P.paged_decode_attention(q, kc, vc, tables, lens_t, max_context_len=4096, fused=True)

@@ -13,9 +13,6 @@ class Sampler:
     def forget(self, seq_id: int) -> None:
         self.generators.pop(seq_id, None)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> list[int]:
-        return self.sample(logits, params, seq_ids).tolist()
-
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> torch.Tensor:
         """logits [B, V] fp32 -> tokens [B] int64 on the logits' device, without a host sync (overlapped decode
         feeds them to the next step on the device). A seeded row draws from its sequence's own generator."""

@@ -1,11 +1,12 @@
 """Attention kernels: Triton on CUDA (or CPU under TRITON_INTERPRET=1), pure torch elsewhere.
 
-CI runs the tests on CPU with TRITON_INTERPRET=1 exported for the whole pytest process; this
-package never touches that variable itself. SPARSEKV_ATTN_BACKEND forces a backend.
+The run's kernels are resolved once, when the engine is built (backend.resolve_kernels -> KernelChoice).
+CI runs the tests on CPU with TRITON_INTERPRET=1 exported for the whole pytest process; this package never
+touches that variable itself.
 """
 
-from ._dispatch import attention_backend
 from .attention import flash_attn_with_lse, flash_attn_with_lse_reference
+from .backend import KernelChoice, resolve_kernels
 from .merge import merge_attention_outputs, merge_attention_outputs_reference
 from .paged_attention import (
     paged_decode_attention,
@@ -14,13 +15,14 @@ from .paged_attention import (
 )
 
 __all__ = [
-    "attention_backend",
+    "KernelChoice",
     "flash_attn_with_lse",
     "flash_attn_with_lse_reference",
     "merge_attention_outputs",
     "merge_attention_outputs_reference",
     "paged_decode_attention",
     "paged_decode_attention_reference",
+    "resolve_kernels",
     "store_kv",
 ]
 

@@ -19,7 +19,6 @@ from ._dispatch import (
     pdl_launch_options,
     pdl_wait,
     tl,
-    use_fused_elementwise,
 )
 from .rmsnorm import KERNEL_DTYPES
 
@@ -55,14 +54,10 @@ def _check(gate_up: torch.Tensor) -> None:
         raise ValueError(f"silu_and_mul expects a float gate_up; got {tuple(gate_up.shape)} {gate_up.dtype}")
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [..., 2I] -> silu(gate_up[..., :I]) * gate_up[..., I:] as a new [..., I] tensor in its dtype.
-
-    Triton where :func:`use_fused_elementwise` says so, else the reference.
-    """
+def silu_and_mul(gate_up: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+    """gate_up [..., 2I] -> silu(gate_up[..., :I]) * gate_up[..., I:] as a new [..., I] tensor in its dtype: the
+    Triton kernel (``pdl``: launched with programmatic dependent launch)."""
     _check(gate_up)
-    if not use_fused_elementwise(gate_up.device):
-        return silu_and_mul_reference(gate_up)
     if gate_up.dtype not in KERNEL_DTYPES:
         raise ValueError(f"the Triton silu_and_mul supports {KERNEL_DTYPES}; got {tuple(gate_up.shape)} "
                          f"{gate_up.dtype}")
@@ -75,5 +70,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows > 0 and inter > 0:
         block = min(next_power_of_2(inter), MAX_BLOCK)
         _silu_and_mul_kernel[(rows, cdiv(inter, block))](g2, out, g2.stride(0), out.stride(0), inter, BLOCK=block,
-                                                         num_warps=NUM_WARPS, **pdl_launch_options(gate_up.device))
+                                                         num_warps=NUM_WARPS, **pdl_launch_options(pdl))
     return out.view(*gate_up.shape[:-1], inter)

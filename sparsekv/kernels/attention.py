@@ -10,9 +10,14 @@ from __future__ import annotations
 import math
 
 import torch
-from ._dispatch import alloc_output, attention_backend, cdiv, jit, tl, triton_interpret
+from typing import TYPE_CHECKING
 
-__all__ = ["attention_backend", "flash_attn_with_lse", "flash_attn_with_lse_reference"]
+from ._dispatch import INTERPRET, alloc_output, attention_backend, cdiv, default_kernels, jit, tl
+
+if TYPE_CHECKING:
+    from .backend import KernelChoice
+
+__all__ = ["flash_attn_with_lse", "flash_attn_with_lse_reference"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -26,8 +31,8 @@ GPU_CONFIGS: dict[int, tuple[int, int, int, int]] = {
     128: (128, 64, 8, 3),
     256: (128, 64, 8, 2),
 }
-# Hopper (sm_90: 227 KiB of shared memory per SM) fits 128x128 tiles in 3 stages (224 KiB): with FUSED_SCALE and
-# USE_TMA on, scripts/tune_attention.py timed them 1.15-2.2x faster than (128, 64, 8, 3) on an H100 (2026-11-22).
+# Hopper (sm_90: 227 KiB of shared memory per SM) fits 128x128 tiles in 3 stages (224 KiB): with the scale fused
+# into exp2 and TMA loads they timed 1.15-2.2x faster than (128, 64, 8, 3) on an H100 (2026-11-22).
 GPU_CONFIGS_SM90: dict[int, tuple[int, int, int, int]] = {128: (128, 128, 8, 3)}
 # fp32 inputs need twice the shared memory per tile (not a hot path: smaller tiles).
 GPU_CONFIGS_FP32: dict[int, tuple[int, int, int, int]] = {
@@ -40,30 +45,13 @@ GPU_CONFIGS_FP32: dict[int, tuple[int, int, int, int]] = {
 INTERPRET_CONFIG = (16, 16, 4, 1)  # small blocks keep the CPU interpreter fast
 SUPPORTED_HEAD_DIMS = tuple(GPU_CONFIGS)
 
-# Compile-time variants of _flash_fwd_kernel. Each is timed by scripts/tune_attention.py and checked by
-# tests/test_attention_variants.py; FUSED_SCALE + USE_TMA won on an H100 (WARP_SPECIALIZE failed its D=64 GPU tests).
-#   REVERSE_M:       query blocks run last-first, so the longest causal rows start first (tail balance);
-#   HEADS_OUTER:     grid (H, query blocks) instead of (query blocks, H): the heads of a GQA group, and then all
-#                    heads of one query block, run side by side (L2 reuse of their keys; with REVERSE_M the
-#                    longest blocks of every head go first);
-#   FUSED_SCALE:     scores scaled inside the exp2 argument, one FMA per score (Triton's fused-attention
-#                    tutorial), P @ V accumulated by tl.dot; used only when softmax_scale > 0;
-#   USE_TMA:         q/k/v/o move through host-side TMA tensor descriptors (sm_90+; [S, heads * D] views);
-#   WARP_SPECIALIZE: key loops as tl.range(..., warp_specialize=True), where the installed Triton has it.
-# A flag that cannot run for a call falls back to the default code (effective_attn_variants).
-ATTN_VARIANTS: dict[str, bool] = {
-    "REVERSE_M": False, "HEADS_OUTER": False, "FUSED_SCALE": True, "USE_TMA": True, "WARP_SPECIALIZE": False,
-}
+# _flash_fwd_kernel scales the scores inside the exp2 argument (one FMA per score; needs softmax_scale > 0) and, on
+# sm_90+ with TMA-compatible layouts, moves q/k/v/o through host-side TMA descriptors ([S, heads * D] views); a call
+# that cannot use either runs the plain code for it (see _launch_flash_fwd).
 try:  # host-side TMA descriptors (Triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - old or absent triton
     TensorDescriptor = None
-_RANGE_INIT = tl.range.__init__.__code__ if tl is not None else None
-HAS_WARP_SPECIALIZE = _RANGE_INIT is not None and "warp_specialize" in _RANGE_INIT.co_varnames[
-    :_RANGE_INIT.co_argcount + _RANGE_INIT.co_kwonlyargcount]
-# Head dims where the opt-in WARP_SPECIALIZE variant compiled and passed its GPU tests (H100, Triton 3.6); at D=64 the
-# compiler fails ("PassManager::run failed", session 6), so other head dims run without it.
-WARP_SPECIALIZE_HEAD_DIMS = (128, 256)
 
 # Calls with at most this many query rows (decode: 1) run the flash-decoding kernel of decode_attention.py, which
 # splits the keys over many programs and reads each K/V tile once per GQA group, instead of _flash_fwd_kernel's
@@ -138,29 +126,20 @@ def _attn_block_loop(
     acc, m_i, l_i, q, k_ptrs, v_ptrs, kv_col, offs_m, offs_n,
     lo, hi, Sk, causal_off, stride_kn, stride_vn, qk_scale,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    FUSED_SCALE: tl.constexpr = False, USE_TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
+    FUSED_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # acc [BLOCK_M, D] fp32; m_i, l_i [BLOCK_M] fp32 (running max in log2 units, row sum).
     # k_ptrs/v_ptrs: [BLOCK_N, D] pointer blocks at key 0, or (USE_TMA) the K/V descriptors.
     if not USE_TMA:
         k_ptrs += lo * stride_kn
         v_ptrs += lo * stride_vn
-    if WARP_SPECIALIZE:
-        for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
-            acc, m_i, l_i = _attn_block_step(
-                acc, m_i, l_i, q, k_ptrs, v_ptrs, kv_col, start_n, offs_m, offs_n, Sk, causal_off, qk_scale,
-                MASKED, IS_CAUSAL, FUSED_SCALE, USE_TMA)
-            if not USE_TMA:
-                k_ptrs += BLOCK_N * stride_kn
-                v_ptrs += BLOCK_N * stride_vn
-    else:
-        for start_n in range(lo, hi, BLOCK_N):
-            acc, m_i, l_i = _attn_block_step(
-                acc, m_i, l_i, q, k_ptrs, v_ptrs, kv_col, start_n, offs_m, offs_n, Sk, causal_off, qk_scale,
-                MASKED, IS_CAUSAL, FUSED_SCALE, USE_TMA)
-            if not USE_TMA:
-                k_ptrs += BLOCK_N * stride_kn
-                v_ptrs += BLOCK_N * stride_vn
+    for start_n in range(lo, hi, BLOCK_N):
+        acc, m_i, l_i = _attn_block_step(
+            acc, m_i, l_i, q, k_ptrs, v_ptrs, kv_col, start_n, offs_m, offs_n, Sk, causal_off, qk_scale,
+            MASKED, IS_CAUSAL, FUSED_SCALE, USE_TMA)
+        if not USE_TMA:
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
     return acc, m_i, l_i
 
 
@@ -175,20 +154,11 @@ def _flash_fwd_kernel(
     Sq, Sk, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    REVERSE_M: tl.constexpr = False, HEADS_OUTER: tl.constexpr = False, FUSED_SCALE: tl.constexpr = False,
-    USE_TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
+    FUSED_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    # Variants (ATTN_VARIANTS): with USE_TMA, Q/K/V/O are TMA descriptors of [S, heads * D] views.
-    if HEADS_OUTER:
-        head = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        if REVERSE_M:
-            pid_m = tl.num_programs(1) - 1 - pid_m
-    else:
-        pid_m = tl.program_id(0)
-        head = tl.program_id(1)
-        if REVERSE_M:
-            pid_m = tl.num_programs(0) - 1 - pid_m
+    # With USE_TMA, Q/K/V/O are TMA descriptors of [S, heads * D] views.
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
     kv_head = head // GROUP
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -225,10 +195,10 @@ def _flash_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     acc, m_i, l_i = _attn_block_loop(
         acc, m_i, l_i, q, k_ptrs, v_ptrs, kv_col, offs_m, offs_n, 0, full_hi, Sk, causal_off,
-        stride_kn, stride_vn, qk_scale, BLOCK_N, False, IS_CAUSAL, FUSED_SCALE, USE_TMA, WARP_SPECIALIZE)
+        stride_kn, stride_vn, qk_scale, BLOCK_N, False, IS_CAUSAL, FUSED_SCALE, USE_TMA)
     acc, m_i, l_i = _attn_block_loop(
         acc, m_i, l_i, q, k_ptrs, v_ptrs, kv_col, offs_m, offs_n, full_hi, hi, Sk, causal_off,
-        stride_kn, stride_vn, qk_scale, BLOCK_N, True, IS_CAUSAL, FUSED_SCALE, USE_TMA, WARP_SPECIALIZE)
+        stride_kn, stride_vn, qk_scale, BLOCK_N, True, IS_CAUSAL, FUSED_SCALE, USE_TMA)
 
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
@@ -252,51 +222,42 @@ def _tma_view_ok(t: torch.Tensor) -> bool:
             and t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0 and (t.shape[2] * es) % 16 == 0)
 
 
+def use_tma(q, k, v, o) -> bool:
+    """Whether the dense kernel can move q/k/v/o through TMA descriptors: triton.tools.tensor_descriptor, sm_90+
+    (or the interpreter) and TMA-compatible layouts."""
+    dev_ok = INTERPRET or (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9)
+    return (TensorDescriptor is not None and dev_ok and o.dtype == q.dtype
+            and all(_tma_view_ok(t) for t in (q, k, v, o)))
+
+
 def effective_attn_variants(q, k, v, o, scale: float, variants: dict[str, bool] | None = None) -> dict[str, bool]:
-    """ATTN_VARIANTS updated by `variants`, minus the flags that cannot run for these tensors (they fall back
-    to the default code): FUSED_SCALE needs scale > 0, WARP_SPECIALIZE a Triton with tl.range(warp_specialize)
-    and a head dim in WARP_SPECIALIZE_HEAD_DIMS, USE_TMA triton.tools.tensor_descriptor, sm_90+ (or the
-    interpreter) and TMA-compatible layouts."""
-    flags = dict(ATTN_VARIANTS)
-    for name, on in (variants or {}).items():
-        if name not in ATTN_VARIANTS:
-            raise ValueError(f"unknown attention variant {name!r}; known: {sorted(ATTN_VARIANTS)}")
-        flags[name] = bool(on)
-    if flags["FUSED_SCALE"] and not scale > 0:
-        flags["FUSED_SCALE"] = False
-    compiled = triton_interpret() or q.shape[-1] in WARP_SPECIALIZE_HEAD_DIMS  # the interpreter runs any head dim
-    if flags["WARP_SPECIALIZE"] and not (HAS_WARP_SPECIALIZE and compiled):
-        flags["WARP_SPECIALIZE"] = False
-    if flags["USE_TMA"]:
-        dev_ok = triton_interpret() or (
-            q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9)
-        if (TensorDescriptor is None or not dev_ok or o.dtype != q.dtype
-                or not all(_tma_view_ok(t) for t in (q, k, v, o))):
-            flags["USE_TMA"] = False
-    return flags
+    """The per-tile code paths a call can use, for kernels that share _attn_block_step
+    (sparsekv.kernels.block_sparse_attention): FUSED_SCALE where scale > 0, USE_TMA where :func:`use_tma`; either
+    off where ``variants`` turns it off."""
+    wanted = {"FUSED_SCALE": True, "USE_TMA": True, **(variants or {})}
+    return {"FUSED_SCALE": bool(wanted["FUSED_SCALE"]) and scale > 0,
+            "USE_TMA": bool(wanted["USE_TMA"]) and use_tma(q, k, v, o)}
 
 
-def _launch_flash_fwd(q, k, v, o, lse, scale: float, causal: bool, config: tuple[int, int, int, int],
-                      variants: dict[str, bool] | None = None) -> None:
+def _launch_flash_fwd(q, k, v, o, lse, scale: float, causal: bool, config: tuple[int, int, int, int]) -> None:
     """Run _flash_fwd_kernel into o [Sq, H, D] and lse [H, Sq]; config = (BLOCK_M, BLOCK_N, num_warps,
-    num_stages); variants override ATTN_VARIANTS (see effective_attn_variants)."""
+    num_stages)."""
     Sq, H, D = q.shape
     Sk, KVH, _ = k.shape
     block_m, block_n, warps, stages = config
-    flags = effective_attn_variants(q, k, v, o, scale, variants)
-    if flags["USE_TMA"]:
+    tma = use_tma(q, k, v, o)
+    if tma:
         qa, ka, va, oa = (
             TensorDescriptor(t, [t.shape[0], t.shape[1] * D], [t.stride(0), 1], [rows, D])
             for t, rows in ((q, block_m), (k, block_n), (v, block_n), (o, block_m)))
     else:
         qa, ka, va, oa = q, k, v, o
-    grid = (H, cdiv(Sq, block_m)) if flags["HEADS_OUTER"] else (cdiv(Sq, block_m), H)
-    _flash_fwd_kernel[grid](
+    _flash_fwd_kernel[(cdiv(Sq, block_m), H)](
         qa, ka, va, oa, lse,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
         Sq, Sk, scale * LOG2E,
         GROUP=H // KVH, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=causal,
-        num_warps=warps, num_stages=stages, **flags,
+        FUSED_SCALE=scale > 0, USE_TMA=tma, num_warps=warps, num_stages=stages,
     )
 
 
@@ -325,7 +286,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 def dense_tile_config(q: torch.Tensor) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the dense kernel for q's dtype, head dim (a supported one) and
     GPU; small tiles under the interpreter."""
-    if triton_interpret():
+    if INTERPRET:
         return INTERPRET_CONFIG
     D = q.shape[2]
     configs = GPU_CONFIGS_FP32 if q.element_size() > 2 else GPU_CONFIGS
@@ -376,7 +337,7 @@ def _empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return o, lse
 
 
-def _flash_attn_triton(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash_attn_triton(q, k, v, scale: float, causal: bool, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
     Sq, H, D = q.shape
     Sk, KVH, _ = k.shape
     if D not in SUPPORTED_HEAD_DIMS:
@@ -386,7 +347,7 @@ def _flash_attn_triton(q, k, v, scale: float, causal: bool) -> tuple[torch.Tenso
     if Sq <= DECODE_MAX_SQ:
         from .decode_attention import decode_attention_triton  # here: decode_attention imports this module
 
-        return decode_attention_triton(q, k, v, scale, causal)
+        return decode_attention_triton(q, k, v, scale, causal, pdl=pdl)
     block_m, block_n, warps, stages = dense_tile_config(q)
     o = alloc_output((Sq, H, D), q.dtype, q.device)  # [Sq, H, D]
     lse = alloc_output((H, Sq), torch.float32, q.device)  # [H, Sq]
@@ -424,11 +385,12 @@ def _torch_fused_attention(q, k, v, scale: float, causal: bool, backend: str) ->
 
 def flash_attn_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    softmax_scale: float | None = None, causal: bool = False,
+    softmax_scale: float | None = None, causal: bool = False, *, kernels: KernelChoice | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one sequence. q [Sq, H, D], k/v [Sk, KVH, D] -> o [Sq, H, D], lse [H, Sq].
 
-    lse is fp32 natural-log log-sum-exp of the scaled scores (-inf for rows with no key).
+    lse is fp32 natural-log log-sum-exp of the scaled scores (-inf for rows with no key). ``kernels`` picks the
+    backend (default: the process default for q's device, sparsekv.kernels._dispatch.default_kernels).
     """
     check_qkv(q, k, v)
     Sq, H, D = q.shape
@@ -436,7 +398,8 @@ def flash_attn_with_lse(
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     if Sq == 0 or Sk == 0:
         return _empty_result(q)
-    backend = attention_backend(q.device, q.dtype, causal, Sq, Sk, D)
+    kernels = kernels if kernels is not None else default_kernels(q.device)
+    backend = attention_backend(kernels.attention, q.dtype, causal, Sq, Sk, D)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         if backend in ("flash_attn", "sdpa", "cudnn"):
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -445,5 +408,5 @@ def flash_attn_with_lse(
     if backend in ("sdpa", "cudnn"):
         return _torch_fused_attention(q, k, v, scale, causal, backend)
     if backend == "triton":
-        return _flash_attn_triton(q, k, v, scale, causal)
+        return _flash_attn_triton(q, k, v, scale, causal, kernels.pdl)
     return flash_attn_with_lse_reference(q, k, v, scale, causal)

@@ -15,10 +15,14 @@ case where waiting for the ids on the host would stall the pipeline once per lay
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from ._dispatch import cdiv, jit, tl, triton_interpret, use_triton
+from ._dispatch import INTERPRET, cdiv, default_kernels, jit, tl
+
+if TYPE_CHECKING:
+    from .backend import KernelChoice
 
 __all__ = ["gather_host_blocks", "gather_host_blocks_reference"]
 
@@ -57,11 +61,12 @@ def _gather_kernel(DST, BASE, SLAB_OFF, IDS, layer, blocks_per_slab, num_slabs, 
 
 def gather_host_blocks(dst: torch.Tensor, slabs: tuple[list[torch.Tensor], list[torch.Tensor]],
                        slab_offsets: torch.Tensor | None, block_ids: torch.Tensor, layer: int,
-                       first_slot: int) -> None:
+                       first_slot: int, *, kernels: KernelChoice | None = None) -> None:
     """dst [2, slots, *block] (contiguous), slabs (K slabs, V slabs) each [L, blocks_per_slab, *block] pinned,
     slab_offsets [2, num_slabs] int64 on dst's device (HostPool.slab_offsets), block_ids [n] int64 on dst's device.
 
-    Triton on CUDA (or the interpreter), else the reference. Nothing here waits on the host."""
+    Triton where ``kernels`` says so (default: the process default for dst's device), else the reference. Nothing
+    here waits on the host."""
     k_slabs, v_slabs = slabs
     if not k_slabs or len(k_slabs) != len(v_slabs):
         raise ValueError(f"expected as many K as V slabs, at least one; got {len(k_slabs)} and {len(v_slabs)}")
@@ -80,12 +85,13 @@ def gather_host_blocks(dst: torch.Tensor, slabs: tuple[list[torch.Tensor], list[
     block_bytes = math.prod(block_shape) * dst.element_size()
     if n == 0:
         return
-    if slab_offsets is None or not use_triton(dst.device) or block_bytes % 4:
+    triton = (kernels if kernels is not None else default_kernels(dst.device)).triton
+    if slab_offsets is None or not triton or block_bytes % 4:
         gather_host_blocks_reference(dst, slabs, block_ids, layer, first_slot)
         return
     base = k_slabs[0].view(torch.int32)
     block_words = block_bytes // 4
-    chunk = 256 if triton_interpret() else CHUNK_WORDS
+    chunk = 256 if INTERPRET else CHUNK_WORDS
     _gather_kernel[(n, cdiv(block_words, chunk), 2)](
         dst.view(torch.int32), base, slab_offsets, block_ids, layer, k_slabs[0].shape[1], len(k_slabs), block_words,
         dst.stride(0) * dst.element_size() // 4, dst.stride(1) * dst.element_size() // 4, first_slot,

@@ -1,6 +1,8 @@
 """Attention of a few query rows (decode: Sq = 1) over contiguous K/V, flash-decoding style.
 
-decode_attention(q [Sq, H, D], k/v [Sk, KVH, D]) returns exactly what flash_attn_with_lse returns:
+flash_attn_with_lse runs this for Sq <= attention.DECODE_MAX_SQ on the Triton path (decode_attention_triton), and
+DecodePartials for the key sets of an offloaded decode step; q [Sq, H, D], k/v [Sk, KVH, D] give what
+flash_attn_with_lse returns:
 o [Sq, H, D] (q.dtype) and lse [H, Sq] fp32 natural log, -inf (and o = 0) for rows that see no key;
 causal masking is bottom-right aligned (query i sees key j iff j <= i + Sk - Sq).
 
@@ -16,23 +18,25 @@ K/V may be any strided view (last dim contiguous), e.g. a run of GPU ring slots 
 from __future__ import annotations
 
 import functools
-import math
+from typing import TYPE_CHECKING
 
 import torch
-from ._dispatch import alloc_output, cdiv, choose_splits, jit, next_power_of_2, tl, triton_interpret, use_triton
+from ._dispatch import INTERPRET, alloc_output, cdiv, choose_splits, default_kernels, jit, next_power_of_2, tl
 from .attention import (
-    SUPPORTED_HEAD_DIMS, _empty_result, check_qkv, flash_attn_with_lse, flash_attn_with_lse_reference,
-    online_softmax_step,
+    SUPPORTED_HEAD_DIMS, _empty_result, check_qkv, flash_attn_with_lse, online_softmax_step,
 )
 from .merge import merge_attention_outputs
 from .paged_attention import MIN_GROUP_ROWS, merge_splits
 
-__all__ = ["DecodePartials", "choose_num_splits", "decode_attention", "launch_plan"]
+if TYPE_CHECKING:
+    from .backend import KernelChoice
+
+__all__ = ["DecodePartials", "choose_num_splits", "decode_attention_triton", "launch_plan"]
 
 LOG2E = 1.4426950408889634
 
-# Tuning constants (module globals read at each call, so `python -m sparsekv.kernels.bench --decode` can override
-# them): starting values from the paged decode kernel; its H100 timings were launch-bound, too noisy to retune by.
+# Tuning constants (module globals read at each call, so tools/bench_kernels.py --decode can override them):
+# starting values from the paged decode kernel; its H100 timings were launch-bound, too noisy to retune by.
 BLOCK_N = 64  # keys per inner step on GPU (16-bit, D <= 128; shrunk for bigger rows)
 KV_TILE_BYTES = 16384  # BLOCK_N * D * element_size of one K (or V) tile at most
 NUM_WARPS = 4
@@ -127,7 +131,7 @@ def launch_plan(sq: int, heads: int, kv_heads: int, seqlen_k: int, head_dim: int
                 max_splits: int | None = None) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_R, row tiles, splits, keys per split) of a call; splits start on BLOCK_N boundaries.
     ``num_splits`` replaces the heuristic; ``max_splits`` caps it."""
-    block_n = (INTERPRET_BLOCK_N if triton_interpret()
+    block_n = (INTERPRET_BLOCK_N if INTERPRET
                else max(16, min(BLOCK_N, KV_TILE_BYTES // (head_dim * element_size))))
     # memoised (decode asks the same few questions every layer); the tuning globals are part of the key
     return _launch_plan(sq, heads, kv_heads, seqlen_k, head_dim, device, num_splits, max_splits, block_n,
@@ -165,9 +169,10 @@ def _launch(q, k, v, out, out_strides, lse, lse_strides, scale: float, causal: b
 
 
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                            num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            num_splits: int | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel launch, unchecked: flash_attn_with_lse's Triton path calls this for small Sq after its checks.
-    Needs Sq, Sk > 0 and D in SUPPORTED_HEAD_DIMS; ``num_splits`` overrides the split heuristic (tests, tuning)."""
+    Needs Sq, Sk > 0 and D in SUPPORTED_HEAD_DIMS; ``num_splits`` overrides the split heuristic (tests, tuning);
+    ``pdl``: the split merge launches with programmatic dependent launch."""
     Sq, H, D = q.shape
     Sk, KVH, _ = k.shape
     plan = launch_plan(Sq, H, KVH, Sk, D, q.element_size(), q.device, num_splits)
@@ -181,30 +186,8 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     o_part = alloc_output((Sq, H, num_splits, D), torch.float32, q.device)  # [Sq, H, S, D]
     lse_part = alloc_output((Sq, H, num_splits), torch.float32, q.device)  # [Sq, H, S] log2
     _launch(q, k, v, o_part, o_part.stride(), lse_part, lse_part.stride(), scale, causal, plan, direct=False)
-    merge_splits(o_part, lse_part, o, lse)  # o [Sq, H, D] is its [B, H, D], lse [H, Sq] its [H, B]
+    merge_splits(o_part, lse_part, o, lse, pdl=pdl)  # o [Sq, H, D] is its [B, H, D], lse [H, Sq] its [H, B]
     return o, lse
-
-
-def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    softmax_scale: float | None = None, causal: bool = False, *, num_splits: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash_attn_with_lse for few query rows: q [Sq, H, D], k/v [Sk, KVH, D] -> o [Sq, H, D], lse [H, Sq].
-
-    Meant for Sq <= attention.DECODE_MAX_SQ (any Sq is correct). ``num_splits`` overrides the split heuristic.
-    """
-    check_qkv(q, k, v)
-    Sq, H, D = q.shape
-    Sk = k.shape[0]
-    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
-    if Sq == 0 or Sk == 0:
-        return _empty_result(q)
-    if not use_triton(q.device):
-        return flash_attn_with_lse_reference(q, k, v, scale, causal)
-    if D not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"triton decode attention supports head dims {SUPPORTED_HEAD_DIMS}; got D={D} "
-                         f"(q {tuple(q.shape)})")
-    return decode_attention_triton(q, k, v, scale, causal, num_splits)
 
 
 class DecodePartials:
@@ -215,21 +198,25 @@ class DecodePartials:
     costs, so this is what keeps it at the PCIe floor.
 
     ``max_sets`` bounds the add() calls; each gets at most ``splits_per_set`` splits. Without Triton (the CPU
-    reference path) the partials are merged pairwise by merge_attention_outputs.
+    reference path; ``kernels`` picks, default: the process default for q's device) the partials are merged
+    pairwise by merge_attention_outputs.
     """
 
-    def __init__(self, q: torch.Tensor, softmax_scale: float, max_sets: int, splits_per_set: int = 16):
+    def __init__(self, q: torch.Tensor, softmax_scale: float, max_sets: int, splits_per_set: int = 16, *,
+                 kernels: KernelChoice | None = None):
         self.q, self.scale = q, float(softmax_scale)
         self.splits_per_set = splits_per_set
         self.count = 0
+        self.kernels = kernels = kernels if kernels is not None else default_kernels(q.device)
         Sq, H, D = q.shape
-        self.triton = use_triton(q.device) and D in SUPPORTED_HEAD_DIMS and Sq > 0
+        self.triton = kernels.triton and D in SUPPORTED_HEAD_DIMS and Sq > 0
         if self.triton:
             self.capacity = capacity = max(1, max_sets) * splits_per_set
-            # under CUDA-graph capture the buffers come from the graph's pool and stay its own
-            self.key = None if _capturing(q.device) else (q.device, _stream_id(q.device), Sq, H, D)
-            parts = _WORKSPACES.pop(self.key, None) if self.key is not None else None
+            self.key = (q.device, _stream_id(q.device), Sq, H, D)
+            parts = _WORKSPACES.pop(self.key, None)
             if parts is None or parts[1].shape[2] < capacity:
+                if parts is not None:
+                    _RETIRED.append(parts)  # a captured CUDA graph may still address them
                 capacity = next_power_of_2(capacity)  # few sizes as the context grows
                 parts = (torch.empty((Sq, H, capacity, D), dtype=torch.float32, device=q.device),  # [Sq, H, S, D]
                          torch.empty((Sq, H, capacity), dtype=torch.float32, device=q.device))  # [Sq, H, S] log2
@@ -247,8 +234,8 @@ class DecodePartials:
             if length is not None:  # the reference path: a host sync is fine here
                 n = int(length.reshape(-1)[0])
                 k, v = k[:n], v[:n]
-            part = flash_attn_with_lse(self.q, k, v, self.scale, causal)
-            self.out = part if self.out is None else merge_attention_outputs(*self.out, *part)
+            part = flash_attn_with_lse(self.q, k, v, self.scale, causal, kernels=self.kernels)
+            self.out = part if self.out is None else merge_attention_outputs(*self.out, *part, kernels=self.kernels)
             return
         check_qkv(self.q, k, v)
         q = self.q
@@ -274,23 +261,22 @@ class DecodePartials:
         Sq, H, D = self.q.shape
         o = alloc_output((Sq, H, D), self.q.dtype, self.q.device)
         lse = alloc_output((H, Sq), torch.float32, self.q.device)
-        merge_splits(self.o_part[:, :, :self.count], self.lse_part[:, :, :self.count], o, lse)
+        merge_splits(self.o_part[:, :, :self.count], self.lse_part[:, :, :self.count], o, lse,
+                     pdl=self.kernels.pdl)
         self._release()  # the reduce is queued on this stream: the next user on it runs after the reduce read them
         return o, lse
 
     def _release(self) -> None:
-        if self.key is not None:
-            _WORKSPACES[self.key] = (self.o_part, self.lse_part)
+        _WORKSPACES[self.key] = (self.o_part, self.lse_part)
 
 
 # DecodePartials' split buffers, reused call after call (a decode step makes one per layer and sequence): keyed by
 # device, stream and query shape, grown to the next power of two when a call needs more; a DecodePartials takes
-# its buffers out while it is alive, so two never share them.
+# its buffers out while it is alive, so two never share them. A CUDA graph captured on its own stream gets buffers
+# of its own (the stream is in the key) and replays use them in stream order; buffers outgrown are kept
+# (_RETIRED, at most as many bytes as the live ones), never freed, since a captured graph may hold their address.
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+_RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
 def _stream_id(device: torch.device) -> int:

@@ -26,8 +26,8 @@ SHAPE_CONFIGS first: rows for an exact weight shape (N, K), with an optional fix
 (x padded to 16 rows, W pipelined through shared memory); shapes it does not list take CONFIGS' row. On the GEMV
 (FMA) path num_stages > 1 asks Triton to software-pipeline the K loop (``tl.range(num_stages=...)``: cp.async
 copies of W in flight, which a loop without tl.dot gets only when asked); 1 is the plain loop. These constants are
-module globals read at each call, so ``python -m sparsekv.kernels.bench --gemv`` and
-``scripts/tune_gemv_chain.py`` (whole decode chains replayed from a CUDA graph) can override and sweep them.
+module globals read at each call, so ``tools/bench_kernels.py --gemv`` and ``tools/tune_gemv_chain.py`` (whole
+decode chains replayed from a CUDA graph) can override and sweep them.
 Semantics: fp32 products and accumulation, + bias in fp32, one rounding to x's dtype (what F.linear gives up to
 summation order).
 """
@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from ._dispatch import (
     HAS_TRITON,
+    INTERPRET,
     alloc_output,
     cdiv,
     jit,
@@ -50,10 +51,8 @@ from ._dispatch import (
     pdl_launch_options,
     pdl_wait,
     tl,
-    triton_interpret,
-    use_triton,
 )
-from .activation import silu_and_mul, silu_and_mul_reference
+from .activation import silu_and_mul_reference
 
 __all__ = [
     "MAX_M",
@@ -69,11 +68,11 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------- tuning constants
 MAX_M = 16  # rows up to which skinny_linear runs the kernel; more rows are a GEMM for cuBLAS
 # Rows (max M, tensor cores, BLOCK_N, BLOCK_K, num_warps, num_stages): the first row with M <= max M applies.
-# Timed on an H100 (session 6, `python -m sparsekv.kernels.bench --gemv --quick`): the sweep's best M = 1 config beat
+# Timed on an H100 (`tools/bench_kernels.py --gemv --quick`): the sweep's best M = 1 config beat
 # cuBLAS on every Qwen3-4B shape; it split K only for down_proj, so the split rule below (programs stream >= 128 KB)
 # follows it. With it the whole batch-1 4K decode step took 5.32-5.35 ms against 5.43-5.57 with cuBLAS; batch 8
-# gained nothing, hence _dispatch.AUTO_GEMV_MAX_ROWS = 1. (ptxas, sm_90a, bf16: no spills.) At num_stages = 1 the
-# GEMV (FMA) path is not software pipelined (no cp.async; > 1 asks for it: untimed as of session 6), so its loads in
+# gained nothing, hence KernelChoice.gemv_max_rows = 1 on CUDA. (ptxas, sm_90a, bf16: no spills.) At num_stages = 1 the
+# GEMV (FMA) path is not software pipelined (no cp.async; > 1 asks for it: untimed), so its loads in
 # flight come from occupancy: a [16, 256] tile is 4 16-byte loads per thread at 77 registers, ~6 programs (48 KB of
 # loads) per SM; [16, 512] doubles the loads per program but takes 165 registers. The tensor-core path pipelines W and x through shared
 # memory (cp.async): [32, 256] W + [16, 256] x tiles, 3 stages, 48 KB of shared memory, mma.sync.
@@ -83,7 +82,7 @@ CONFIGS = (
 )
 # M = 1 rows per weight shape, looked up before CONFIGS: (N, K, tensor cores, BLOCK_N, BLOCK_K, num_warps, num_stages,
 # split_k or None for the heuristic). Shapes not listed take CONFIGS' M = 1 row. The rows are the last line of
-# `python scripts/tune_gemv_chain.py OUT_DIR --rounds 2` on an H100 (2026-11-23, session 8): the Qwen3-4B decode chain
+# `python tools/tune_gemv_chain.py OUT_DIR --rounds 2` on an H100 (2026-11-23): the Qwen3-4B decode chain
 # (36 layers + lm_head, 8.04 GB) replayed from a CUDA graph took 3.150 ms with CONFIGS alone and 2.854 ms with these
 # rows under PDL (3.287 / 3.116 ms without PDL); lm_head's best was CONFIGS' row.
 SHAPE_CONFIGS: tuple = (
@@ -362,21 +361,20 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gat
 
 def _kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     m, k = x.shape
-    return (HAS_TRITON and 0 < m <= MAX_M and k > 0 and weight.shape[0] > 0 and x.dtype in KERNEL_DTYPES
-            and use_triton(x.device))
+    return HAS_TRITON and 0 < m <= MAX_M and k > 0 and weight.shape[0] > 0 and x.dtype in KERNEL_DTYPES
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  config: GemvConfig | None = None) -> torch.Tensor:
+                  config: GemvConfig | None = None, pdl: bool = False) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation.
 
-    The Triton kernel where :func:`use_triton` says so (CUDA, or CPU under the interpreter) for 1 <= M <= MAX_M
-    and fp32/fp16/bf16; otherwise ``F.linear``. ``config`` replaces :func:`choose_config` (tests, tuning).
+    The Triton kernel for 1 <= M <= MAX_M and fp32/fp16/bf16 (``pdl``: launched with programmatic dependent
+    launch); otherwise ``F.linear``. ``config`` replaces :func:`choose_config` (tests, tuning).
     """
     _check(x, weight, bias)
     if not _kernel_applies(x, weight):
         return F.linear(x, weight, bias)
-    return skinny_linear_triton(x, weight, bias, config)
+    return skinny_linear_triton(x, weight, bias, config, pdl=pdl)
 
 
 def silu_mul_linear_reference(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -386,21 +384,22 @@ def silu_mul_linear_reference(gate_up: torch.Tensor, weight: torch.Tensor, bias:
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                    config: GemvConfig | None = None) -> torch.Tensor:
+                    config: GemvConfig | None = None, pdl: bool = False) -> torch.Tensor:
     """A gated MLP's down projection: silu(gate) * up of gate_up [M, 2K] (gate first) @ weight [N, K]^T -> [M, N].
 
     The skinny kernel computes silu(gate) * up while it loads x (rounded as :func:`silu_and_mul` rounds), so the
-    [M, K] activation is never written; where the kernel does not apply, ``F.linear(silu_and_mul(gate_up))``.
+    [M, K] activation is never written; where the kernel does not apply, ``F.linear`` of the reference
+    silu_and_mul.
     """
     _check(gate_up, weight, bias, gated=True)
     if not _kernel_applies(gate_up, weight):
-        return F.linear(silu_and_mul(gate_up), weight, bias)
-    return skinny_linear_triton(gate_up, weight, bias, config, gated=True)
+        return F.linear(silu_and_mul_reference(gate_up), weight, bias)
+    return skinny_linear_triton(gate_up, weight, bias, config, gated=True, pdl=pdl)
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         config: GemvConfig | None = None, gated: bool = False, partials: bool = False
-                         ) -> torch.Tensor:
+                         config: GemvConfig | None = None, gated: bool = False, partials: bool = False,
+                         pdl: bool = False) -> torch.Tensor:
     """The launch, unchecked: x [M, K] (gated: gate_up [M, 2K]), weight [N, K] of one kernel dtype on one device,
     1 <= M <= 16, N, K > 0. With ``partials`` the fp32 per-split sums [SPLIT_K, M, N] (no bias), for a consumer
     that reduces them itself (sparsekv.kernels.linear_norm), even when SPLIT_K is 1."""
@@ -420,8 +419,8 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     out = None if partials else alloc_output((m, n), x.dtype, x.device)  # [M, N]
     has_bias = bias is not None and not partials
     dest = alloc_output((splits, m, n), torch.float32, x.device) if partial else out  # [S, M, N] fp32 partials
-    dot_f32 = config.use_dot and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and triton_interpret()))
-    pdl = pdl_launch_options(x.device)
+    dot_f32 = config.use_dot and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and INTERPRET))
+    launch = pdl_launch_options(pdl)
     _skinny_linear_kernel[(cdiv(n, config.block_n), splits)](
         x, weight, bias if has_bias else x, dest,
         x.stride(0), weight.stride(0), dest.stride(-2), dest.stride(-1), dest.stride(0) if partial else 0,
@@ -429,12 +428,12 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_DOT=config.use_dot,
         DOT_F32=dot_f32, EVEN_K=k % config.block_k == 0, HAS_BIAS=has_bias, PARTIAL=partial, GATED=gated,
         FMA_STAGES=config.num_stages if config.block_m == 1 and not config.use_dot else 1,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch,
     )
     if partials:
         return dest
     if partial:
         _splitk_reduce_kernel[(cdiv(m * n, REDUCE_BLOCK),)](
             dest, bias if has_bias else dest, out, m * n, n, SPLIT_K=splits, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK,
-            num_warps=4, **pdl)
+            num_warps=4, **launch)
     return out

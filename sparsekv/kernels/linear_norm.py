@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import alloc_output, jit, next_power_of_2, pdl_launch_options, pdl_wait, tl, use_fused_elementwise
+from ._dispatch import alloc_output, jit, next_power_of_2, pdl_launch_options, pdl_wait, tl
 from .gemv import (
     _check,
     _kernel_applies,
@@ -75,23 +75,24 @@ def linear_add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: t
     return add_rms_norm_reference(out, residual, norm_weight, eps)
 
 
-def _separate(x, weight, bias, residual, norm_weight, eps, gated):
+def _separate(x, weight, bias, residual, norm_weight, eps, gated, pdl=False):
     """The separate ops (each its kernel or its torch fallback): what the fused launch computes."""
-    out = (silu_mul_linear if gated else skinny_linear)(x, weight, bias)
-    return add_rms_norm(out, residual, norm_weight, eps)
+    out = (silu_mul_linear if gated else skinny_linear)(x, weight, bias, pdl=pdl)
+    return add_rms_norm(out, residual, norm_weight, eps, pdl=pdl)
 
 
 def _fusable(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
     n = weight.shape[0]
-    return (_kernel_applies(x, weight) and use_fused_elementwise(x.device) and next_power_of_2(n) <= MAX_ONE_PASS
+    return (_kernel_applies(x, weight) and next_power_of_2(n) <= MAX_ONE_PASS
             and residual.stride(-1) == 1 and norm_weight.dtype in KERNEL_DTYPES)
 
 
 def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                        norm_weight: torch.Tensor, eps: float, gated: bool = False
+                        norm_weight: torch.Tensor, eps: float, gated: bool = False, *, pdl: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (gated: gate_up [M, 2K]), weight [N, K], residual [M, N], norm_weight [N] -> (normed [M, N] in
-    promote(x, norm_weight) dtype, new_residual [M, N] in x's dtype); see the module docstring."""
+    promote(x, norm_weight) dtype, new_residual [M, N] in x's dtype); see the module docstring. ``pdl``: both
+    launches use programmatic dependent launch."""
     _check(x, weight, bias, gated)
     m, n = x.shape[0], weight.shape[0]
     if residual.shape != (m, n):
@@ -102,8 +103,8 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                          f"{x.dtype} on {x.device}")
     _check_norm(residual, norm_weight)
     if not _fusable(x, weight, residual, norm_weight):
-        return _separate(x, weight, bias, residual, norm_weight, eps, gated)
-    partials = skinny_linear_triton(x, weight, None, gated=gated, partials=True)  # [S, M, N] fp32
+        return _separate(x, weight, bias, residual, norm_weight, eps, gated, pdl)
+    partials = skinny_linear_triton(x, weight, None, gated=gated, partials=True, pdl=pdl)  # [S, M, N] fp32
     normed = alloc_output((m, n), torch.promote_types(x.dtype, norm_weight.dtype), x.device)  # [M, N]
     new_residual = alloc_output((m, n), x.dtype, x.device)  # [M, N]
     block = next_power_of_2(n)
@@ -112,6 +113,6 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         residual.stride(0), normed.stride(0), new_residual.stride(0),
         m, n, float(eps),
         SPLIT_K=partials.shape[0], HAS_BIAS=bias is not None, BLOCK_N=block, num_warps=norm_warps(block),
-        **pdl_launch_options(x.device),
+        **pdl_launch_options(pdl),
     )
     return normed, new_residual

@@ -7,8 +7,13 @@ A partial with lse = -inf contributes nothing (its o is ignored, even if NaN); w
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from ._dispatch import alloc_output, cdiv, jit, next_power_of_2, tl, use_triton
+from ._dispatch import alloc_output, cdiv, default_kernels, jit, next_power_of_2, tl
+
+if TYPE_CHECKING:
+    from .backend import KernelChoice
 
 __all__ = ["merge_attention_outputs", "merge_attention_outputs_reference"]
 
@@ -87,14 +92,16 @@ def merge_attention_outputs_reference(
 
 
 def merge_attention_outputs(
-    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor,
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor, *,
+    kernels: KernelChoice | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial attention outputs. o1, o2 [N, H, D]; lse1, lse2 [H, N] fp32.
 
-    Returns (o [N, H, D] in o1.dtype, lse [H, N] fp32).
+    Returns (o [N, H, D] in o1.dtype, lse [H, N] fp32). ``kernels`` picks Triton or the reference (default: the
+    process default for o1's device).
     """
     _check_inputs(o1, lse1, o2, lse2)
-    if not use_triton(o1.device):
+    if not (kernels if kernels is not None else default_kernels(o1.device)).triton:
         return merge_attention_outputs_reference(o1, lse1, o2, lse2)
     N, H, D = o1.shape
     o = alloc_output((N, H, D), o1.dtype, o1.device)  # [N, H, D]

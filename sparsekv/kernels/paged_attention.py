@@ -4,25 +4,30 @@ Flash-decoding: phase 1 runs a program per (sequence, kv head, split of the cont
 attends all H // KVH query heads of the GQA group at once; phase 2 merges the splits with their
 log-sum-exps. With a single split phase 1 writes the final result and phase 2 is skipped.
 
-FUSED_REDUCE (default) does phase 2 inside the phase-1 launch: every split program writes its partial and
-bumps a per-(sequence, kv head) arrival counter; the program that arrives last merges the group's partials
-and sets the counter back to 0. Both paths merge with the same code (:func:`_merge_group`: splits in a fixed
-order, elementwise fp32 accumulation), so they give bitwise-equal results whichever program arrives last.
-The counters are one int32 buffer per device, made once outside CUDA-graph capture (:func:`split_counters`);
-every launch leaves them at 0, so graph replays and eager calls share it. Launches that use it must not run
-concurrently on two streams.
+Phase 2 runs inside the phase-1 launch: every split program writes its partial and bumps a per-(sequence,
+kv head) arrival counter; the program that arrives last merges the group's partials and sets the counter back
+to 0. The merge (:func:`_merge_group`: splits in a fixed order, elementwise fp32 accumulation) gives the same
+bits whichever program arrives last; :func:`merge_splits` runs it as a kernel of its own for
+sparsekv.kernels.decode_attention. The counters are one int32 buffer per device, made on the first launch
+(:func:`split_counters`; the graph runners run every step eagerly before they capture it); every launch leaves
+them at 0, so graph replays and eager calls share it. Launches that use it must not run concurrently on two
+streams.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from ._dispatch import (
-    alloc_output, cdiv, choose_splits, jit, next_power_of_2, pdl_launch_options, pdl_wait, tl, triton_interpret,
-    use_triton,
+    INTERPRET, alloc_output, cdiv, choose_splits, default_kernels, jit, next_power_of_2, pdl_launch_options, pdl_wait,
+    tl,
 )
 from .attention import SUPPORTED_HEAD_DIMS, flash_attn_with_lse_reference
+
+if TYPE_CHECKING:
+    from .backend import KernelChoice
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_reference", "store_kv"]
 
@@ -32,8 +37,8 @@ BLOCK_N = 64  # tokens per inner step on GPU (16-bit, D <= 128; shrunk for bigge
 KV_TILE_BYTES = 16384  # BLOCK_N * D * element_size of one K (or V) tile at most
 NUM_WARPS = 4
 NUM_STAGES = 3
-# One sequence (batch 1): wider tiles, 2 stages. scripts/tune_decode_attention.py on an H100 (session 8, Qwen3-4B
-# dims): 13.35 us per layer at 4K against 14.54 with the tiles above, level at 32K; at batch 8 the tiles above win.
+# One sequence (batch 1): wider tiles, 2 stages. tools/tune_decode_attention.py on an H100 (Qwen3-4B dims): 13.35 us
+# per layer at 4K against 14.54 with the tiles above, level at 32K; at batch 8 the tiles above win.
 SINGLE_SEQUENCE_TILE = (128, 32768, 2)  # (BLOCK_N, KV_TILE_BYTES, NUM_STAGES)
 INTERPRET_BLOCK_N = 32
 MIN_GROUP_ROWS = 16  # tl.dot needs >= 16 rows: the GQA group is padded up to this
@@ -41,7 +46,6 @@ MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in merging than i
 MAX_SPLITS = 128
 PROGRAMS_PER_SM = 4  # target B * KVH * splits ~= PROGRAMS_PER_SM * num SMs
 REDUCE_CHUNK = 16  # splits merged per (unrolled) step of the merge
-FUSED_REDUCE = True  # merge the splits in the split launch (last-arriving program); False: a second kernel
 COUNTER_SLOTS = 1 << 16  # arrival counters per device: B * KVH of one launch at most
 
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
@@ -102,7 +106,7 @@ def _paged_decode_split_kernel(
     stride_ob, stride_oh, stride_od, stride_lh, stride_lb,
     qk_scale, min_split, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, FUSED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -166,19 +170,18 @@ def _paged_decode_split_kernel(
         tl.store(OP + b64 * stride_opb + heads[:, None] * stride_oph + split * stride_ops
                  + offs_d[None, :] * stride_opd, out, mask=g_ok[:, None])
         tl.store(LP + b64 * stride_lpb + heads * stride_lph + split * stride_lps, lse2, mask=g_ok)
-        if FUSED:
-            # Every thread's partial stores come before the (single-thread) release of the counter bump.
-            tl.debug_barrier()
-            cnt = CNT + b64 * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:  # the last program of the group: all partials are written
-                offs_h = tl.arange(0, BLOCK_H)  # [BLOCK_H]
-                _merge_group(OP, LP, O, L, b64, kv_head * GROUP + offs_h, offs_h < GROUP,
-                             stride_opb, stride_oph, stride_ops, stride_opd,
-                             stride_lpb, stride_lph, stride_lps,
-                             stride_ob, stride_oh, stride_od, stride_lh, stride_lb,
-                             active, BLOCK_H=BLOCK_H, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, CHUNK=CHUNK)
-                tl.store(cnt, 0)  # ready for the next launch (and graph replay)
+        # Every thread's partial stores come before the (single-thread) release of the counter bump.
+        tl.debug_barrier()
+        cnt = CNT + b64 * tl.num_programs(1) + kv_head
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:  # the last program of the group: all partials are written
+            offs_h = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+            _merge_group(OP, LP, O, L, b64, kv_head * GROUP + offs_h, offs_h < GROUP,
+                         stride_opb, stride_oph, stride_ops, stride_opd,
+                         stride_lpb, stride_lph, stride_lps,
+                         stride_ob, stride_oh, stride_od, stride_lh, stride_lb,
+                         active, BLOCK_H=BLOCK_H, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, CHUNK=CHUNK)
+            tl.store(cnt, 0)  # ready for the next launch (and graph replay)
 
 
 @jit
@@ -257,25 +260,21 @@ def choose_num_splits(batch: int, kv_heads: int, max_context_len: int,
 
 def split_counters(device: torch.device, slots: int) -> torch.Tensor:
     """The device's int32 arrival counters of the fused reduce (all 0 between launches): made once, on the first
-    launch, and kept for the process, since CUDA graphs captured later hold its address."""
+    launch (eager: graph runners run a step before they capture it), and kept for the process, since CUDA graphs
+    captured later hold its address."""
     key = (device.type, device.index if device.type != "cuda" or device.index is not None
            else torch.cuda.current_device())
     if slots > COUNTER_SLOTS:
         raise ValueError(f"the fused paged decode needs B * KVH = {slots} arrival counters, more than "
-                         f"COUNTER_SLOTS={COUNTER_SLOTS}: raise sparsekv.kernels.paged_attention.COUNTER_SLOTS "
-                         f"before the first launch, or set FUSED_REDUCE = False")
+                         f"COUNTER_SLOTS={COUNTER_SLOTS}: decode fewer sequences per step")
     buf = _COUNTERS.get(key)
     if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the fused paged decode's counters are made on its first launch, which must not be "
-                               "inside CUDA-graph capture: run paged_decode_attention once eagerly (warm-up) "
-                               "before capturing")
         buf = _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
     return buf
 
 
 def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                 group: int = 1) -> None:
+                 group: int = 1, *, pdl: bool = False) -> None:
     """Phase 2 of flash-decoding: merge per-split partials o_part [B, H, S, D] fp32 and lse_part [B, H, S] fp32
     (log2 units, -inf for an empty split) into o [B, H, D] and lse [H, B] (natural log); one program per
     `group` heads of a sequence (the result does not depend on it)."""
@@ -286,29 +285,30 @@ def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, o: torch.Tensor, 
         o_part, lse_part, o, lse, *o_part.stride(), *lse_part.stride(), *o.stride(),
         *lse.stride(), num_splits, GROUP=group, BLOCK_H=next_power_of_2(group), HEAD_DIM=D,
         BLOCK_S=max(2, next_power_of_2(num_splits)), CHUNK=REDUCE_CHUNK, num_warps=NUM_WARPS,
-        **pdl_launch_options(o.device))
+        **pdl_launch_options(pdl))
 
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor,
     softmax_scale: float | None = None, *,
-    max_context_len: int | None = None, num_splits: int | None = None, fused: bool | None = None,
-    min_split_tokens: int | None = None,
+    max_context_len: int | None = None, num_splits: int | None = None, min_split_tokens: int | None = None,
+    kernels: KernelChoice | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over a paged cache.
 
     q [B, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks]
     int32; context_lens [B] int32. Returns o [B, H, D] (q.dtype) and lse [H, B] fp32.
     ``max_context_len`` (>= context_lens.max(), known on the host) avoids a device sync;
-    ``num_splits`` overrides the split heuristic (tests, tuning); ``fused`` overrides FUSED_REDUCE
-    (one launch that also merges the splits, or a second reduce kernel: bitwise-equal results).
+    ``num_splits`` overrides the split heuristic (tests, tuning); ``kernels`` picks Triton (launched with PDL as
+    it says) or the reference (default: the process default for q's device).
     Each sequence spreads its own context over at most that many splits of at least ``min_split_tokens`` keys
     (default: one tile), decided in the kernel from its length: a grid sized for a long max_context_len (a CUDA
     graph captured for max_model_len) still splits a short context evenly.
     """
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
-    if not use_triton(q.device):
+    kernels = kernels if kernels is not None else default_kernels(q.device)
+    if not kernels.triton:
         return paged_decode_attention_reference(
             q, k_cache, v_cache, block_tables, context_lens, softmax_scale)
     B, H, D = q.shape
@@ -322,7 +322,7 @@ def paged_decode_attention(
     if B == 0:
         return o, lse
     stages = NUM_STAGES
-    if triton_interpret():
+    if INTERPRET:
         block_n = INTERPRET_BLOCK_N
     else:
         max_n, tile_bytes, stages = SINGLE_SEQUENCE_TILE if B == 1 else (BLOCK_N, KV_TILE_BYTES, NUM_STAGES)
@@ -336,9 +336,8 @@ def paged_decode_attention(
     split_len = cdiv(cdiv(max(max_context_len, 1), num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max_context_len, split_len))
     min_split = block_n if min_split_tokens is None else max(block_n, int(min_split_tokens))
-    fused = FUSED_REDUCE if fused is None else fused
     group = H // KVH
-    pdl = pdl_launch_options(q.device)
+    pdl = pdl_launch_options(kernels.pdl)
     common = dict(GROUP=group, BLOCK_G=max(MIN_GROUP_ROWS, next_power_of_2(group)), HEAD_DIM=D,
                   PAGE_SIZE=page_size, BLOCK_N=block_n, BLOCK_H=next_power_of_2(group), CHUNK=REDUCE_CHUNK,
                   num_warps=NUM_WARPS, num_stages=stages, **pdl)
@@ -349,17 +348,15 @@ def paged_decode_attention(
     if num_splits == 1:
         _paged_decode_split_kernel[grid](
             *args, o, lse, o, lse, lse, *strides, 0, 0, 0, 0, 0, 0, 0, *out_strides,
-            scale * LOG2E, min_split, num_splits, DIRECT=True, FUSED=False, BLOCK_S=2, **common)
+            scale * LOG2E, min_split, num_splits, DIRECT=True, BLOCK_S=2, **common)
         return o, lse
     o_part = alloc_output((B, H, num_splits, D), torch.float32, q.device)  # [B, H, S, D]
     lse_part = alloc_output((B, H, num_splits), torch.float32, q.device)  # [B, H, S] log2
-    counters = split_counters(q.device, B * KVH) if fused else lse_part  # [>= B * KVH] int32, all 0
+    counters = split_counters(q.device, B * KVH)  # [>= B * KVH] int32, all 0
     _paged_decode_split_kernel[grid](
         *args, o_part, lse_part, o, lse, counters, *strides, *o_part.stride(), *lse_part.stride(),
-        *out_strides, scale * LOG2E, min_split, num_splits, DIRECT=False, FUSED=fused,
-        BLOCK_S=max(2, next_power_of_2(num_splits)) if fused else 2, **common)
-    if not fused:
-        merge_splits(o_part, lse_part, o, lse, group)
+        *out_strides, scale * LOG2E, min_split, num_splits, DIRECT=False,
+        BLOCK_S=max(2, next_power_of_2(num_splits)), **common)
     return o, lse
 
 

@@ -26,7 +26,6 @@ from ._dispatch import (
     pdl_launch_options,
     pdl_wait,
     tl,
-    use_fused_elementwise,
 )
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
@@ -121,13 +120,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None 
                              f"got {tuple(residual.shape)} {residual.dtype} on {residual.device}")
 
 
-def _fused(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if not use_fused_elementwise(x.device):
-        return False
+def _check_kernel_dtypes(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dtype not in KERNEL_DTYPES or weight.dtype not in KERNEL_DTYPES:
         raise ValueError(f"the Triton rms_norm supports {KERNEL_DTYPES}; got x {tuple(x.shape)} {x.dtype}, "
                          f"weight {weight.dtype}")
-    return True
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -141,7 +137,7 @@ def norm_warps(block: int) -> int:
     return 4 if block <= 1024 else (8 if block <= 4096 else 16)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, pdl: bool):
     n = x.shape[-1]
     x2 = _rows(x, n)
     rows = x2.shape[0]
@@ -158,7 +154,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             x2.stride(0), r2.stride(0), out.stride(0), ro.stride(0),
             n, float(eps),
             HAS_RESIDUAL=residual is not None, ONE_PASS=one_pass, BLOCK_N=block, num_warps=warps,
-            **pdl_launch_options(x.device),
+            **pdl_launch_options(pdl),
         )
     elif n == 0 and residual is not None:
         res_out = x + residual
@@ -166,21 +162,17 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     return out if residual is None else (out, res_out.view(x.shape))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x [..., N] over its last dim with weight [N] -> [..., N] in promote(x, weight) dtype.
-
-    Triton where :func:`use_fused_elementwise` says so, else the reference.
-    """
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False) -> torch.Tensor:
+    """RMSNorm of x [..., N] over its last dim with weight [N] -> [..., N] in promote(x, weight) dtype: the Triton
+    kernel (``pdl``: launched with programmatic dependent launch)."""
     _check(x, weight)
-    if not _fused(x, weight):
-        return rms_norm_reference(x, weight, eps)
-    return _launch(x, None, weight, eps)
+    _check_kernel_dtypes(x, weight)
+    return _launch(x, None, weight, eps, pdl)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, new_residual): new_residual = x + residual (x's dtype), normed = rms_norm(new_residual)."""
     _check(x, weight, residual)
-    if not _fused(x, weight):
-        return add_rms_norm_reference(x, residual, weight, eps)
-    return _launch(x, residual, weight, eps)
+    _check_kernel_dtypes(x, weight)
+    return _launch(x, residual, weight, eps, pdl)

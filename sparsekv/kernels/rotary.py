@@ -26,7 +26,6 @@ from ._dispatch import (
     pdl_launch_options,
     pdl_wait,
     tl,
-    use_fused_elementwise,
 )
 from .rmsnorm import KERNEL_DTYPES, rms_norm_reference
 
@@ -205,23 +204,14 @@ def _check_kv_write(k_dtype: torch.dtype, k: torch.Tensor, kv: KVWrite) -> tuple
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                  attention_scaling: float, q_norm_weight: torch.Tensor | None = None,
-                 k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, kv_write: KVWrite | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, kv_write: KVWrite | None = None, *,
+                 pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, H, D], k [N, KVH, D] (any strides; the model's are views of the fused qkv projection), positions [N]
     (any integer dtype and stride), inv_freq [D/2] -> new contiguous (q, k) after the optional per-head RMSNorm
     and rotary; with ``kv_write`` the new k and the given v are also stored into the KV cache slots (one launch
-    instead of this kernel and two index copies). Triton where :func:`use_fused_elementwise` says so, else
-    :func:`apply_rotary_reference` (and an index copy)."""
+    instead of this kernel and two index copies). The Triton kernel (``pdl``: launched with programmatic dependent
+    launch); :func:`apply_rotary_reference` is its torch reference."""
     _check(q, k, positions, inv_freq, q_norm_weight, k_norm_weight)
-    if not use_fused_elementwise(q.device):
-        q_out, k_out = apply_rotary_reference(q, k, positions, inv_freq, attention_scaling, q_norm_weight,
-                                              k_norm_weight, eps)
-        if kv_write is not None:
-            k_flat, v_flat = _check_kv_write(k_out.dtype, k, kv_write)
-            slots = kv_write.slot_mapping.long()
-            k_flat.index_copy_(0, slots, k_out)
-            v_flat.index_copy_(0, slots, kv_write.v)
-        return q_out, k_out
     if q.dtype not in KERNEL_DTYPES or any(w is not None and w.dtype not in KERNEL_DTYPES
                                            for w in (q_norm_weight, k_norm_weight)):
         raise ValueError(f"the Triton apply_rotary supports {KERNEL_DTYPES}; got q {tuple(q.shape)} {q.dtype}")
@@ -255,7 +245,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
         v.stride(0), v.stride(1), k_flat.stride(0), k_flat.stride(1), slots.stride(0),
         h, kvh, q_blocks, float(attention_scaling), float(eps), d, half,
         HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None, WRITE_KV=kv_write is not None,
-        BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=NUM_WARPS, **pdl_launch_options(q.device),
+        BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=NUM_WARPS, **pdl_launch_options(pdl),
     )
     return q_out, k_out
 

@@ -7,10 +7,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from sparsekv.kernels._dispatch import use_fused_elementwise
-from sparsekv.kernels.rotary import (  # noqa: F401  (rotate_half: re-exported)
-    rotary_cos_sin_reference, rotary_embed_reference, rotate_half,
-)
+from sparsekv.kernels.backend import KernelChoice
+from sparsekv.kernels.rotary import rotary_cos_sin_reference, rotary_embed_reference
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
@@ -49,14 +47,15 @@ class Rope(NamedTuple):
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None):
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, *, kernels: KernelChoice):
         super().__init__()
         inv_freq, self.attention_scaling = rope_inv_freq(head_dim, theta, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.fused = kernels.triton
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """positions [N] -> the step's Rope; cos/sin tables only where the fused kernel does not run."""
-        if use_fused_elementwise(positions.device):
+        if self.fused:
             return Rope(positions, self.inv_freq, self.attention_scaling)
         return Rope(positions, self.inv_freq, self.attention_scaling, *self.cos_sin(positions, dtype))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparsekv.kernels._dispatch import decode_fusion
+from sparsekv.kernels.backend import KernelChoice
 from sparsekv.kernels.rotary import KVWrite, apply_rotary
 from sparsekv.layers.attention import Attention
 from sparsekv.layers.linear import Linear
@@ -14,17 +14,19 @@ from sparsekv.models.spec import ModelSpec
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_id: int, qk_norm: bool):
+    def __init__(self, spec: ModelSpec, layer_id: int, qk_norm: bool, *, kernels: KernelChoice):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (spec.num_attention_heads, spec.num_key_value_heads,
                                                             spec.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
-        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.attention_bias)
-        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if qk_norm else None
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias,
+                               kernels=kernels)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.attention_bias, kernels=kernels)
+        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, kernels=kernels) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, kernels=kernels) if qk_norm else None
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.pdl = kernels.pdl
 
     def project_qkv(self, hidden: torch.Tensor, rope: Rope, kv_target: tuple | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -41,7 +43,7 @@ class SelfAttention(nn.Module):
             q, k = apply_rotary(q, k, rope.positions, rope.inv_freq, rope.attention_scaling,
                                 self.q_norm.weight if qk_norm else None, self.k_norm.weight if qk_norm else None,
                                 self.q_norm.eps if qk_norm else 1e-6,
-                                KVWrite(v, *kv_target) if kv_target is not None else None)
+                                KVWrite(v, *kv_target) if kv_target is not None else None, pdl=self.pdl)
             return q, k, v
         if kv_target is not None:
             raise ValueError("project_qkv stores k/v into the cache only in the fused kernel (rope.cos None); "
@@ -51,21 +53,13 @@ class SelfAttention(nn.Module):
         q, k = RotaryEmbedding.apply(q, rope.cos, rope.sin), RotaryEmbedding.apply(k, rope.cos, rope.sin)
         return q, k, v
 
-    def project_out(self, out: torch.Tensor) -> torch.Tensor:
-        """Attention output [N, H, D] -> [N, hidden]."""
-        return self.o_proj(out.reshape(out.shape[0], self.q_size))
-
-    def forward(self, hidden: torch.Tensor, rope: Rope) -> torch.Tensor:
-        q, k, v = self.project_qkv(hidden, rope)
-        return self.project_out(self.attn(q, k, v))  # attn: [N, H, D]
-
 
 class GatedMLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, *, kernels: KernelChoice):
         super().__init__()
         self.intermediate_size = spec.intermediate_size
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False, kernels=kernels)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False, kernels=kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # silu(gate) * up: in the down projection's loads for decode on Triton, else one kernel (or torch's ops)
@@ -79,12 +73,14 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_id: int, qk_norm: bool):
+    def __init__(self, spec: ModelSpec, layer_id: int, qk_norm: bool, *, kernels: KernelChoice):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = SelfAttention(spec, layer_id, qk_norm)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = GatedMLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels=kernels)
+        self.self_attn = SelfAttention(spec, layer_id, qk_norm, kernels=kernels)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels=kernels)
+        self.mlp = GatedMLP(spec, kernels=kernels)
+        # the rotary kernel also stores k/v into the paged cache (no index copies)
+        self.write_kv_in_rotary = kernels.triton and kernels.decode_fusion
 
     # forward = post_attention(hidden, attention(*pre_attention(hidden))): decode with graph.mode=segmented
     # captures the two halves as CUDA graphs and runs the attention between them eagerly.
@@ -116,8 +112,7 @@ class DecoderLayer(nn.Module):
         norm (or the model's final norm). Same values as post_attention(residual, attention(*pre_attention(
         residual))) followed by next_norm; each norm runs with its residual add in the launch after its linear
         layer (sparsekv.kernels.linear_norm), so the step has no separate norm or split-K reduction kernels."""
-        # on the Triton path the rotary kernel also stores k/v into the paged cache (no index copies)
-        kv_target = self.self_attn.attn.kv_write_target() if rope.cos is None else None
+        kv_target = self.self_attn.attn.kv_write_target() if self.write_kv_in_rotary else None
         q, k, v = self.self_attn.project_qkv(normed, rope, kv_target)
         attn_out = self.self_attn.attn(q, k, v, kv_written=kv_target is not None)
         normed, residual = self.project_out_add_norm(attn_out, residual)
@@ -130,14 +125,16 @@ class LlamaForCausalLM(nn.Module):
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, *, kernels: KernelChoice):
         super().__init__()
         self.spec = spec
+        self.kernels = kernels
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, self.qk_norm) for i in range(spec.num_hidden_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, self.qk_norm, kernels=kernels)
+                                    for i in range(spec.num_hidden_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels=kernels)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, kernels=kernels)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, kernels=kernels)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -157,10 +154,6 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions [N] -> hidden [N, hidden]
         hidden, rope = self.embed(input_ids, positions)
-        if not decode_fusion():  # the unfused sequence (SPARSEKV_DECODE_FUSION=0), to compare
-            for layer in self.layers:
-                hidden = layer.post_attention(hidden, layer.attention(*layer.pre_attention(hidden, rope)))
-            return self.norm(hidden)
         if not self.layers:
             return self.norm(hidden)
         normed = self.layers[0].input_layernorm(hidden)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from sparsekv.config import LoadFormat
+from sparsekv.kernels.backend import KernelChoice
 from sparsekv.models.structured_dummy import init_structured_dummy
 from sparsekv.models.spec import ModelSpec, spec_from_hf_config, spec_from_model_config
 
@@ -37,12 +38,13 @@ def model_class(spec: ModelSpec, models: dict[str, type]) -> type:
 
 
 def build_model(model_cfg, spec: ModelSpec, cls: type, device: torch.device, dtype: torch.dtype,
-                seed: int) -> nn.Module:
+                seed: int, *, kernels: KernelChoice) -> nn.Module:
+    """cls(spec, kernels=kernels) on `device` in `dtype`, with its weights (or dummy ones)."""
     with torch.device("meta"):
-        model = cls(spec)
+        model = cls(spec, kernels=kernels)
     model = model.to_empty(device=device).to(dtype)
-    model.rotary.inv_freq = model.rotary.__class__(spec.head_dim, spec.rope_theta, spec.rope_scaling).inv_freq.to(
-        device)
+    model.rotary.inv_freq = model.rotary.__class__(spec.head_dim, spec.rope_theta, spec.rope_scaling,
+                                                   kernels=kernels).inv_freq.to(device)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     load_format = LoadFormat(model_cfg.load_format)

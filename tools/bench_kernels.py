@@ -1,9 +1,9 @@
 """GPU micro-benchmarks of the kernels:
-``python -m sparsekv.kernels.bench [--quick] [--elementwise] [--decode] [--gemv]``.
+``python tools/bench_kernels.py [--quick] [--elementwise] [--decode] [--gemv]``.
 
 Times every applicable attention backend (triton, sdpa, cudnn, flash_attn) on prefill/chunk shapes and
-the paged decode kernel over context lengths and split counts, so that the CUDA default in
-``_dispatch.attention_backend`` and the module constants can be chosen by measurement; and the fused
+the paged decode kernel over context lengths and split counts, so that the CUDA default of
+sparsekv.kernels.backend.resolve_kernels and the module constants can be chosen by measurement; and the fused
 elementwise kernels (RMSNorm, q/k norm + rotary, SiLU-and-mul) against the torch ops they replace.
 ``--decode`` times only the decode-shaped attention (Sq = 1): the flash-decoding kernel of decode_attention.py
 against the prefill kernel it replaced, the paged decode kernel, and both over candidate tuning constants.
@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from . import attention as A
-from . import decode_attention as DA
-from . import paged_attention as P
-from ._dispatch import cdiv, has_flash_attn
+from sparsekv.kernels import attention as A
+from sparsekv.kernels import decode_attention as DA
+from sparsekv.kernels import paged_attention as P
+from sparsekv.kernels._dispatch import cdiv, has_flash_attn
 
 
 def _bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
@@ -47,7 +47,7 @@ def bench_attention(sq: int, sk: int, causal: bool, h: int = 32, kvh: int = 8, d
     scale = 1.0 / math.sqrt(d)
     pairs = _causal_pairs(sq, sk) if causal else sq * sk
     flops = 4.0 * pairs * h * d
-    impls = {"triton": A._flash_attn_triton}
+    impls = {"triton": functools.partial(A._flash_attn_triton, pdl=False)}
     if not causal or sq == sk:
         impls["sdpa"] = functools.partial(A._torch_fused_attention, backend="sdpa")
         if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
@@ -171,7 +171,7 @@ def bench_decode(sks=(256, 1024, 4096, 16384), tune_sks=(1024, 4096, 16384), h: 
 
         def old():
             with override_constants(A, DECODE_MAX_SQ=0):
-                return A._flash_attn_triton(q, k, v, scale, False)
+                return A._flash_attn_triton(q, k, v, scale, False, False)
 
         (o_new, lse_new), (o_old, lse_old) = new(), old()
         diff = max((o_new.float() - o_old.float()).abs().max().item(), (lse_new - lse_old).abs().max().item())
@@ -219,9 +219,9 @@ def bench_elementwise(tokens: int, hidden: int = 2560, h: int = 32, kvh: int = 8
     which the torch path of the model does once per forward rather than per layer."""
     from sparsekv.layers.rotary import rope_inv_freq
 
-    from .activation import silu_and_mul, silu_and_mul_reference
-    from .rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
-    from .rotary import apply_rotary, apply_rotary_reference
+    from sparsekv.kernels.activation import silu_and_mul, silu_and_mul_reference
+    from sparsekv.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+    from sparsekv.kernels.rotary import apply_rotary, apply_rotary_reference
 
     eps = 1e-6
     x, r = (torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(2))
@@ -286,7 +286,7 @@ def _time_us(fn, device: torch.device, warmup: int = 5, rep: int = 25) -> float:
 
 def _gemv_candidates(m: int) -> list[tuple[str, tuple | None, int | None]]:
     """(label, CONFIGS row or None for the default, split_k or None for the heuristic) to sweep at M rows."""
-    from . import gemv as G
+    from sparsekv.kernels import gemv as G
 
     default = G.table_row(m)
     rows = [("default", None, None)] + [("split", None, s) for s in GEMV_SPLITS]
@@ -302,7 +302,7 @@ def bench_gemv(shapes=GEMV_SHAPES, ms=GEMV_MS, dtype: torch.dtype = torch.bfloat
     candidate configs. Returns the rows as dicts."""
     import torch.nn.functional as F
 
-    from . import gemv as G
+    from sparsekv.kernels import gemv as G
 
     device = torch.device(device)
     sweep_ms = ms if sweep_ms is None else sweep_ms
@@ -349,7 +349,7 @@ def bench_gemv(shapes=GEMV_SHAPES, ms=GEMV_MS, dtype: torch.dtype = torch.bfloat
 def _gemv_sweep(model: str, proj: str, x: torch.Tensor, weight: torch.Tensor, nbytes: int, default_us: float,
                 device: torch.device, warmup: int, rep: int) -> dict:
     """Time skinny_linear under each candidate config; print one line: the best against the default."""
-    from . import gemv as G
+    from sparsekv.kernels import gemv as G
 
     m, k = x.shape
     n = weight.shape[0]
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
                              "Qwen3-4B / Llama-3.1-8B shapes, GB/s against the HBM copy rate, and a config sweep")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        parser.exit(2, "sparsekv.kernels.bench times GPU kernels and needs CUDA; torch sees no CUDA device here.\n")
+        parser.exit(2, "tools/bench_kernels.py times GPU kernels and needs CUDA; torch sees no CUDA device here.\n")
     torch.manual_seed(0)
     if args.gemv:
         run_gemv(quick=args.quick)

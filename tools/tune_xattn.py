@@ -1,7 +1,7 @@
 """xattn_bsa's resident prefill chunk on the GPU: the block-sparse kernel's loop variants against the dense kernel,
 the estimate kernel's tile candidates, and where compute_prefill's time goes (CUDA only).
 
-    python scripts/tune_xattn.py [--context 131072 --chunk 8192 --threshold 0.9 --sections bsa,estimate,pieces]
+    python tools/tune_xattn.py [--context 131072 --chunk 8192 --threshold 0.9 --sections bsa,estimate,pieces]
 
 One 8K-query chunk against 128K keys, random bf16 q/k/v at Qwen3-4B's attention shape. Times are medians of --reps
 CUDA events.
@@ -17,14 +17,15 @@ CUDA events.
 from __future__ import annotations
 
 import torch
-from profile_sparse_prefill import (  # scripts/ is on sys.path
+from profile_sparse_prefill import (  # tools/ is on sys.path
     chunk_parser,
     dense_chunk_ms,
     random_chunk,
     timed,
 )
 
-from sparsekv.kernels import attention_backend, flash_attn_with_lse
+from sparsekv.kernels import flash_attn_with_lse
+from sparsekv.kernels._dispatch import attention_backend, default_kernels
 from sparsekv.kernels import xattn_estimate as est
 from sparsekv.kernels.block_lists import block_runs
 from sparsekv.kernels.block_sparse_attention import (
@@ -62,7 +63,7 @@ def bench_block_sparse(q, k, v, policy: XAttentionPolicy, loops: dict[str, str],
     S, n, bs = k.shape[0], q.shape[0], policy.block_size
     scale = q.shape[2] ** -0.5
     dense_ms = timed(lambda: flash_attn_with_lse(q, k, v, scale, causal=True), reps)
-    backend = attention_backend(q.device, q.dtype, True, n, S, q.shape[2])
+    backend = attention_backend(default_kernels(q.device).attention, q.dtype, True, n, S, q.shape[2])
     print(f"dense kernel flash_attn_with_lse ({backend}, Sq={n}, Sk={S}, causal): {dense_ms:8.2f} ms")
     configs = {label: loop_config(spec) for label, spec in loops.items()}
     for name, keep in selections(policy, q, k).items():

@@ -1,6 +1,6 @@
 """Where a sparse prefill chunk's attention time goes (CUDA only), one layer, one chunk at the end of a long prompt.
 
-    python scripts/profile_sparse_prefill.py --context 131072 --chunk 8192
+    python tools/profile_sparse_prefill.py --context 131072 --chunk 8192
 
 Times (CUDA events, median of --reps) the dense chunk attention (FullPolicy.compute_prefill) against MInference's
 pattern estimate and its vertical-slash kernel, for two selections: the estimate on random q/k (near-uniform

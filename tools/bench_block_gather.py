@@ -1,6 +1,6 @@
 """Zero-copy block gather (sparsekv/kernels/block_gather.py) against copy-engine H2D copies of the same blocks.
 
-    python scripts/bench_block_gather.py [--blocks 4 32] [--json FILE]
+    python tools/bench_block_gather.py [--blocks 4 32] [--json FILE]
 
 Qwen3-4B block layout (1024 tokens x 8 KV heads x 128 dims, bf16: 2 MiB per K or V block) in pinned slabs. For each
 (chunk words, warps) setting of the gather kernel and each block count, prints GB/s of K+V moved, beside

@@ -1,7 +1,7 @@
 """Where a long prefill's time goes (CUDA only): wall time against GPU kernel time, and the top kernels.
 
-    python scripts/profile_prefill.py --context 131072 [overrides ...]
-    python scripts/profile_prefill.py --context 131072 model.load_format=dummy_structured policy=xattn_bsa_090
+    python tools/profile_prefill.py --context 131072 [overrides ...]
+    python tools/profile_prefill.py --context 131072 model.load_format=dummy_structured policy=xattn_bsa_090
 
 Runs one unprofiled prefill of --context random tokens (wall time), then the same prefill under torch.profiler, and
 prints the kernel time summed by kernel name (top 45), so the attention kernels, the policy's estimate and the

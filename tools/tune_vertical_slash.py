@@ -1,6 +1,6 @@
 """Time MInference's kernels under candidate tile configurations (CUDA only), one 8K-query chunk against 128K keys.
 
-    python scripts/tune_vertical_slash.py [--context 131072 --chunk 8192] [--only estimate]
+    python tools/tune_vertical_slash.py [--context 131072 --chunk 8192] [--only estimate]
 
 vertical_slash_attention: (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates on three selections of the default
 budget (1000 columns, 6096 diagonals): the nearest 6096 offsets ("band"), a scattered one shaped like the
@@ -19,7 +19,7 @@ import torch
 from sparsekv.kernels import vertical_slash as vs
 from sparsekv.kernels import vertical_slash_estimate as est
 from sparsekv.policies.minference import SLASH_BAND, MInferencePolicy, band_offsets, top_indices
-from profile_sparse_prefill import chunk_parser, dense_chunk_ms, random_chunk, timed  # scripts/ is on sys.path
+from profile_sparse_prefill import chunk_parser, dense_chunk_ms, random_chunk, timed  # tools/ is on sys.path
 
 CANDIDATES = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2),
               (128, 128, 8, 2), (64, 32, 4, 2)]

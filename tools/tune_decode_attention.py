@@ -4,11 +4,11 @@ For batch 1 / 8 and context 4K / 32K at Qwen3-4B dims (32 q heads, 8 KV heads, D
 captures `--layers` back-to-back calls in one CUDA graph, one per layer over separate caches (cycled, so that the
 KV is never L2-resident), and prints microseconds per layer and GB/s of KV read for each candidate, best first:
 
-* stage 1: MIN_SPLIT_TOKENS x PROGRAMS_PER_SM x fused reduce / two kernels x PDL off / on, default tiles;
+* stage 1: MIN_SPLIT_TOKENS x PROGRAMS_PER_SM x PDL off / on, default tiles;
 * stage 2: the best stage-1 setting over BLOCK_N / NUM_WARPS / NUM_STAGES.
 
-    python3 scripts/tune_decode_attention.py [--batches 1 8] [--contexts 4096 32768] [--plan-len N]
-    python3 scripts/tune_decode_attention.py --smoke   # CPU, TRITON_INTERPRET=1, tiny sizes: checks the script
+    python3 tools/tune_decode_attention.py [--batches 1 8] [--contexts 4096 32768] [--plan-len N]
+    python3 tools/tune_decode_attention.py --smoke   # CPU, TRITON_INTERPRET=1, tiny sizes: checks the script
 
 --plan-len: the store plans splits from max_model_len (PagedKVStore.decode_plan), not from the context; give
 the engine's max_model_len to time the plan it really runs (default: the context). Each row's `diff` is its
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import os
 import sys
@@ -25,42 +26,37 @@ import time
 
 if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
-    os.environ["SPARSEKV_ATTN_BACKEND"] = "triton"
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
 
 from sparsekv.kernels import _dispatch  # noqa: E402
 from sparsekv.kernels import paged_attention as P  # noqa: E402
+from sparsekv.kernels.backend import resolve_kernels  # noqa: E402
 
-STAGE1 = dict(MIN_SPLIT_TOKENS=(64, 128, 256), PROGRAMS_PER_SM=(4, 8), fused=(True, False), pdl=(False, True))
+STAGE1 = dict(MIN_SPLIT_TOKENS=(64, 128, 256), PROGRAMS_PER_SM=(4, 8), pdl=(False, True))
+KERNELS = None  # the KernelChoice of the candidate being timed (settings)
 STAGE2 = [  # (BLOCK_N, NUM_WARPS, NUM_STAGES); KV_TILE_BYTES is raised so that BLOCK_N is not capped
     (64, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (32, 4, 3), (32, 2, 3), (32, 4, 4), (128, 8, 3), (128, 4, 2),
 ]
 
 
 @contextlib.contextmanager
-def settings(fused: bool = True, pdl: bool = False, **constants):
-    """Module constants of paged_attention, FUSED_REDUCE and SPARSEKV_PDL for the duration."""
+def settings(pdl: bool = False, **constants):
+    """Module constants of paged_attention, and PDL (where the GPU has it), for the duration."""
+    global KERNELS
     saved = {name: getattr(P, name) for name in constants}
-    saved_env = os.environ.get(_dispatch.ENV_PDL)
-    saved_fused = P.FUSED_REDUCE
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolved = resolve_kernels(device, backend="triton")
     try:
         for name, value in constants.items():
             setattr(P, name, value)
-        P.FUSED_REDUCE = fused
-        os.environ[_dispatch.ENV_PDL] = "1" if pdl else "0"
-        _dispatch.pdl_requested.cache_clear()
+        KERNELS = dataclasses.replace(resolved, pdl=pdl and resolved.pdl)
         yield
     finally:
         for name, value in saved.items():
             setattr(P, name, value)
-        P.FUSED_REDUCE = saved_fused
-        if saved_env is None:
-            os.environ.pop(_dispatch.ENV_PDL, None)
-        else:
-            os.environ[_dispatch.ENV_PDL] = saved_env
-        _dispatch.pdl_requested.cache_clear()
+        KERNELS = None
 
 
 class Case:
@@ -87,10 +83,10 @@ class Case:
     def call(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = layer % self.num_caches
         return P.paged_decode_attention(self.q, self.k[i], self.v[i], self.tables, self.lens,
-                                        max_context_len=self.plan_len)
+                                        max_context_len=self.plan_len, kernels=KERNELS)
 
     def num_splits(self, device: torch.device) -> int:
-        block_n = P.INTERPRET_BLOCK_N if _dispatch.triton_interpret() else max(
+        block_n = P.INTERPRET_BLOCK_N if _dispatch.INTERPRET else max(
             16, min(P.BLOCK_N, P.KV_TILE_BYTES // (self.q.shape[-1] * self.q.element_size())))
         asked = P.choose_num_splits(self.batch, self.k.shape[3], self.plan_len, device)
         split_len = -(-(-(-self.plan_len // asked)) // block_n) * block_n
@@ -143,7 +139,7 @@ def report(case: Case, rows: list, title: str) -> None:
     print(f"B={case.batch} context={case.context} plan_len={case.plan_len} ({case.num_caches} caches, "
           f"{case.kv_bytes / 2**20:.1f} MiB KV per layer) {title}:", flush=True)
     for us, values, splits, diff in rows:
-        text = " ".join(f"{k}={v}" for k, v in values.items()) or "defaults (fused, no PDL)"
+        text = " ".join(f"{k}={v}" for k, v in values.items()) or "defaults (no PDL)"
         print(f"  {us:8.2f} us/layer {case.kv_bytes / us / 1e3:7.0f} GB/s  splits={splits:3d}  {text}  "
               f"diff={diff:.2g}", flush=True)
 
@@ -175,7 +171,7 @@ def main() -> None:
     for batch, context in itertools.product(args.batches, args.contexts):
         case = Case(batch, context, args, device)
         rows: list = []
-        base = run_candidate(case, rows, None, args.replays, device)  # the module's defaults (fused, no PDL)
+        base = run_candidate(case, rows, None, args.replays, device)  # the module's defaults, no PDL
         for combo in itertools.product(*STAGE1.values()):
             base = run_candidate(case, rows, base, args.replays, device, **dict(zip(STAGE1, combo)))
         report(case, rows, "stage 1")

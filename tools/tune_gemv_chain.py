@@ -11,7 +11,7 @@ num_stages (FMA path: > 1 pipelines the K loop with cp.async), the split rule (n
 then tensor-core (tl.dot, x padded to 16 rows) rows. Round 1 holds the other shapes at today's default; round 2
 (--rounds 2) at their round-1 best. Each candidate is checked against the fp32 reference on its shape first.
 
-    python scripts/tune_gemv_chain.py OUT_DIR [--rounds 1] [--search-pdl 1] [--layers 36] [--quick]
+    python tools/tune_gemv_chain.py OUT_DIR [--rounds 1] [--search-pdl 1] [--layers 36] [--quick]
 
 Writes OUT_DIR/gemv_chain.jsonl (every timing) and OUT_DIR/gemv_chain_summary.txt; prints the best row per shape,
 the chain with all best rows vs the default (PDL off and on), and a SHAPE_CONFIGS line to paste into gemv.py.
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sparsekv.kernels import _dispatch
 from sparsekv.kernels import gemv as G
+
+PDL = False  # the chain's kernels launch with programmatic dependent launch (set_pdl)
 
 HIDDEN, Q_OUT, INTER, VOCAB, LAYERS = 2560, 4096, 9728, 151936, 36
 # shape class -> W [N, K]
@@ -125,11 +126,11 @@ class Chain:
     def run(self) -> torch.Tensor:
         x = self.x0  # [1, HIDDEN]
         for layer in self.layers:
-            qkv = G.skinny_linear(x, layer["qkv"])  # [1, 6144]
-            o = G.skinny_linear(qkv[:, :Q_OUT], layer["o"])  # [1, 2560]
-            gate_up = G.skinny_linear(o, layer["gate_up"])  # [1, 19456]
-            x = G.silu_mul_linear(gate_up, layer["down"])  # [1, 2560]
-        return G.skinny_linear(x, self.lm_head)  # [1, VOCAB]
+            qkv = G.skinny_linear(x, layer["qkv"], pdl=PDL)  # [1, 6144]
+            o = G.skinny_linear(qkv[:, :Q_OUT], layer["o"], pdl=PDL)  # [1, 2560]
+            gate_up = G.skinny_linear(o, layer["gate_up"], pdl=PDL)  # [1, 19456]
+            x = G.silu_mul_linear(gate_up, layer["down"], pdl=PDL)  # [1, 2560]
+        return G.skinny_linear(x, self.lm_head, pdl=PDL)  # [1, VOCAB]
 
     def time_ms(self, replays: int, blocks: int) -> float:
         """ms per chain: the least mean over `blocks` runs of `replays` graph replays."""
@@ -154,8 +155,8 @@ class Chain:
 
 
 def set_pdl(on: bool) -> None:
-    os.environ[_dispatch.ENV_PDL] = "1" if on else "0"
-    _dispatch.pdl_requested.cache_clear()
+    global PDL
+    PDL = on and _dispatch.pdl_supported(torch.device("cuda"))
 
 
 def check_row(name: str, row: tuple, device: torch.device) -> float:
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir", type=Path, help="directory for gemv_chain.jsonl and gemv_chain_summary.txt")
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--rounds", type=int, default=1, help="coordinate-descent rounds (2: others at round-1 best)")
-    parser.add_argument("--search-pdl", type=int, default=1, choices=(0, 1), help="SPARSEKV_PDL during the search")
+    parser.add_argument("--search-pdl", type=int, default=1, choices=(0, 1), help="PDL during the search")
     parser.add_argument("--replays", type=int, default=10)
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--shapes", default=",".join(SHAPES), help="shape classes to tune (comma-separated)")

@@ -1,6 +1,6 @@
 """Where a decode step's time goes (CUDA only): wall time against GPU busy time, top kernels, top host ops.
 
-    python scripts/profile_decode.py --name quest-32k --context 32768 --out DIR offload=cpu policy=quest ...
+    python tools/profile_decode.py --name quest-32k --context 32768 --out DIR offload=cpu policy=quest ...
 
 Prefills one random prompt of --context tokens, runs --warmup decode steps, then profiles --steps steps with
 torch.profiler. Prints the median step wall time, the GPU kernel time and H2D copy time per step (kernels replayed

@@ -1,7 +1,7 @@
 """Which kernels a decode step's time is spent in when they overlap (PDL): read a Chrome trace of
-scripts/profile_decode.py and attribute every instant of the GPU timeline to the kernels running then.
+tools/profile_decode.py and attribute every instant of the GPU timeline to the kernels running then.
 
-    python scripts/kernel_timeline.py TRACE.json.gz [--steps N]
+    python tools/kernel_timeline.py TRACE.json.gz [--steps N]
 
 Per kernel name: launches, mean duration, and "exposed" microseconds per step: instants when it is the only kernel
 running count in full, instants shared by k kernels count 1/k to each. Idle instants (no kernel) are summed apart.

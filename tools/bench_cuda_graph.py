@@ -6,7 +6,7 @@
    into the captured layer before its replay), for the post-attention segment of every layer: the measurement
    behind the per-layer design of graph.mode=segmented (sparsekv/engine/segmented_graph.py).
 
-    python scripts/bench_cuda_graph.py [--model qwen3_4b] [--steps 32] [--json out.json]
+    python tools/bench_cuda_graph.py [--model qwen3_4b] [--steps 32] [--json out.json]
 """
 from __future__ import annotations
 
