@@ -237,7 +237,6 @@ def _store_configs(manager: pluggy.PluginManager, registry: Registry) -> None:
 
     config_store = ConfigStore.instance()
     before = set(_config_store_entries(config_store.repo))
-    store_schemas(config_store)
     for name, cls in registry.policies.items():
         config_store.store(group="policy", name=name, node=cls)
     for impl in manager.hook.sparsekv_register_configs.get_hookimpls():
@@ -257,6 +256,7 @@ def _store_configs(manager: pluggy.PluginManager, registry: Registry) -> None:
             for name in info.models:
                 registry.models.pop(name, None)
             manager.unregister(name=info.name)
+    store_schemas(config_store, registry.policies)  # after the hooks: per_policy lists the policies that stayed
     _stored_configs.extend(e for e in _config_store_entries(config_store.repo) if e not in before)
 
 
