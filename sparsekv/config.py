@@ -101,7 +101,8 @@ class ResidentOffloadConfig:
     block_size: int = bounded(256, ge=1)  # tokens per KV block
     # CUDA: the fraction of device memory that weights, activations and the KV pool may use together
     gpu_memory_utilization: float = bounded(0.9, gt=0, le=1)
-    # a fixed number of device blocks instead of sizing by gpu_memory_utilization (CPU device: by half the free RAM)
+    # a fixed number of KV blocks; null: room for scheduler.max_num_seqs sequences of max_model_len tokens, capped
+    # by gpu_memory_utilization on CUDA (by half of MemAvailable on a CPU device)
     num_kv_blocks: Optional[int] = bounded(None, ge=1)
 
 
@@ -110,8 +111,8 @@ class HostOffloadConfig:
     """offload=cpu: KV blocks in pinned host memory, a ring of GPU slots; GPU memory is fixed by this layout."""
     mode: OffloadMode = OffloadMode.cpu
     block_size: int = bounded(1024, ge=1)  # tokens per host block
-    num_gpu_blocks: int = bounded(8, ge=1)  # ring slots: two halves, one loading while the other computes
-    # tokens per prefill chunk, a multiple of block_size; null: scheduler.max_num_batched_tokens
+    num_gpu_blocks: int = bounded(8, ge=1)  # ring slots on the GPU (2 or more let loads overlap compute)
+    # tokens per prefill chunk, a multiple of block_size; null: scheduler.max_num_batched_tokens rounded down to one
     prefill_chunk_size: Optional[int] = bounded(8192, ge=1)
     host_pool_gib: Optional[float] = bounded(None, gt=0)  # host KV limit; null: 90% of MemAvailable less 4 GiB
     prefill_mode: PrefillMode = PrefillMode.chunked  # layerwise: the whole prompt per layer, then offload

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hydra.errors import MissingConfigException
 
-from sparsekv import plugins
+from sparsekv import PolicyConfigError, plugins
 from sparsekv.llm import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -235,3 +235,39 @@ def test_builtins_are_checked_like_plugins():
     for name, cls in plugins.registry().policies.items():
         if plugins.registry().policy_owner(name).name == "builtin":
             assert plugins.check_policy_class(cls) == name
+
+
+def test_a_plugin_policy_range_error_is_a_policy_config_error_naming_the_plugin(site):
+    load()
+    with pytest.raises(PolicyConfigError, match=r"^policy=iso_good_policy \(plugin 'iso_good', package iso-good\): "
+                                                r"width=0 must be at least 1$"):
+        compose_config(["policy=iso_good_policy", "policy.width=0"])
+
+
+def cli(args: list[str], site: Path, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k not in (plugins.DISABLE_AUTOLOAD_ENV, plugins.ALLOW_LIST_ENV,
+                                                                   "HYDRA_FULL_ERROR")}
+    environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(site)])
+    environ.update(env)
+    return subprocess.run([sys.executable, "-m", "sparsekv", *args], cwd=tmp_path, env=environ, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_the_cli_runs_beside_broken_plugins_and_lists_them(site, tmp_path):
+    result = cli(["device=cpu", "sampling.max_tokens=2"], site, tmp_path)
+    assert result.returncode == 0, result.stderr
+    for name in ("iso_raises", "iso_not_dataclass", "iso_misspelled"):
+        assert result.stderr.count(f"plugin '{name}'") == 1, result.stderr
+    listed = cli(["task=plugins"], site, tmp_path, **{plugins.ALLOW_LIST_ENV: "iso_good,iso_raises"})
+    assert listed.returncode == 0, listed.stderr
+    out = listed.stdout
+    assert "iso_good: loaded (package iso-good, entry point iso_good)\n    policies: iso_good_policy" in out
+    assert "iso_raises: failed (package iso-raises, entry point iso_raises)\n    error: RuntimeError: hook exploded" in out
+    assert "iso_nameless: not allowed" in out and "builtin: loaded (package sparsekv" in out
+
+
+def test_the_cli_shows_a_plugin_range_error_in_one_line(site, tmp_path):
+    result = cli(["policy=iso_good_policy", "policy.width=0"], site, tmp_path, **{plugins.ALLOW_LIST_ENV: "iso_good"})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: policy=iso_good_policy (plugin 'iso_good', package iso-good): width=0 must be at least 1"]

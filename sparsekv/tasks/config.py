@@ -28,7 +28,7 @@ class BenchTask:
     """
     name: str = "bench"
     context: int = bounded(8192, ge=1)  # prompt tokens
-    decode_steps: int = bounded(16, ge=1)
+    decode_steps: int = bounded(16, ge=0)
     batch_size: int = bounded(1, ge=1)
     warmup: bool = True
     measure_floors: bool = True
@@ -68,7 +68,7 @@ class QualityTask:
     block_size: Optional[int] = bounded(None, ge=1)  # tokens per KV block (default: offload.block_size)
     # chunked-prefill chunk (default: offload.prefill_chunk_size with offload=cpu, else 4 blocks)
     prefill_chunk: Optional[int] = bounded(None, ge=1)
-    num_gpu_blocks: Optional[int] = bounded(None, ge=1)  # ring slots (default: offload.num_gpu_blocks, else 8)
+    num_gpu_blocks: Optional[int] = bounded(None, ge=1)  # ring slots (default: offload.num_gpu_blocks, else 4)
     decode_steps: int = bounded(0, ge=0)  # tokens decoded before the evaluated one (exercises on_decode_offload)
     depths: List[float] = bounded(factory=lambda: [0.1, 0.5, 0.9], ge=0, le=1)  # needle depths, one input each
     seeds: List[int] = bounded(factory=lambda: [0], ge=0)
