@@ -106,6 +106,13 @@ def check_policy_class(cls: object) -> str:
     if "name" not in vars(cls) or not isinstance(vars(cls)["name"], str):
         raise PluginError(f"policy class {what} has no `name` default of its own (it would register as "
                           f"'{policy_name(cls)}'); add `name: str = \"<policy name>\"`")
+    try:
+        from omegaconf import OmegaConf
+
+        OmegaConf.structured(cls)
+    except Exception as exc:  # noqa: BLE001 - OmegaConf's reasons vary (unsupported type, unresolved annotation)
+        raise PluginError(f"policy class {what} cannot be a config schema: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0]}") from exc
     return policy_name(cls)
 
 

@@ -69,6 +69,19 @@ class Nameless(SparsePolicy):
 def sparsekv_register_policies():
     return [Nameless]
 '''),
+    "iso_bad_field": ("iso-bad-field", '''
+class Opaque:
+    pass
+
+@dataclass
+class BadField(SparsePolicy):
+    name: str = "iso_bad_field"
+    thing: Opaque = None
+
+@sparsekv.hookimpl
+def sparsekv_register_policies():
+    return [BadField]
+'''),
     "iso_raises": ("iso-raises", '''
 @sparsekv.hookimpl
 def sparsekv_register_policies():
@@ -177,6 +190,7 @@ def test_every_failure_is_reported_once_with_package_and_entry_point_and_the_res
         "iso_wrong_return": "returned str, not a list",
         "iso_nameless": "no `name` default of its own",
         "iso_raises": "RuntimeError: hook exploded",
+        "iso_bad_field": "cannot be a config schema",
         "iso_misspelled": "sparsekv_register_policy is not a sparsekv hook; valid hooks: sparsekv_register_configs, "
                           "sparsekv_register_models, sparsekv_register_policies",
         "iso_shadows_builtin": "policy 'quest' is already registered by package sparsekv (builtin)",
@@ -197,7 +211,7 @@ def test_every_failure_is_reported_once_with_package_and_entry_point_and_the_res
     assert reg.plugins["iso_good"].status == "loaded" and reg.plugins["iso_good"].policies == ["iso_good_policy"]
     assert {"full", "quest", "iso_good_policy"} <= set(reg.policies)
     assert reg.policies["quest"].__module__ == "sparsekv.policies.quest"
-    assert not {"iso_dup", "plain", "not_a_policy", "base", "iso_configless"} & set(reg.policies)
+    assert not {"iso_dup", "plain", "not_a_policy", "base", "iso_configless", "iso_bad_field"} & set(reg.policies)
     assert compose_config(["policy=iso_good_policy", "policy.width=3"]).policy.width == 3
     assert compose_config([]).policy.name == "full"
     with pytest.raises(MissingConfigException):
