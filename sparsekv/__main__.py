@@ -1,4 +1,7 @@
-"""CLI: python -m sparsekv [group=option ...] [key=value ...]   (Hydra; add -m for a multirun sweep)."""
+"""CLI: python -m sparsekv [group=option ...] [key=value ...]   (Hydra; add -m for a multirun sweep).
+
+Every job's config, and before a sweep starts every job's config of the sweep, goes through
+sparsekv.config_check.check_config: a bad key or value fails at once with one line (exit 2), not at job 7."""
 from __future__ import annotations
 
 import gc
@@ -10,8 +13,11 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from sparsekv.config import config_dir
+from sparsekv.config import ConfigError, config_dir
+from sparsekv.config_check import check_config
+from sparsekv.errors import PolicyConfigError
 from sparsekv.plugins import get_plugin_manager
+from sparsekv.preflight import preflight
 from sparsekv.tasks import get_task
 
 get_plugin_manager()  # plugins register their configs before Hydra composes
@@ -24,7 +30,9 @@ def is_user_error(exc: BaseException) -> bool:
     """A ValueError / FileNotFoundError raised by sparsekv's own validation (bad config value, missing
     checkpoint, prompt too long, ...): the message says what to change, a traceback adds nothing. The same
     exception types raised from inside torch, transformers etc. are bugs or surprises and keep their
-    traceback."""
+    traceback. A config or policy hyperparameter error is always a user error, wherever it was raised."""
+    if isinstance(exc, (ConfigError, PolicyConfigError)):
+        return True
     if not isinstance(exc, (ValueError, FileNotFoundError)):
         return False
     tb = exc.__traceback__
@@ -78,9 +86,10 @@ def release_memory() -> None:
 
 
 @hydra.main(version_base=None, config_path=str(config_dir()), config_name="config")
-def main(cfg: DictConfig) -> None:
+def hydra_main(cfg: DictConfig) -> None:
     failed = False
     try:
+        check_config(cfg)
         get_task(cfg.task.name)(cfg)
     except Exception as exc:  # noqa: BLE001 - sorted into sweep failures, user errors and the rest just below
         # (torch.cuda.OutOfMemoryError is a RuntimeError, so an OOM job is recorded like any other failure)
@@ -96,6 +105,15 @@ def main(cfg: DictConfig) -> None:
             sys.exit(USER_ERROR_EXIT_CODE)
     if failed:
         release_memory()
+
+
+def main() -> None:
+    """The `sparsekv` command: the whole sweep's configs are checked, then Hydra runs the job(s)."""
+    error = preflight(sys.argv[1:])
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT_CODE)
+    hydra_main()
 
 
 if __name__ == "__main__":

@@ -263,7 +263,7 @@ def run_hf_baseline(cfg, prompt_ids: Sequence, decode_steps: int, placement: str
                 return time_generate(model, input_ids, steps, "offloaded")
             return time_manual(model, input_ids, steps, factory(model.config))
 
-        bench = cfg.get("bench")
+        bench = cfg.get("task")  # task=bench settings
         warmup_seconds = None
         if bench is None or bench.get("warmup", True):
             # The warm-up repeats the timed run, same prompt length and steps: PyTorch's SDPA (cuDNN backend on
@@ -316,7 +316,7 @@ def baseline_figures(cfg, prompt_ids: Sequence) -> dict[str, Any]:
 
     from sparsekv.factory import resolve_device
 
-    steps = int(cfg.bench.decode_steps) if cfg.get("bench") is not None else 16
+    steps = int(cfg.task.get("decode_steps", 16)) if cfg.get("task") is not None else 16
     device = resolve_device(cfg)
     result: dict[str, Any] = {"transformers_version": transformers.__version__, "model_source": None,
                               "attn_implementation": None, "systems": {}}

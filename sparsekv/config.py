@@ -1,7 +1,7 @@
 """Config schemas: dataclasses stored in Hydra's ConfigStore, selected and overridden by the YAML in conf/.
 
-Every top-level key and every group is typed here, so a wrong key or value fails when Hydra composes the
-config, naming the key (and, for enums, the allowed values).
+Every top-level key and every group is typed here (task settings: sparsekv.tasks.config); a wrong key or value
+fails when the config is composed, naming the key and listing the valid keys or values (sparsekv.config_check).
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from typing import Any, Dict, List, Optional
 
 from hydra.errors import ConfigCompositionException
 from omegaconf import MISSING
+
+from sparsekv.sampling_params import SamplingParams
 
 
 class Device(str, enum.Enum):
@@ -57,6 +59,16 @@ class GraphMode(str, enum.Enum):
     segmented = "segmented"  # per layer: pre- and post-attention graphs, attention eager between (offload=cpu)
 
 
+def bounded(default: Any = MISSING, *, factory: Any = None, ge: float | None = None, gt: float | None = None,
+            le: float | None = None) -> Any:
+    """A numeric field with its range (for a list: each element's), checked when the config is composed
+    (sparsekv.config_check) before anything is built."""
+    metadata = {"range": (ge, gt, le)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class ModelConfig:
     """Architecture and weights. With `path`, the checkpoint's config.json overrides the dimensions below."""
@@ -64,41 +76,56 @@ class ModelConfig:
     path: Optional[str] = None
     load_format: LoadFormat = LoadFormat.auto
     architecture: str = "Qwen3ForCausalLM"
-    vocab_size: int = 512
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 16
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1000000.0
+    vocab_size: int = bounded(512, ge=1)
+    hidden_size: int = bounded(64, ge=1)
+    intermediate_size: int = bounded(128, ge=1)
+    num_hidden_layers: int = bounded(2, ge=1)
+    num_attention_heads: int = bounded(4, ge=1)
+    num_key_value_heads: int = bounded(2, ge=1)
+    head_dim: int = bounded(16, ge=1)
+    rms_norm_eps: float = bounded(1e-6, gt=0)
+    rope_theta: float = bounded(1000000.0, gt=0)
     rope_scaling: Optional[Dict[str, Any]] = None
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = bounded(4096, ge=2)
     tie_word_embeddings: bool = True
     attention_bias: bool = False
-    bos_token_id: Optional[int] = None
-    eos_token_id: Optional[List[int]] = None
-    dummy_init_std: float = 0.02
+    bos_token_id: Optional[int] = bounded(None, ge=0)
+    eos_token_id: Optional[List[int]] = bounded(None, ge=0)
+    dummy_init_std: float = bounded(0.02, ge=0)
 
 
 @dataclass
-class OffloadConfig:
+class ResidentOffloadConfig:
+    """offload=none: a paged KV cache resident on the device (block tables, continuous batching)."""
     mode: OffloadMode = OffloadMode.none
-    block_size: int = 256  # tokens per KV block (paged cache and host blocks alike)
-    gpu_memory_utilization: float = 0.9  # offload=none on CUDA: fraction of device memory for weights + KV
-    num_kv_blocks: Optional[int] = None  # offload=none: fixed number of device blocks (overrides utilization)
-    num_gpu_blocks: int = 4  # offload=cpu: ring slots on the GPU
-    prefill_chunk_size: Optional[int] = None  # offload=cpu: tokens per prefill chunk (default: block_size)
-    host_pool_gib: Optional[float] = None  # offload=cpu: host KV limit (default: free RAM less headroom)
-    prefill_mode: PrefillMode = PrefillMode.chunked
+    block_size: int = bounded(256, ge=1)  # tokens per KV block
+    # CUDA: the fraction of device memory that weights, activations and the KV pool may use together
+    gpu_memory_utilization: float = bounded(0.9, gt=0, le=1)
+    # a fixed number of KV blocks; null: room for scheduler.max_num_seqs sequences of max_model_len tokens, capped
+    # by gpu_memory_utilization on CUDA (by half of MemAvailable on a CPU device)
+    num_kv_blocks: Optional[int] = bounded(None, ge=1)
+
+
+@dataclass
+class HostOffloadConfig:
+    """offload=cpu: KV blocks in pinned host memory, a ring of GPU slots; GPU memory is fixed by this layout."""
+    mode: OffloadMode = OffloadMode.cpu
+    block_size: int = bounded(1024, ge=1)  # tokens per host block
+    num_gpu_blocks: int = bounded(8, ge=1)  # ring slots on the GPU (2 or more let loads overlap compute)
+    # tokens per prefill chunk, a multiple of block_size; null: scheduler.max_num_batched_tokens rounded down to one
+    prefill_chunk_size: Optional[int] = bounded(8192, ge=1)
+    host_pool_gib: Optional[float] = bounded(None, gt=0)  # host KV limit; null: 90% of MemAvailable less 4 GiB
+    prefill_mode: PrefillMode = PrefillMode.chunked  # layerwise: the whole prompt per layer, then offload
+
+
+OFFLOAD_SCHEMAS: dict[str, type] = {"none": ResidentOffloadConfig, "cpu": HostOffloadConfig}
 
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 16  # sequences decoded together
-    max_num_batched_tokens: int = 8192  # chunked-prefill token budget per step
-    max_model_len: Optional[int] = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = bounded(16, ge=1)  # sequences decoded together
+    max_num_batched_tokens: int = bounded(8192, ge=1)  # chunked-prefill token budget per step
+    max_model_len: Optional[int] = bounded(None, ge=2)  # null: the model's max_position_embeddings
     # Overlapped decode (offload=none): the host schedules and launches decode step N+1, its input ids read on the
     # device from step N's sampled tokens, before it reads step N's tokens back; the GPU does not idle while the
     # host prepares a step. Same tokens as synchronous decode (overlap.py: the rounding caveat after stop tokens).
@@ -110,116 +137,26 @@ class SchedulerConfig:
 class GraphConfig:
     mode: GraphMode = GraphMode.auto
     # Decode batches are padded up to the next captured size: 1, 2, 4, 8, then steps of 16, up to
-    # max_batch_size (default: scheduler.max_num_seqs); a larger batch runs eagerly.
-    max_batch_size: Optional[int] = None
-    batch_sizes: Optional[List[int]] = None  # explicit capture sizes instead of the default ladder
-
-
-@dataclass
-class SamplingConfig:
-    temperature: float = 0.0
-    top_k: int = -1
-    top_p: float = 1.0
-    max_tokens: int = 32
-    ignore_eos: bool = False
-    stop_token_ids: List[int] = field(default_factory=list)
-    seed: Optional[int] = None
-
-
-@dataclass
-class TaskConfig:
-    name: str = "generate"
-
-
-@dataclass
-class BenchConfig:
-    context: int = 8192  # prompt tokens
-    decode_steps: int = 16
-    batch_size: int = 1
-    warmup: bool = True
-    measure_floors: bool = True
-    name: Optional[str] = None  # row label in records and summaries (default: "<model> <offload> <policy>")
-    warmup_tokens: int = 256  # prompt tokens of each warm-up request (compilation/autotune stay out of the figures)
-    fit_kv_cache: bool = True  # offload=none without offload.num_kv_blocks: size the device KV pool to the bench
-    progress: bool = True  # tqdm bars over prefill and decode
-    baseline: bool = False  # also time HF transformers on the same prompts (sparsekv.baseline) -> "hf_baseline"
-
-
-@dataclass
-class ReportConfig:
-    """task=report: tables and plots of every JSON record below a run or sweep directory."""
-    dir: Optional[str] = None  # the sweep (or run, or outputs/) directory to scan recursively; required
-    out_dir: Optional[str] = None  # where report.csv, report.md and the PNGs go (default: `dir`)
-    plots: bool = True  # draw the PNG plots (matplotlib, Agg backend)
-
-
-class QualityPhase(str, enum.Enum):
-    decode = "decode"  # compute_chunked_decode: the last token's query
-    prefill = "prefill"  # compute_chunked_prefill (last chunk) and compute_prefill (offload=none, whole prompt)
-    both = "both"
-
-
-@dataclass
-class QualityConfig:
-    """task=quality: the configured policy's attention against dense attention, on planted Q/K/V and, when
-    model.path is set, on the checkpoint's own Q/K/V of a needle-in-a-haystack prompt (sparsekv.quality)."""
-    phase: QualityPhase = QualityPhase.both
-    context: int = 8192  # tokens of the planted sequence (prompt + the decoded token)
-    block_size: Optional[int] = None  # tokens per KV block (default: offload.block_size)
-    prefill_chunk: Optional[int] = None  # chunked-prefill chunk (default: offload.prefill_chunk_size, else 4 blocks)
-    num_gpu_blocks: Optional[int] = None  # ring slots (default: offload.num_gpu_blocks)
-    decode_steps: int = 0  # tokens decoded before the evaluated one (exercises on_decode_offload)
-    depths: List[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])  # needle depths, one input each
-    seeds: List[int] = field(default_factory=lambda: [0])
-    resident: bool = True  # with the prefill phase: also compute_prefill (offload=none) on the whole prompt
-    probe: bool = True  # second run with needle-indicator values -> needle_recall / needle_hit
-    shuffle_blocks: bool = False  # permute the host block ids (policies must not assume block id = position)
-    planted: bool = True  # evaluate on planted inputs
-    num_layers: int = 2  # planted shapes
-    num_heads: int = 8
-    num_kv_heads: int = 2
-    head_dim: int = 128
-    sink_tokens: int = 4  # planted structure (scores each one adds; see sparsekv.quality.planted_inputs)
-    num_stripes: int = 8
-    local_window: Optional[int] = None  # default: block_size
-    sink_logit: float = 8.0
-    stripe_logit: float = 5.0
-    local_logit: float = 4.0
-    needle_logit: float = 6.0
-    model_inputs: Optional[bool] = None  # capture the model's Q/K/V (default: when model.path is set)
-    model_context: Optional[int] = None  # prompt tokens of the captured haystack prompt (default: context)
-    layers: Optional[List[int]] = None  # model layers to evaluate (default: all)
-    name: Optional[str] = None  # row label in records (default: "<model> <policy>")
-
-
-@dataclass
-class NeedleConfig:
-    """task=needle: RULER-style needle in a haystack, greedy generation, exact match of the magic number."""
-    contexts: List[int] = field(default_factory=lambda: [4096])  # prompt lengths in tokens
-    depths: List[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])  # needle position in [0, 1]
-    num_samples: int = 2  # prompts per (context, depth), each with its own key and number
-    seed: int = 0
-    max_tokens: int = 12
-    batch_size: int = 4  # prompts generated together
-    name: Optional[str] = None  # row label in records (default: "<model> <offload> <policy>")
+    # max_batch_size (null: scheduler.max_num_seqs); a larger batch runs eagerly.
+    max_batch_size: Optional[int] = bounded(None, ge=1)
+    batch_sizes: Optional[List[int]] = bounded(None, ge=1)  # explicit capture sizes instead of the default ladder
 
 
 @dataclass
 class Config:
     model: ModelConfig = MISSING
-    offload: OffloadConfig = MISSING
+    offload: Any = MISSING  # ResidentOffloadConfig (offload=none) or HostOffloadConfig (offload=cpu)
     graph: GraphConfig = MISSING
     policy: Any = MISSING  # a registered policy's dataclass (see sparsekv.policies)
-    task: TaskConfig = MISSING
+    task: Any = MISSING  # the selected task's settings (sparsekv.tasks.config)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    bench: BenchConfig = field(default_factory=BenchConfig)
-    quality: QualityConfig = field(default_factory=QualityConfig)
-    needle: NeedleConfig = field(default_factory=NeedleConfig)
-    report: ReportConfig = field(default_factory=ReportConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # the default when none is passed
+    # {policy name: {key: value}}: applied to `policy` only when that policy is selected, so one multirun can sweep
+    # hyperparameters of several policies (sparsekv.config_check.apply_per_policy)
+    per_policy: Any = None
     device: Device = Device.auto
     dtype: DType = DType.auto
-    seed: int = 0
+    seed: int = bounded(0, ge=0)
     prompt: str = "The quick brown fox jumps over the lazy dog. Long context inference is"
     output_dir: Optional[str] = None  # where tasks write JSON; default: Hydra's run dir or ./outputs
 
@@ -231,29 +168,6 @@ class ConfigError(ConfigCompositionException, ValueError):
     """A config that does not compose: the message names the key and, where known, the allowed values."""
 
 
-def explain_composition_error(exc: ConfigCompositionException) -> ConfigError:
-    """Hydra's message ("Error merging override device=gpu") plus OmegaConf's reason, which Hydra keeps only
-    in __cause__ ("Invalid value 'gpu', expected one of [auto, cpu, cuda]"), the key, and for an unknown key
-    the keys that exist."""
-    cause = exc.__cause__
-    lines = [str(exc).strip()]
-    if cause is not None:
-        reason = str(getattr(cause, "msg", None) or cause).strip().splitlines()[0]
-        key = getattr(cause, "full_key", None)
-        lines.append(f"{reason} (key: {key})" if key else reason)
-        object_type = getattr(cause, "object_type", None)
-        if type(cause).__name__ in ("ConfigAttributeError", "ConfigKeyError") and object_type is not None:
-            try:
-                import dataclasses
-
-                if dataclasses.is_dataclass(object_type):
-                    names = [f.name for f in dataclasses.fields(object_type)]
-                    lines.append(f"valid keys of {object_type.__name__}: {', '.join(names)}")
-            except TypeError:
-                pass
-    return ConfigError("\n".join(lines))
-
-
 def config_dir() -> Path:
     """conf/ ships inside the installed package (sparsekv/conf) and lives at the top of a checkout."""
     here = Path(__file__).resolve().parent
@@ -263,5 +177,27 @@ def config_dir() -> Path:
     raise FileNotFoundError(f"sparsekv's conf/ directory was not found next to {here}; reinstall sparsekv")
 
 
-def store_schemas(config_store) -> None:
-    config_store.store(name=SCHEMA_NAME, node=Config)
+def per_policy_schema(policies: dict[str, type]) -> Any:
+    """One node per registered policy with that policy's hyperparameters, each unset (MISSING): Hydra type-checks
+    `per_policy.quest.token_budget=1024` and rejects a key the policy lacks, and only what is set is applied."""
+    import dataclasses
+    import typing
+
+    nodes = []
+    for name, cls in sorted(policies.items()):
+        hints = typing.get_type_hints(cls)
+        fields = [(f.name, hints[f.name], field(default=MISSING)) for f in dataclasses.fields(cls)
+                  if f.name != "name" and f.init]
+        node = dataclasses.make_dataclass(f"{cls.__name__}Settings", fields)
+        nodes.append((name, node, field(default_factory=node)))
+    return dataclasses.make_dataclass("PerPolicy", nodes)()
+
+
+def store_schemas(config_store, policies: dict[str, type]) -> None:
+    from sparsekv.tasks.config import TASK_SCHEMAS
+
+    config_store.store(name=SCHEMA_NAME, node=Config(per_policy=per_policy_schema(policies)))
+    for name, schema in OFFLOAD_SCHEMAS.items():
+        config_store.store(group="offload", name=name, node=schema)
+    for name, schema in TASK_SCHEMAS.items():
+        config_store.store(group="task", name=name, node=schema)

@@ -4,9 +4,10 @@ from __future__ import annotations
 import logging
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from sparsekv.config import Device, DType, OffloadMode, PrefillMode
+from sparsekv.config_check import build_policy  # noqa: F401 - re-exported: factory.build_policy
 from sparsekv.engine.cuda_graph import attach_graph_runner, check_graph_config, graph_settings, resolve_graph_mode
 from sparsekv.engine.llm_engine import LLMEngine
 from sparsekv.kernels.backend import resolve_kernels
@@ -34,17 +35,6 @@ def resolve_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype:
     if cfg.dtype != DType.auto:
         return DTYPES[cfg.dtype]
     return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def build_policy(policy_cfg: DictConfig):
-    policies = registry().policies
-    name = policy_cfg.get("name") if policy_cfg is not None else None
-    if name not in policies:
-        raise ValueError(f"policy {name!r} is not registered; registered: {', '.join(sorted(policies))}")
-    policy = OmegaConf.to_object(policy_cfg)
-    if not isinstance(policy, policies[name]):
-        policy = policies[name](**policy)
-    return policy
 
 
 def num_device_kv_blocks(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,

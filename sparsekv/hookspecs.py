@@ -7,7 +7,12 @@ the entry-point group `sparsekv` in their pyproject.toml:
     my_plugin = "my_package.plugin_module"
 
 Built-in models and policies are registered through these same hooks (sparsekv.builtin_plugin).
-Plugins load once per process, before Hydra composes the config (sparsekv.plugins.get_plugin_manager).
+Plugins load once per process, before Hydra composes the config (sparsekv.plugins.get_plugin_manager), each in
+isolation: a plugin that fails to import, whose hook raises or returns the wrong type, that defines a
+`sparsekv_*` function which is not one of the hooks below (or lacks @sparsekv.hookimpl), or that registers a
+policy or model name another package registers, is skipped with one warning naming its package and entry point.
+`SPARSEKV_PLUGINS=a,b` loads only those entry points; `SPARSEKV_DISABLE_PLUGIN_AUTOLOAD=1` loads none;
+`python -m sparsekv task=plugins` lists what loaded, what failed and why.
 """
 from __future__ import annotations
 
@@ -27,8 +32,9 @@ def sparsekv_register_models() -> dict[str, type]:
 
 @hookspec
 def sparsekv_register_policies() -> list[type]:
-    """Return SparsePolicy subclasses. Each is a dataclass whose fields are its hyperparameters and whose
-    `name` field default is the name users select with `policy=<name>`."""
+    """Return a list of SparsePolicy subclasses. Each is a dataclass whose fields are its hyperparameters and which
+    declares its own `name` default, the name users select with `policy=<name>`. Range checks belong in
+    __post_init__: raise sparsekv.PolicyConfigError (or ValueError) naming the field and the fix."""
 
 
 @hookspec

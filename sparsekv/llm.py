@@ -8,9 +8,10 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException, MissingConfigException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from sparsekv.config import ConfigError, config_dir, explain_composition_error
+from sparsekv.config import ConfigError, config_dir
+from sparsekv.config_check import check_config, explain_composition_error
 from sparsekv.engine.llm_engine import LLMEngine, RequestOutput
 from sparsekv.factory import build_engine
 from sparsekv.plugins import get_plugin_manager
@@ -18,21 +19,24 @@ from sparsekv.sampling_params import SamplingParams
 
 
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
-    """The same composition as the CLI: plugins first, then conf/config.yaml with the overrides.
+    """The same composition and validation as the CLI: plugins first, then conf/config.yaml with the overrides,
+    then sparsekv.config_check.check_config.
 
-    A wrong key or value raises ConfigError (a ValueError) naming the key and, for enums, the allowed values;
-    an unknown group option (`model=nope`) raises Hydra's MissingConfigException listing the available ones.
+    A wrong key or value (also one added with `+`/`++`) raises ConfigError (a ValueError) naming the key and
+    listing the valid keys or values; an out-of-range policy hyperparameter raises PolicyConfigError; an unknown
+    group option (`model=nope`) raises Hydra's MissingConfigException listing the available ones.
     """
     get_plugin_manager()
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
         try:
-            return compose(config_name="config", overrides=list(overrides or []))
+            cfg = compose(config_name="config", overrides=list(overrides or []))
         except (MissingConfigException, ConfigError):
             raise
         except ConfigCompositionException as exc:
             raise explain_composition_error(exc) from exc
+    return check_config(cfg)
 
 
 def model_overrides(model: str | None) -> list[str]:
@@ -57,7 +61,10 @@ def _override_value(value: str) -> str:
 class LLM:
     def __init__(self, model: str | None = None, overrides: list[str] | None = None,
                  config: DictConfig | None = None):
-        self.config = config if config is not None else compose_config(model_overrides(model) + list(overrides or []))
+        if config is not None:
+            self.config = check_config(config)
+        else:
+            self.config = compose_config(model_overrides(model) + list(overrides or []))
         self.engine: LLMEngine = build_engine(self.config)
 
     @classmethod
@@ -70,13 +77,20 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  progress=None) -> list[RequestOutput]:
-        """prompts: a string, a list of token ids, or a list of either (one output per prompt, in order)."""
+        """prompts: a string, a list of token ids, or a list of either (one output per prompt, in order).
+        Without sampling_params, the config's `sampling` node (`overrides=["sampling.max_tokens=3"]`) applies."""
         prompts = normalize_prompts(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params]
         for p in params:
             if p is not None and not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams or a list of them, not {type(p).__name__}")
+        if sampling_params is None:
+            sampling_params = default_sampling_params(self.config)
         return self.engine.generate(prompts, sampling_params, progress)
+
+
+def default_sampling_params(cfg: DictConfig) -> SamplingParams:
+    return SamplingParams(**OmegaConf.to_container(cfg.sampling))
 
 
 PROMPT_SHAPES = "a string, a list of token ids, or a list of strings / token-id lists"

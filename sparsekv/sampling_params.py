@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SamplingParams:
-    """How to pick each next token. temperature 0 means greedy."""
+    """How to pick each next token. temperature 0 means greedy.
+
+    The one definition of the sampling defaults: it is also the config's `sampling` node (sparsekv.config.Config),
+    which `LLM.generate(prompts)` and task=generate use when no SamplingParams is passed."""
     temperature: float = 1.0
     top_k: int = -1  # -1: no limit
     top_p: float = 1.0

@@ -33,7 +33,7 @@ def qwen3_4b_spec():
 
 
 def run_bench(tmp_path, *overrides):
-    cfg = compose_config(["task=bench", f"output_dir={tmp_path}", "bench.progress=false", *overrides])
+    cfg = compose_config(["task=bench", f"output_dir={tmp_path}", "task.progress=false", *overrides])
     figures = get_task(cfg.task.name)(cfg)
     record = json.loads((tmp_path / "bench.json").read_text())
     return figures, record
@@ -43,7 +43,7 @@ def run_bench(tmp_path, *overrides):
 
 
 def test_bench_tiny_cpu_end_to_end(tmp_path, capsys):
-    _, record = run_bench(tmp_path, "device=cpu", "bench.context=300", "bench.decode_steps=4")
+    _, record = run_bench(tmp_path, "device=cpu", "task.context=300", "task.decode_steps=4")
     assert RECORD_KEYS <= set(record), RECORD_KEYS - set(record)
     assert record["prompt_tokens"] == 300 and record["context"] == 300
     assert record["decode_steps"] == 4 and record["generated_tokens"] == 5  # first token comes from the prefill
@@ -77,13 +77,13 @@ def record_cfg_model(record):
 
 
 def test_bench_batch_no_warmup_and_summary(tmp_path, capsys):
-    _, record = run_bench(tmp_path / "b2", "device=cpu", "bench.context=64", "bench.decode_steps=3",
-                          "bench.batch_size=2", "bench.warmup=false", "bench.name=tiny-b2")
+    _, record = run_bench(tmp_path / "b2", "device=cpu", "task.context=64", "task.decode_steps=3",
+                          "task.batch_size=2", "task.warmup=false", "task.label=tiny-b2")
     assert record["prompt_tokens"] == 128 and record["decode_steps"] == 3 and record["generated_tokens"] == 8
     assert record["warmup_seconds"] is None and record["name"] == "tiny-b2"
     assert record["prefill_flops"] == pytest.approx(2 * floors.prefill_flops(
         spec_from_model_config(record_cfg_model(record)), 64))
-    run_bench(tmp_path / "b1", "device=cpu", "bench.context=32", "bench.decode_steps=2", "bench.measure_floors=false")
+    run_bench(tmp_path / "b1", "device=cpu", "task.context=32", "task.decode_steps=2", "task.measure_floors=false")
     failed = tmp_path / "failed"
     failed.mkdir()
     (failed / "bench.json").write_text(json.dumps({
@@ -108,18 +108,18 @@ def test_bench_batch_no_warmup_and_summary(tmp_path, capsys):
 
 def test_bench_config_raises_max_model_len_and_fits_kv():
     cfg, spec = qwen3_4b_spec()
-    cfg = compose_config(["model=qwen3_4b", "model.load_format=dummy", "task=bench", "bench.context=131072",
-                          "bench.decode_steps=32", "bench.batch_size=2"])
+    cfg = compose_config(["model=qwen3_4b", "model.load_format=dummy", "task=bench", "task.context=131072",
+                          "task.decode_steps=32", "task.batch_size=2"])
     out = bench_config(cfg, spec)
     assert out.scheduler.max_model_len == 131072 + 32 + 1
     assert out.scheduler.max_num_seqs >= 2
     assert out.offload.num_kv_blocks == 2 * (-(-(131072 + 33) // 256) + 1)
     assert cfg.scheduler.max_model_len is None and cfg.offload.num_kv_blocks is None  # the input is untouched
-    small = bench_config(compose_config(["task=bench", "bench.context=100", "scheduler.max_model_len=2000",
+    small = bench_config(compose_config(["task=bench", "task.context=100", "scheduler.max_model_len=2000",
                                          "offload.num_kv_blocks=7"]), spec)
     assert small.scheduler.max_model_len == 2000 and small.offload.num_kv_blocks == 7
-    with pytest.raises(ValueError, match="bench.context"):
-        bench_config(compose_config(["task=bench", "bench.context=0"]), spec)
+    with pytest.raises(ValueError, match="task.context"):
+        bench_config(compose_config(["task=bench", "task.context=0"]), spec)
 
 
 # ------------------------------------------------------------------------------------------ arithmetic
@@ -194,7 +194,7 @@ def test_block_selecting_policy_is_held_to_the_bytes_it_loads(tmp_path, monkeypa
     monkeypatch.setattr(floors, "measure_floors", lambda *a, **k: dict(ceilings))
     _, record = run_bench(tmp_path, "device=cpu", "dtype=float32", "offload=cpu", "offload.block_size=16",
                           "offload.prefill_chunk_size=64", "policy=quest", "policy.token_budget=32",
-                          "policy.dense_layers=0", "bench.context=320", "bench.decode_steps=4")
+                          "policy.dense_layers=0", "task.context=320", "task.decode_steps=4")
     loaded, context_floor = record["decode_loaded_floor_ms"], record["decode_pcie_floor_ms"]
     assert 0 < loaded < context_floor / 4  # 2 of the 20 blocks per layer
     assert record["decode_floor_ms"] == pytest.approx(max(loaded, record["decode_hbm_floor_ms"]))
@@ -217,7 +217,7 @@ def test_gpu_measured_ceilings_are_plausible():
 
 @pytest.mark.gpu
 def test_gpu_bench_tiny_reports_floors_and_ratios(tmp_path):
-    _, record = run_bench(tmp_path, "device=cuda", "bench.context=2048", "bench.decode_steps=8")
+    _, record = run_bench(tmp_path, "device=cuda", "task.context=2048", "task.decode_steps=8")
     assert record["prompt_tokens"] == 2048 and record["decode_steps"] == 8
     assert record["gpu_peak_gib"] > 0 and record["gpu_build_peak_gib"] > 0 and record["gpu_name"]
     for key in ("prefill_floor_s", "decode_hbm_floor_ms", "decode_floor_ms"):

@@ -74,8 +74,8 @@ def run_needle(tmp_path: Path, *overrides: str) -> dict:
 
 
 def test_task_needle_tiny_model(tmp_path, capsys):
-    record = run_needle(tmp_path, "needle.contexts=[200,300]", "needle.depths=[0,1]", "needle.num_samples=2",
-                        "needle.max_tokens=4", "needle.batch_size=3")
+    record = run_needle(tmp_path, "task.contexts=[200,300]", "task.depths=[0,1]", "task.num_samples=2",
+                        "task.max_tokens=4", "task.batch_size=3")
     assert record["model"] == "tiny" and record["contexts"] == [200, 300] and record["depths"] == [0.0, 1.0]
     assert len(record["samples"]) == 2 * 2 * 2 and len(record["cells"]) == 4
     assert all(len(s["output"]) > 0 for s in record["samples"])
@@ -87,14 +87,14 @@ def test_task_needle_tiny_model(tmp_path, capsys):
 
 
 def test_task_needle_offloaded_policy(tmp_path):
-    record = run_needle(tmp_path, "offload=cpu", "offload.block_size=64", "needle.contexts=[400]",
-                        "needle.depths=[0.5]", "needle.num_samples=1", "needle.max_tokens=3")
+    record = run_needle(tmp_path, "offload=cpu", "offload.block_size=64", "task.contexts=[400]",
+                        "task.depths=[0.5]", "task.num_samples=1", "task.max_tokens=3")
     assert record["offload"] == "cpu" and len(record["samples"]) == 1
 
 
 def test_task_needle_checkpoint_with_word_tokenizer(tmp_path, qwen3_ckpt):
-    record = run_needle(tmp_path, "model=hf", f"model.path={qwen3_ckpt}", "needle.contexts=[200]",
-                        "needle.depths=[0.5]", "needle.num_samples=2", "needle.max_tokens=4")
+    record = run_needle(tmp_path, "model=hf", f"model.path={qwen3_ckpt}", "task.contexts=[200]",
+                        "task.depths=[0.5]", "task.num_samples=2", "task.max_tokens=4")
     assert record["model"] == "hf" and len(record["samples"]) == 2
     for sample in record["samples"]:
         assert 190 <= sample["prompt_tokens"] <= 200
@@ -103,10 +103,10 @@ def test_task_needle_checkpoint_with_word_tokenizer(tmp_path, qwen3_ckpt):
 
 
 def test_task_needle_bad_settings(tmp_path):
-    for override, message in [("needle.depths=[1.5]", "depths"), ("needle.contexts=[]", "contexts"),
-                              ("needle.num_samples=0", "num_samples")]:
-        cfg = compose_config(["task=needle", "device=cpu", f"output_dir={tmp_path}", override])
-        with pytest.raises(ValueError, match=message):
+    for override, message in [("task.depths=[1.5]", "depths"), ("task.contexts=[]", "contexts"),
+                              ("task.num_samples=0", "num_samples")]:
+        with pytest.raises(ValueError, match=message):  # at compose time (ranges) or when the task starts
+            cfg = compose_config(["task=needle", "device=cpu", f"output_dir={tmp_path}", override])
             get_task(cfg.task.name)(cfg)
 
 

@@ -223,8 +223,8 @@ def test_registered_policy_runs_through_evaluate(name, sparse, planted):
 # ---------------------------------------------------------------------------------------------- task
 
 
-QUALITY_SMALL = ["task=quality", "device=cpu", "quality.context=384", "offload.block_size=32", "quality.num_layers=1",
-                 "quality.num_heads=4", "quality.head_dim=16", "quality.depths=[0.2,0.8]"]
+QUALITY_SMALL = ["task=quality", "device=cpu", "task.context=384", "offload.block_size=32", "task.num_layers=1",
+                 "task.num_heads=4", "task.head_dim=16", "task.depths=[0.2,0.8]"]
 
 
 def test_task_quality_end_to_end(tmp_path, capsys):
@@ -245,8 +245,8 @@ def test_task_quality_end_to_end(tmp_path, capsys):
 def test_task_quality_on_checkpoint(tmp_path, qwen3_ckpt):
     ckpt = qwen3_ckpt
     cfg = compose_config([*QUALITY_SMALL, f"output_dir={tmp_path}", "model=hf", f"model.path={ckpt}",
-                          "quality.planted=false", "quality.depths=[0.5]", "quality.phase=decode",
-                          "quality.layers=[0,2]", "quality.model_context=200"])
+                          "task.planted=false", "task.depths=[0.5]", "task.phase=decode",
+                          "task.layers=[0,2]", "task.model_context=200"])
     get_task(cfg.task.name)(cfg)
     record = json.loads((tmp_path / "quality.json").read_text())
     assert [r["inputs"] for r in record["rows"]] == ["model"]
@@ -255,13 +255,13 @@ def test_task_quality_on_checkpoint(tmp_path, qwen3_ckpt):
     assert row["recall"] == pytest.approx(1.0) and row["rel_error"] < 1e-5
     with pytest.raises(ValueError, match="do not exist"):
         bad = compose_config([*QUALITY_SMALL, f"output_dir={tmp_path}", "model=hf", f"model.path={ckpt}",
-                              "quality.planted=false", "quality.layers=[7]", "quality.model_context=64"])
+                              "task.planted=false", "task.layers=[7]", "task.model_context=64"])
         get_task(bad.task.name)(bad)
 
 
 def test_task_quality_rejects_bad_settings(tmp_path):
-    for override, message in [("quality.depths=[1.5]", "depths"), ("quality.prefill_chunk=40", "multiple"),
-                              ("quality.phase=both quality.seeds=[]", "seeds")]:
-        cfg = compose_config([*QUALITY_SMALL, f"output_dir={tmp_path}", *override.split()])
+    for override, message in [("task.depths=[1.5]", "depths"), ("task.prefill_chunk=40", "multiple"),
+                              ("task.phase=both task.seeds=[]", "seeds")]:
         with pytest.raises(ValueError, match=message):
+            cfg = compose_config([*QUALITY_SMALL, f"output_dir={tmp_path}", *override.split()])
             get_task(cfg.task.name)(cfg)

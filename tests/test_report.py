@@ -55,7 +55,7 @@ def test_failed_job_is_recorded_and_the_sweep_goes_on(sweep):
 
 
 def test_report_task_builds_csv_markdown_and_plots(sweep, tmp_path):
-    cfg = compose_config(["task=report", f"report.dir={sweep}", f"report.out_dir={tmp_path / 'out'}"])
+    cfg = compose_config(["task=report", f"task.dir={sweep}", f"task.out_dir={tmp_path / 'out'}"])
     result = get_task(cfg.task.name)(cfg)
     out = tmp_path / "out"
     assert result["csv"] == out / "report.csv" and result["markdown"] == out / "report.md"
@@ -98,7 +98,7 @@ def test_report_cli_defaults_to_the_sweep_dir(sweep, tmp_path, capsys):
     assert (sweep / "report.csv").is_file()
     assert cli([str(tmp_path / "missing")]) == 2
     assert "is not a directory" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="task=report needs report.dir"):
+    with pytest.raises(ValueError, match="task=report needs task.dir"):
         get_task("report")(compose_config(["task=report"]))
 
 
@@ -315,9 +315,9 @@ def test_hf_config_from_spec_matches_dimensions():
 
 
 def test_bench_with_baseline_puts_hf_rows_in_the_report(tmp_path):
-    cfg = compose_config(CPU + ["task=bench", f"output_dir={tmp_path / 'run'}", "bench.progress=false",
-                                "bench.context=40", "bench.decode_steps=2", "bench.baseline=true",
-                                "bench.measure_floors=false", "bench.warmup=false"])
+    cfg = compose_config(CPU + ["task=bench", f"output_dir={tmp_path / 'run'}", "task.progress=false",
+                                "task.context=40", "task.decode_steps=2", "task.baseline=true",
+                                "task.measure_floors=false", "task.warmup=false"])
     figures = get_task("bench")(cfg)
     systems = figures["hf_baseline"]["systems"]
     assert systems["hf"]["status"] == "ok" and systems["hf"]["context"] == 40

@@ -8,7 +8,8 @@ TASKS = {"generate": "sparsekv.tasks.generate:run",
          "bench": "sparsekv.tasks.bench:run",
          "report": "sparsekv.tasks.report:run",
          "quality": "sparsekv.tasks.quality:run",
-         "needle": "sparsekv.tasks.needle:run"}
+         "needle": "sparsekv.tasks.needle:run",
+         "plugins": "sparsekv.tasks.list_plugins:run"}
 
 
 def get_task(name: str) -> Callable:

@@ -1,7 +1,7 @@
 """task=bench: prefill and decode speed against the physical floors measured in the same run.
 
-    python -m sparsekv task=bench model=qwen3_4b model.load_format=dummy bench.context=32768 bench.decode_steps=32
-    python -m sparsekv -m task=bench policy=full,quest bench.context=32768,131072
+    python -m sparsekv task=bench model=qwen3_4b model.load_format=dummy task.context=32768 task.decode_steps=32
+    python -m sparsekv -m task=bench policy=full,quest task.context=32768,131072
     python -m sparsekv.tasks.bench summarize outputs/        # Markdown table of every bench.json below a folder
 
 Each run writes bench.json (tasks.common.write_record) holding the composed config and the figures:
@@ -45,24 +45,24 @@ def _ratio(seconds: float | None, floor_seconds: float | None) -> float | None:
 
 def bench_config(cfg: DictConfig, spec) -> DictConfig:
     """A copy of `cfg` whose scheduler and KV pool fit the bench's requests."""
-    bench = cfg.bench
-    if bench.context < 1:
-        raise ValueError(f"bench.context={bench.context} must be at least 1 token")
-    if bench.decode_steps < 0:
-        raise ValueError(f"bench.decode_steps={bench.decode_steps} must be 0 or more")
-    if bench.batch_size < 1:
-        raise ValueError(f"bench.batch_size={bench.batch_size} must be at least 1")
+    task = cfg.task
+    if task.context < 1:
+        raise ValueError(f"task.context={task.context} must be at least 1 token")
+    if task.decode_steps < 0:
+        raise ValueError(f"task.decode_steps={task.decode_steps} must be 0 or more")
+    if task.batch_size < 1:
+        raise ValueError(f"task.batch_size={task.batch_size} must be at least 1")
     cfg = copy.deepcopy(cfg)
-    needed = bench.context + bench.decode_steps + 1
+    needed = task.context + task.decode_steps + 1
     with open_dict(cfg):
         current = cfg.scheduler.max_model_len or spec.max_position_embeddings
         if current < needed:
             cfg.scheduler.max_model_len = needed
-        if cfg.scheduler.max_num_seqs < bench.batch_size:
-            cfg.scheduler.max_num_seqs = bench.batch_size
-        if bench.fit_kv_cache and enum_value(cfg.offload.mode) == "none" and not cfg.offload.num_kv_blocks:
+        if cfg.scheduler.max_num_seqs < task.batch_size:
+            cfg.scheduler.max_num_seqs = task.batch_size
+        if task.fit_kv_cache and enum_value(cfg.offload.mode) == "none" and not cfg.offload.num_kv_blocks:
             block = cfg.offload.block_size
-            cfg.offload.num_kv_blocks = bench.batch_size * (-(-needed // block) + 1)
+            cfg.offload.num_kv_blocks = task.batch_size * (-(-needed // block) + 1)
     return cfg
 
 
@@ -125,7 +125,7 @@ def warmup_length(cfg: DictConfig, engine) -> int:
     store = engine.kv_store
     if getattr(store, "chunk_tokens", None) is None:
         # resident: a chunk that attends to an earlier chunk's keys compiles kernels of its own
-        return max(int(cfg.bench.warmup_tokens),
+        return max(int(cfg.task.warmup_tokens),
                    2 * int(cfg.scheduler.max_num_batched_tokens) + int(cfg.offload.block_size))
     # two full chunks (the second attends to ring groups), block-aligned so decode starts a fresh block and its
     # tail lengths go 1, 2, ..., 16, 17 (Triton specialises integers equal to 1 and divisible by 16)
@@ -148,13 +148,13 @@ def run(cfg: DictConfig) -> dict:
 
     spec = resolve_spec(cfg.model)
     cfg = bench_config(cfg, spec)
-    bench = cfg.bench
-    context, steps, batch = int(bench.context), int(bench.decode_steps), int(bench.batch_size)
+    task = cfg.task
+    context, steps, batch = int(task.context), int(task.decode_steps), int(task.batch_size)
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
 
     # Ceilings first, while the device memory is still free (offload=none takes most of it for the KV pool).
-    floors = fl.measure_floors(device, dtype=dtype) if bench.measure_floors else None
+    floors = fl.measure_floors(device, dtype=dtype) if task.measure_floors else None
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -170,7 +170,7 @@ def run(cfg: DictConfig) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
 
     warmup_seconds = None
-    if bench.warmup:
+    if task.warmup:
         warm_len = max(1, min(context, warmup_length(cfg, engine)))
         warm = random_prompts(batch, warm_len, spec.vocab_size, cfg.seed + 1)
         start = time.perf_counter()
@@ -187,7 +187,7 @@ def run(cfg: DictConfig) -> dict:
         policy.reset_density()
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     start_transfers = _transfer_snapshot(engine)
-    progress = _Progress(batch * context, steps, bool(bench.progress), start_transfers)
+    progress = _Progress(batch * context, steps, bool(task.progress), start_transfers)
     start = time.perf_counter()
     try:
         outputs = engine.generate(prompts, params, progress=progress)
@@ -202,7 +202,7 @@ def run(cfg: DictConfig) -> dict:
     decode_median_s = statistics.median(step_s) if step_s else None
     decode_mean_s = statistics.mean(step_s) if step_s else None
     figures: dict[str, Any] = {
-        **run_identity(cfg, engine, bench.name),
+        **run_identity(cfg, engine, task.label),
         "gpu_name": floors.get("gpu_name") if floors else (
             torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None),
         "batch_size": batch,
@@ -284,8 +284,8 @@ def run(cfg: DictConfig) -> dict:
     figures["gpu_build_peak_gib"] = gpu_build_peak_gib
     figures["floors"] = floors
 
-    # ---- HF transformers baseline on the same prompts (bench.baseline=true; sparsekv.baseline owns the code)
-    if cfg.bench.baseline:
+    # ---- HF transformers baseline on the same prompts (task.baseline=true; sparsekv.baseline owns the code)
+    if cfg.task.baseline:
         import gc
 
         from sparsekv.baseline import baseline_figures

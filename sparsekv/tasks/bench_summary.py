@@ -84,8 +84,9 @@ def load_records(directory: str | Path) -> list[dict]:
 def _summary_rows(record: dict) -> list[dict]:
     """The record's own row, plus one per HF baseline system (bench.baseline=true); failed runs keep a row."""
     config = record.get("config") or {}
-    bench = config.get("bench") or {}
-    name = record.get("name") or bench.get("name") or Path(record.get("_path", "?")).parent.name
+    bench = config.get("task") or config.get("bench") or {}  # `bench`: records written before task settings moved
+    name = (record.get("name") or bench.get("label") or (config.get("bench") or {}).get("name")
+            or Path(record.get("_path", "?")).parent.name)
     row = {**record, "name": name, "context": record.get("context", bench.get("context")),
            "batch_size": record.get("batch_size", bench.get("batch_size"))}
     if record.get("status", "ok") != "ok":

@@ -1,19 +1,14 @@
 """task=generate: generate from `prompt`, print the text and the run's figures."""
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from sparsekv.llm import LLM
-from sparsekv.sampling_params import SamplingParams
+from sparsekv.llm import LLM, default_sampling_params
 from sparsekv.tasks.common import write_record
 
 
-def sampling_params(cfg: DictConfig) -> SamplingParams:
-    return SamplingParams(**OmegaConf.to_container(cfg.sampling))
-
-
 def run(cfg: DictConfig) -> dict:
-    params = sampling_params(cfg)  # bad sampling values fail before the model is built
+    params = default_sampling_params(cfg)
     llm = LLM.from_config(cfg)
     engine = llm.engine
     out = llm.generate([cfg.prompt], params)[0]

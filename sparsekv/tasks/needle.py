@@ -1,12 +1,12 @@
 """task=needle: RULER-style needle in a haystack with the configured engine (model, offload, policy, ...).
 
     python -m sparsekv task=needle model=hf model.path=/ckpt offload=cpu policy=quest \
-        needle.contexts=[8192,32768] needle.depths=[0,0.5,1] needle.num_samples=4
+        task.contexts=[8192,32768] task.depths=[0,0.5,1] task.num_samples=4
 
 Each prompt is a haystack of repeated filler sentences with one needle sentence, "One of the special magic
 numbers for {key} is: {value}.", inserted at a depth fraction of the haystack, then the question. The haystack
 is filled until the tokenized prompt reaches the context length (in the model's tokens). Generation is greedy
-(needle.max_tokens tokens); a sample is correct when the 7-digit value appears in the output (exact match of
+(task.max_tokens tokens); a sample is correct when the 7-digit value appears in the output (exact match of
 its digits). Prints accuracy per (context, depth) and writes needle.json (tasks.common.write_record).
 
 Works with any checkpoint that has a tokenizer and with the built-in tiny model (byte tokenizer; its random
@@ -139,18 +139,18 @@ def score(output: str | None, value: str) -> bool:
 
 def check_needle_config(nd) -> None:
     if not nd.contexts:
-        raise ValueError("needle.contexts is empty: give at least one prompt length in tokens")
+        raise ValueError("task.contexts is empty: give at least one prompt length in tokens")
     for context in nd.contexts:
         if int(context) < 1:
-            raise ValueError(f"needle.contexts has {context}: prompt lengths must be positive token counts")
+            raise ValueError(f"task.contexts has {context}: prompt lengths must be positive token counts")
     if not nd.depths:
-        raise ValueError("needle.depths is empty: give at least one depth in [0, 1]")
+        raise ValueError("task.depths is empty: give at least one depth in [0, 1]")
     for depth in nd.depths:
         if not 0.0 <= float(depth) <= 1.0:
-            raise ValueError(f"needle.depths has {depth}: depths are fractions in [0, 1]")
+            raise ValueError(f"task.depths has {depth}: depths are fractions in [0, 1]")
     for key in ("num_samples", "max_tokens", "batch_size"):
         if int(nd[key]) < 1:
-            raise ValueError(f"needle.{key}={nd[key]} must be at least 1")
+            raise ValueError(f"task.{key}={nd[key]} must be at least 1")
 
 
 def run(cfg: DictConfig) -> dict:
@@ -161,7 +161,7 @@ def run(cfg: DictConfig) -> dict:
     from sparsekv.tasks.common import write_record
     from sparsekv.tokenizer import load_tokenizer
 
-    nd = cfg.needle
+    nd = cfg.task
     check_needle_config(nd)
     resolve_device(cfg)  # a bad device fails before the haystacks are built
     spec = resolve_spec(cfg.model)
@@ -215,7 +215,7 @@ def run(cfg: DictConfig) -> dict:
              for c in contexts for d in depths]
     stats = engine.stats
     figures: dict[str, Any] = {
-        **run_identity(cfg, engine, nd.name),
+        **run_identity(cfg, engine, nd.label),
         "block_size": cfg.offload.block_size,
         "context": contexts[0] if len(contexts) == 1 else None,
         "contexts": contexts,

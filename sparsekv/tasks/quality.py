@@ -1,18 +1,18 @@
 """task=quality: the configured policy's attention against dense attention (sparsekv.quality).
 
-    python -m sparsekv task=quality policy=minference quality.context=32768
+    python -m sparsekv task=quality policy=minference task.context=32768
     python -m sparsekv -m task=quality policy=quest policy.token_budget=1024,4096       # one run per setting
-    python -m sparsekv task=quality model=hf model.path=/ckpt policy=quest quality.layers=[0,17,35]
+    python -m sparsekv task=quality model=hf model.path=/ckpt policy=quest task.layers=[0,17,35]
 
-Planted inputs (quality.planted): for each seed and needle depth, Q/K/V with sinks, local windows, vertical
+Planted inputs (task.planted): for each seed and needle depth, Q/K/V with sinks, local windows, vertical
 stripes and one needle block (sparsekv.quality.planted_inputs) at the configured shapes. With model.path (or
-quality.model_inputs=true): the checkpoint runs (dense, offload=none) on a needle-in-a-haystack prompt of
-quality.model_context tokens per seed and depth (sparsekv.tasks.needle.build_haystack), its attention layers'
+task.model_inputs=true): the checkpoint runs (dense, offload=none) on a needle-in-a-haystack prompt of
+task.model_context tokens per seed and depth (sparsekv.tasks.needle.build_haystack), its attention layers'
 q/k/v are captured, and the policy is evaluated on them; the needle block is the block(s) holding the needle
-sentence. Blocks, chunking and the GPU ring follow quality.* or else the offload settings.
+sentence. Blocks, chunking and the GPU ring follow task.* or else the offload settings.
 
-Phases (quality.phase): decode = compute_chunked_decode; prefill = compute_chunked_prefill (last chunk) and,
-with quality.resident, compute_prefill (offload=none, whole prompt) as phase "resident"; both = all.
+Phases (task.phase): decode = compute_chunked_decode; prefill = compute_chunked_prefill (last chunk) and,
+with task.resident, compute_prefill (offload=none, whole prompt) as phase "resident"; both = all.
 Prints a table and writes quality.json: per-input rows, per-phase means ("summary") and, at the top level,
 the primary phase's means (decode if evaluated, else prefill): recall, density, rel_error, needle_* ...
 """
@@ -23,7 +23,10 @@ import time
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from sparsekv.config import ResidentOffloadConfig
+from sparsekv.plugins import registry
 
 from sparsekv.tasks.common import enum_value
 
@@ -31,36 +34,36 @@ from sparsekv import quality as ql
 
 
 def settings(cfg: DictConfig) -> dict[str, Any]:
-    """Block size, chunk, ring slots and phases of this run, from quality.* or the offload settings."""
-    q = cfg.quality
+    """Block size, chunk, ring slots and phases of this run, from task.* or the offload settings."""
+    q = cfg.task
     block = int(q.block_size or cfg.offload.block_size)
     chunk = q.prefill_chunk or cfg.offload.get("prefill_chunk_size") or 4 * block
     chunk = int(chunk)
     if block < 1:
-        raise ValueError(f"quality.block_size={block} must be a positive number of tokens")
+        raise ValueError(f"task.block_size={block} must be a positive number of tokens")
     if chunk < block or chunk % block:
-        raise ValueError(f"quality.prefill_chunk={chunk} must be a positive multiple of the block size {block}")
-    slots = int(q.num_gpu_blocks or cfg.offload.num_gpu_blocks)
+        raise ValueError(f"task.prefill_chunk={chunk} must be a positive multiple of the block size {block}")
+    slots = int(q.num_gpu_blocks or cfg.offload.get("num_gpu_blocks") or 4)
     if slots < 1:
-        raise ValueError(f"quality.num_gpu_blocks={slots} must be at least 1")
+        raise ValueError(f"task.num_gpu_blocks={slots} must be at least 1")
     phase = enum_value(q.phase)
     phases = {"decode": ["decode"], "prefill": ["prefill"], "both": ["decode", "prefill"]}[phase]
     if "prefill" in phases and q.resident:
         phases.append("resident")
     if not q.depths:
-        raise ValueError("quality.depths is empty: give at least one needle depth in [0, 1]")
+        raise ValueError("task.depths is empty: give at least one needle depth in [0, 1]")
     for depth in q.depths:
         if not 0.0 <= float(depth) <= 1.0:
-            raise ValueError(f"quality.depths has {depth}: depths are fractions in [0, 1]")
+            raise ValueError(f"task.depths has {depth}: depths are fractions in [0, 1]")
     if not q.seeds:
-        raise ValueError("quality.seeds is empty: give at least one seed")
+        raise ValueError("task.seeds is empty: give at least one seed")
     if q.decode_steps < 0:
-        raise ValueError(f"quality.decode_steps={q.decode_steps} must be 0 or more")
+        raise ValueError(f"task.decode_steps={q.decode_steps} must be 0 or more")
     return {"block_size": block, "prefill_chunk": chunk, "num_gpu_blocks": slots, "phases": phases}
 
 
 def planted(cfg: DictConfig, s: dict[str, Any], device: torch.device, dtype: torch.dtype) -> list[ql.AttentionInputs]:
-    q = cfg.quality
+    q = cfg.task
     return [ql.planted_inputs(int(q.context), s["block_size"], num_layers=q.num_layers, num_heads=q.num_heads,
                               num_kv_heads=q.num_kv_heads, head_dim=q.head_dim, needle_depths=[float(depth)],
                               prefill_chunk=s["prefill_chunk"], decode_steps=q.decode_steps,
@@ -85,7 +88,7 @@ def capture_qkv(llm, token_ids: list[int], layers: list[int] | None = None
         wanted = {int(i) for i in layers}
         missing = wanted - {m.layer_id for m in modules}
         if missing:
-            raise ValueError(f"quality.layers {sorted(missing)} do not exist; the model has layers "
+            raise ValueError(f"task.layers {sorted(missing)} do not exist; the model has layers "
                              f"0..{len(modules) - 1}")
         modules = [m for m in modules if m.layer_id in wanted]
     captured: dict[int, list[list[torch.Tensor]]] = {m.layer_id: [[], [], []] for m in modules}
@@ -111,10 +114,9 @@ def capture_config(cfg: DictConfig, prompt_tokens: int, block_size: int) -> Dict
     """The dense, GPU-resident (offload=none) engine that produces the reference Q/K/V."""
     cfg = copy.deepcopy(cfg)
     with open_dict(cfg):
-        cfg.policy = {"name": "full"}
-        cfg.offload.mode = "none"
-        cfg.offload.block_size = block_size
-        cfg.offload.num_kv_blocks = -(-(prompt_tokens + 2) // block_size) + 1
+        cfg.policy = OmegaConf.structured(registry().policies["full"]())
+        cfg.offload = OmegaConf.structured(ResidentOffloadConfig(
+            block_size=block_size, num_kv_blocks=-(-(prompt_tokens + 2) // block_size) + 1))
         cfg.scheduler.max_num_seqs = 1
         if (cfg.scheduler.max_model_len or 0) < prompt_tokens + 2:
             cfg.scheduler.max_model_len = prompt_tokens + 2
@@ -129,7 +131,7 @@ def model_inputs(cfg: DictConfig, s: dict[str, Any], device: torch.device) -> li
     from sparsekv.tasks.needle import build_haystack, sample_key_value
     from sparsekv.tokenizer import load_tokenizer
 
-    q = cfg.quality
+    q = cfg.task
     spec = resolve_spec(cfg.model)
     context = int(q.model_context or q.context)
     bs = s["block_size"]
@@ -174,7 +176,7 @@ def run(cfg: DictConfig) -> dict:
     from sparsekv.factory import build_policy, resolve_device, resolve_dtype
     from sparsekv.tasks.common import write_record
 
-    q = cfg.quality
+    q = cfg.task
     s = settings(cfg)
     policy = build_policy(cfg.policy)
     device = resolve_device(cfg)
@@ -187,15 +189,15 @@ def run(cfg: DictConfig) -> dict:
     if use_model:
         inputs += model_inputs(cfg, s, device)
     if not inputs:
-        raise ValueError("nothing to evaluate: quality.planted=false and no model inputs (set model.path or "
-                         "quality.model_inputs=true)")
+        raise ValueError("nothing to evaluate: task.planted=false and no model inputs (set model.path or "
+                         "task.model_inputs=true)")
     reports = [ql.evaluate(policy, x, phases=s["phases"], num_gpu_blocks=s["num_gpu_blocks"],
                            shuffle_blocks=q.shuffle_blocks, probe=q.probe) for x in inputs]
     flat = ql.rows(reports)
     summary = ql.summarize(flat)
     primary = next((p for p in ("decode", "prefill", "resident") if p in summary and "skipped" not in summary[p]),
                    None)
-    name = q.name or f"{cfg.model.name} {cfg.policy.name}"
+    name = q.label or f"{cfg.model.name} {cfg.policy.name}"
     figures: dict[str, Any] = {
         "name": name,
         "model": cfg.model.name,

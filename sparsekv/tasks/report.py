@@ -1,14 +1,14 @@
 """task=report: one table and a few plots from every JSON record below a sweep directory.
 
-    python -m sparsekv -m task=bench policy=full,quest bench.context=8192,32768,131072 hydra.sweep.dir=outputs/sw
-    python -m sparsekv task=report report.dir=outputs/sw          # or: sparsekv-report outputs/sw
+    python -m sparsekv -m task=bench policy=full,quest task.context=8192,32768,131072 hydra.sweep.dir=outputs/sw
+    python -m sparsekv task=report task.dir=outputs/sw          # or: sparsekv-report outputs/sw
 
 Records are the `<run dir>/<task>.json` files the tasks write (tasks.common.write_record):
 {"config": resolved config, "status": "ok" | "failed", ...figures}; a failed multirun job's record holds
 "error" and "traceback" instead of figures (sparsekv.__main__). Each record becomes one row; a bench record
-with an `hf_baseline` entry (bench.baseline=true, sparsekv.baseline) adds one row per HF system beside it.
+with an `hf_baseline` entry (task.baseline=true, sparsekv.baseline) adds one row per HF system beside it.
 
-Written to report.out_dir (default: the scanned directory):
+Written to task.out_dir (default: the scanned directory):
   report.csv   every row, the columns of ID_COLUMNS (report_records), then every numeric figure (nested dicts
                flattened with dots: floors.h2d_gbps, kv_transfer.decode_per_step.h2d_bytes, ...)
   report.md    a Markdown table of the main figures, failed rows with their error, the plots, notes
@@ -94,11 +94,11 @@ def build_report(directory: str | Path, out_dir: str | Path | None = None, plots
     Returns {"csv": path, "markdown": path, "plots": [paths], "rows": n, "failed": n, "notes": [...]}."""
     directory = Path(directory).expanduser()
     if not directory.is_dir():
-        raise FileNotFoundError(f"report.dir={directory} is not a directory; pass a sweep or run directory "
+        raise FileNotFoundError(f"task.dir={directory} is not a directory; pass a sweep or run directory "
                                 "(outputs/multirun/<date>/<time>)")
     rows, notes = load_rows(directory)
     if not rows:
-        raise ValueError(f"report.dir={directory}: no sparsekv records (*.json with a `config` key) below it; "
+        raise ValueError(f"task.dir={directory}: no sparsekv records (*.json with a `config` key) below it; "
                          "pass the directory of a run or sweep")
     out = Path(out_dir).expanduser() if out_dir else directory
     out.mkdir(parents=True, exist_ok=True)
@@ -134,12 +134,12 @@ def _print_result(result: dict[str, Any]) -> None:
 
 
 def run(cfg) -> dict[str, Any]:
-    """task=report (settings: the `report` key)."""
-    report = cfg.report
-    if not report.dir:
-        raise ValueError("task=report needs report.dir=<sweep or run directory>, e.g. "
-                         "report.dir=outputs/multirun/2025-01-01/12-00-00")
-    result = build_report(report.dir, report.out_dir, bool(report.plots))
+    """task=report (settings: the `task` node, sparsekv.tasks.config.ReportTask)."""
+    task = cfg.task
+    if not task.dir:
+        raise ValueError("task=report needs task.dir=<sweep or run directory>, e.g. "
+                         "task.dir=outputs/multirun/2025-01-01/12-00-00")
+    result = build_report(task.dir, task.out_dir, bool(task.plots))
     _print_result(result)
     return result
 

@@ -72,10 +72,10 @@ def flatten_record(record: dict, job: str = ".", record_name: str = "") -> list[
     offload = _first(record.get("offload"), _dig(config, "offload.mode"))
     bench_like = task == "bench"
     context = _first(_int_or_none(record.get("context")),
-                     _int_or_none(_dig(config, "bench.context")) if bench_like else None,
+                     _int_or_none(_first(_dig(config, "task.context"), _dig(config, "bench.context"))) if bench_like else None,
                      _int_or_none(record.get("prompt_tokens")) if task == "generate" else None)
     batch = _first(_int_or_none(record.get("batch_size")),
-                   _int_or_none(_dig(config, "bench.batch_size")) if bench_like else None,
+                   _int_or_none(_first(_dig(config, "task.batch_size"), _dig(config, "bench.batch_size"))) if bench_like else None,
                    1 if task == "generate" else None)
     row: dict[str, Any] = {
         "job": job, "record": record_name, "status": status, "error": record.get("error"), "system": "sparsekv",
