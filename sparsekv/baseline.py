@@ -1,7 +1,7 @@
 """HF transformers baseline: the same model dimensions, dtype, device and prompts as a sparsekv bench, run by
 transformers in the same process, so the report can put sparsekv's figures beside HF's.
 
-    python -m sparsekv task=bench bench.baseline=true model=qwen3_4b model.load_format=dummy bench.context=32768
+    python -m sparsekv task=bench task.baseline=true model=qwen3_4b model.load_format=dummy task.context=32768
 
 Two KV placements are timed:
   hf            transformers' default DynamicCache, resident on the device

@@ -60,7 +60,7 @@ json.dump({"section": section, "row": row, "vs": vs or None, "command": " ".join
            "date": datetime.date.today().isoformat()}, open(out, "w"), indent=2)' \
         "$section" "$row" "${VS:-}" "$dir/run.json" python -m sparsekv "task=$task" "$@"
     echo "==== $section/$row: ${cmd[*]}"
-    timeout --signal=INT --kill-after=30 "$BENCH_TIMEOUT" "${cmd[@]}" task.name="$row" ${EXTRA:-} \
+    timeout --signal=INT --kill-after=30 "$BENCH_TIMEOUT" "${cmd[@]}" task.label="$row" ${EXTRA:-} \
         output_dir="$dir" hydra.run.dir="$dir/hydra" > "$dir/run.log" 2>&1
     rc=$?
     tail -n 25 "$dir/run.log"

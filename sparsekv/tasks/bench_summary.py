@@ -82,7 +82,7 @@ def load_records(directory: str | Path) -> list[dict]:
 
 
 def _summary_rows(record: dict) -> list[dict]:
-    """The record's own row, plus one per HF baseline system (bench.baseline=true); failed runs keep a row."""
+    """The record's own row, plus one per HF baseline system (task.baseline=true); failed runs keep a row."""
     config = record.get("config") or {}
     bench = config.get("task") or config.get("bench") or {}  # `bench`: records written before task settings moved
     name = (record.get("name") or bench.get("label") or (config.get("bench") or {}).get("name")
