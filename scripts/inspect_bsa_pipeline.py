@@ -24,7 +24,7 @@ from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from sparsekv.kernels import attention as dense_module  # noqa: E402
-from sparsekv.kernels import block_sparse_attention as bsa  # noqa: E402
+from sparsekv.policies.xattn import block_sparse_attention as bsa  # noqa: E402
 
 STRIDES = ["stride_qm", "stride_qh", "stride_qd", "stride_kn", "stride_kh", "stride_kd", "stride_vn", "stride_vh",
            "stride_vd", "stride_om", "stride_oh", "stride_od", "stride_lh", "stride_lm"]

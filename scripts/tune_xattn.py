@@ -25,14 +25,14 @@ from profile_sparse_prefill import (  # scripts/ is on sys.path
 )
 
 from sparsekv.kernels import attention_backend, flash_attn_with_lse
-from sparsekv.kernels import xattn_estimate as est
-from sparsekv.kernels.block_lists import block_runs
-from sparsekv.kernels.block_sparse_attention import (
+from sparsekv.policies.xattn import xattn_estimate as est
+from sparsekv.policies.xattn.block_lists import block_runs
+from sparsekv.policies.xattn.block_sparse_attention import (
     block_lists_from_mask,
     block_sparse_attention,
     loop_config,
 )
-from sparsekv.policies.xattn_bsa import XAttentionPolicy
+from sparsekv.policies.xattn import XAttentionPolicy
 
 CANDIDATES = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3),
               (128, 128, 8, 4), (256, 64, 8, 3)]

@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 
-from sparsekv.kernels import block_sparse_attention as bsa_module
+from sparsekv.policies.xattn import block_sparse_attention as bsa_module
 from sparsekv.kernels.attention import flash_attn_with_lse
-from sparsekv.kernels.block_lists import block_lists_from_mask, block_runs
-from sparsekv.kernels.block_sparse_attention import (
+from sparsekv.policies.xattn.block_lists import block_lists_from_mask, block_runs
+from sparsekv.policies.xattn.block_sparse_attention import (
     LoopConfig,
     block_sparse_attention,
     block_sparse_attention_reference,

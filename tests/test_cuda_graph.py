@@ -45,23 +45,21 @@ class TopHalfPolicy(FullAttentionPolicy):
     requires_block_selection: ClassVar[bool] = True
     decode_graph_safe: ClassVar[bool] = False  # its choice is a host list made from the query
 
-    def initialize(self, num_layers, num_kv_heads, head_dim, num_cpu_blocks, dtype, device) -> None:
+    def initialize(self, layout) -> None:
         self.means: dict[tuple[int, int], torch.Tensor] = {}
 
-    def on_prefill_offload(self, cpu_block_id, layer_id, k_cache, num_valid_tokens) -> None:
-        self.means[(layer_id, cpu_block_id)] = k_cache[:num_valid_tokens].float().mean(0)  # [KVH, D]
-
-    def on_decode_offload(self, cpu_block_id, layer_id, k_cache, num_valid_tokens) -> None:
-        self.on_prefill_offload(cpu_block_id, layer_id, k_cache, num_valid_tokens)
+    def on_prefill_offload(self, block_id, layer, keys, n) -> None:
+        self.means[(layer, block_id)] = keys[:n].float().mean(0)  # [KVH, D]
 
     def reset(self) -> None:
         self.means = {}
 
-    def select_blocks(self, available_blocks, offload_engine, ctx):
+    def select_blocks(self, ctx):
+        available_blocks = list(ctx.candidates)
         if ctx.is_prefill or len(available_blocks) <= 2:
-            return available_blocks
+            return None
         q = ctx.query.float()[0]  # [H, D]
-        means = torch.stack([self.means[(ctx.layer_id, b)] for b in available_blocks])  # [n, KVH, D]
+        means = torch.stack([self.means[(ctx.layer, b)] for b in available_blocks])  # [n, KVH, D]
         group = q.shape[0] // means.shape[1]
         scores = (means.repeat_interleave(group, dim=1) * q).sum((1, 2)).tolist()  # host sync, like Quest
         keep = sorted(range(len(available_blocks) - 1), key=lambda i: -scores[i])[: len(available_blocks) // 2]
@@ -72,9 +70,8 @@ def use_decode_policy(llm: LLM, policy) -> None:
     """Swap the offload store's decode policy (before any request) for one this test defines."""
     store = llm.engine.kv_store
     store.decode_policy = policy
-    store.engine.policy_hooks = [store.prefill_policy, policy]
-    policy.initialize(llm.engine.spec.num_hidden_layers, llm.engine.spec.num_key_value_heads,
-                      llm.engine.spec.head_dim, store.num_blocks, llm.engine.dtype, llm.engine.device)
+    store.policies = [store.prefill_policy, policy]
+    policy.initialize(store.layout)
 
 
 # ---------------------------------------------------------------- CPU: configuration

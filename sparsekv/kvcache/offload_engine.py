@@ -62,7 +62,7 @@ class _Streams:
 
 class OffloadEngine:
     def __init__(self, host: HostPool, num_gpu_blocks: int, prefill_tokens: int, max_num_seqs: int,
-                 device: torch.device, policy_hooks=()):
+                 device: torch.device):
         self.host = host
         self.device = device
         self.block_size = host.block_size
@@ -76,7 +76,6 @@ class OffloadEngine:
         self.decode_v = torch.empty_like(self.decode_k)
         self._decode_kv_rows = (self.decode_k.view(-1, kvh, d), self.decode_v.view(-1, kvh, d))  # [max_seqs*L*bs, ...]
         self.streams = _Streams(device, num_gpu_blocks, L)
-        self.policy_hooks = list(policy_hooks)  # policies whose on_*_offload hooks see offloaded keys
         self.next_slot = 0
         self.block_bytes = bs * kvh * d * dtype.itemsize  # one of K or V, one layer
         self.transfer_stats = {"h2d_bytes": 0, "d2h_bytes": 0, "h2d_blocks": 0, "d2h_blocks": 0}
@@ -87,26 +86,7 @@ class OffloadEngine:
         self.device_ids_generation = 0  # bumped when those are forgotten: graphs captured before must not replay
         self._replay_offloads = 0  # offloads the last replay waited for
 
-    # ---- ring of GPU slots: load, wait, read, release
-    def load_to_slot_layer(self, slot: int, layer: int, cpu_block: int) -> None:
-        self.next_slot = slot
-        self._issue_group(layer, [cpu_block], 1)
-
-    def wait_slot_layer(self, slot: int) -> None:
-        self.wait_slots(slot, 1)
-
-    def get_kv_for_slot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_slots[slot], self.v_slots[slot]  # [block_size, KVH, D] each
-
-    def record_slot_compute_done(self, slot: int) -> None:
-        self.record_slots_compute_done(slot, 1)
-
-    def stream_blocks(self, layer: int, cpu_blocks: list[int]) -> Iterator[tuple[int, int]]:
-        """Yield (slot, cpu_block) in order, each loaded and waited for, keeping up to num_slots loads in
-        flight. The caller reads the slot and calls record_slot_compute_done(slot) before the next item."""
-        for first, blocks in self.stream_block_groups(layer, cpu_blocks, group_size=1):
-            yield first, blocks[0]
-
+    # ---- ring of GPU slots: load, wait, read, release (sparsekv.kvcache.reader.RingReader drives these)
     def num_block_groups(self, num_blocks: int, group_size: int | None = None) -> int:
         """How many groups stream_block_groups yields for `num_blocks` blocks."""
         size = group_size or max(1, self.num_slots // 2)
@@ -246,9 +226,6 @@ class OffloadEngine:
             self.prefill_k = torch.empty(shape, dtype=self.prefill_k.dtype, device=self.device)
             self.prefill_v = torch.empty_like(self.prefill_k)
 
-    def get_prefill_buffer_slice(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.prefill_k[layer, :n], self.prefill_v[layer, :n]
-
     def write_prefill_buffer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v [N, KVH, D]
         self.wait_prefill_offload(layer)
@@ -259,16 +236,19 @@ class OffloadEngine:
 
     def offload_prefill_buffer_async(self, layer: int, cpu_block: int, n: int, start: int = 0) -> None:
         """Rows [start, start+n) of the layer's prefill buffer become host block `cpu_block` (n <= block_size)."""
-        keys = self.prefill_k[layer, start:start + n]
-        for policy in self.policy_hooks:
-            policy.on_prefill_offload(cpu_block, layer, keys, n)
-        self._offload(layer, cpu_block, keys, self.prefill_v[layer, start:start + n])
+        self._offload(layer, cpu_block, self.prefill_k[layer, start:start + n], self.prefill_v[layer, start:start + n])
 
     def wait_prefill_offload(self, layer: int) -> None:
         if self.streams.cuda and not self.capturing:
             self.streams.wait_offloaded(torch.cuda.current_stream(self.device), layer)
 
     # ---- decode buffer: each sequence's unfinished block
+    def prefill_keys(self, layer: int, start: int, n: int) -> torch.Tensor:
+        return self.prefill_k[layer, start:start + n]  # [n, KVH, D]
+
+    def decode_keys(self, row: int, layer: int) -> torch.Tensor:
+        return self.decode_k[row, layer]  # [block_size, KVH, D]
+
     def get_decode_layer_kv(self, row: int, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.decode_k[row, layer, :n], self.decode_v[row, layer, :n]  # [n, KVH, D]
 
@@ -298,11 +278,8 @@ class OffloadEngine:
         self.decode_v[row, layer, :n].copy_(self.prefill_v[layer, start:start + n])
 
     def offload_decode_buffer_async(self, layer: int, row: int, cpu_block: int) -> None:
-        keys = self.decode_k[row, layer]
-        for policy in self.policy_hooks:
-            policy.on_decode_offload(cpu_block, layer, keys, self.block_size)
         self._mark_written(layer)
-        self._offload(layer, cpu_block, keys, self.decode_v[row, layer])
+        self._offload(layer, cpu_block, self.decode_k[row, layer], self.decode_v[row, layer])
 
     # ---- shared
     def _mark_written(self, layer: int) -> None:

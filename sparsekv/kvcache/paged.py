@@ -9,6 +9,7 @@ from sparsekv.engine.context import Context
 from sparsekv.kernels import paged_decode_attention, store_kv
 from sparsekv.kernels.paged_attention import MIN_SPLIT_TOKENS, choose_num_splits
 from sparsekv.kvcache.base import KVStore
+from sparsekv.policies.context import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,9 @@ class PagedKVStore(KVStore):
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * self.k_cache.element_size()
         self.prefill_policy = prefill_policy
-        prefill_policy.initialize(num_layers, num_kv_heads, head_dim, num_blocks, dtype, device)
+        prefill_policy.initialize(KVLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                           block_size=block_size, max_blocks=num_blocks, dtype=dtype,
+                                           device=torch.device(device)))
 
     def kv_write_target(self, layer_id: int, context: Context
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -46,8 +46,8 @@ import os
 
 import torch
 
-from ._dispatch import HAS_TRITON, alloc_output, cdiv, jit, tl, use_triton
-from .attention import (
+from sparsekv.kernels._dispatch import HAS_TRITON, alloc_output, cdiv, jit, tl, use_triton
+from sparsekv.kernels.attention import (
     SUPPORTED_HEAD_DIMS,
     TensorDescriptor,
     _attn_block_step,
