@@ -128,7 +128,7 @@ def _sync(device: torch.device) -> None:
 
 def run_offloaded(policy: SparsePolicy, inputs: AttentionInputs, values: torch.Tensor | None = None, *,
                   phases: Iterable[str] = ("decode", "prefill"), num_gpu_blocks: int = 4,
-                  shuffle_blocks: bool = False) -> dict[str, PhaseRun]:
+                  shuffle_blocks: bool = False, check_selections: bool = False) -> dict[str, PhaseRun]:
     """Prefill the prompt chunk by chunk, then decode to the last token, through OffloadKVStore.begin_step/attend
     with the inputs' per-layer Q/K/V standing in for the model. `values` replaces inputs.v (the needle probe).
     Returns the runs of the requested phases the policy supports: the last chunk (prefill), the last token (decode)."""
@@ -150,7 +150,8 @@ def run_offloaded(policy: SparsePolicy, inputs: AttentionInputs, values: torch.T
         num_gpu_blocks=num_gpu_blocks, prefill_tokens=chunk, max_num_seqs=1,
         host_pool_gib=(max(table) + 2) * bytes_per_block / GIB, dtype=inputs.dtype, device=device,
         prefill_policy=policy if policy.supports_prefill else full,
-        decode_policy=policy if policy.supports_decode else full, initial_prefill_buffer=chunk)
+        decode_policy=policy if policy.supports_decode else full, initial_prefill_buffer=chunk,
+        check_selections=check_selections)
     engine = store.engine
     seq = Sequence([0] * lay.prompt_len, SamplingParams(), bs)
     seq.block_table = table[: -(-lay.prompt_len // bs)]
