@@ -10,8 +10,9 @@ their previous offload finished. Nothing here waits on the host, so the CPU runs
 keeps loading layer L+1's blocks while layer L computes.
 
 Two ways into the ring: copy engines for block lists the host knows (stream_block_groups), and a gather kernel
-reading pinned memory directly for lists that exist only on the device (gather_block_groups: a block-selecting
-policy's choice, loaded without a host sync).
+reading pinned memory directly for lists that exist only on the device (gather_block_groups: a selection held
+on the device, loaded without a host sync). sparsekv.kvcache.reader.RingReader drives both; nothing here knows of
+policies.
 
 Decode steps can be captured into CUDA graphs (sparsekv/engine/offload_graph.py): between begin_capture and
 end_capture the copy-engine loads become memcpy nodes on a branch of the graph, ordered by events recorded inside
