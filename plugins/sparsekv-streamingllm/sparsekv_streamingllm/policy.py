@@ -9,7 +9,7 @@ the work:
 
 so only those blocks cross PCIe. With offload=none (all keys on the device) compute_prefill applies the same rule
 per query block of `block_size` tokens: each block attends to the sink tokens and to the `recent_blocks` blocks
-before it plus itself (causally); decode there stays dense, as for every policy.
+before it plus itself (causally); decode selects the same way among the paged blocks.
 """
 from __future__ import annotations
 
