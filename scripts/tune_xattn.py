@@ -125,8 +125,8 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=0.9)
     parser.add_argument("--sections", default="bsa,estimate,pieces", help="comma-separated: bsa, estimate, pieces")
     parser.add_argument("--loops", nargs="*", default=None,
-                        help="block-sparse loop variants, each label:spec or spec (a LoopConfig spec as in "
-                             "SPARSEKV_BSA_LOOP, e.g. auto2:mode=auto,run_min_tiles=2); default: "
+                        help="block-sparse loop variants, each label:spec or spec (a LoopConfig spec, "
+                             "e.g. auto2:mode=auto,run_min_tiles=2); default: "
                              + " ".join(f"{label}:{spec}" for label, spec in LOOPS.items()))
     args = parser.parse_args()
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
