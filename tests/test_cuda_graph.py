@@ -130,8 +130,10 @@ def test_resolution_on_cuda(offload, monkeypatch):
         assert resolve_graph_mode("auto", offload, CUDA, unsafe) == GraphMode.segmented
         with pytest.raises(ValueError, match=r"policy=test_top_half sets decode_graph_safe=False.*graph=segmented"):
             resolve_graph_mode("cudagraph", offload, CUDA, unsafe)
-    else:  # offload=none decodes densely whatever the policy
-        assert resolve_graph_mode("cudagraph", offload, CUDA, unsafe) == GraphMode.cudagraph
+    else:  # offload=none: a selecting decode policy builds each step's block table on the host
+        assert resolve_graph_mode("auto", offload, CUDA, unsafe) == GraphMode.segmented
+        with pytest.raises(ValueError, match=r"policy=test_top_half selects blocks per step on the host"):
+            resolve_graph_mode("cudagraph", offload, CUDA, unsafe)
 
 
 @pytest.mark.parametrize("offload", list(OffloadMode))
@@ -261,7 +263,7 @@ def test_emulated_offload_cudagraph_gives_the_eager_tokens_and_loads(qwen3_ckpt,
     want = (tokens(eager, SELECTING_PROMPTS), tokens(eager, ONE))
     llm = emulated(qwen3_ckpt, OFFLOAD, "cudagraph", *extra)
     runner = llm.engine.runner.graph_runner
-    assert isinstance(runner, OffloadGraphRunner) and llm.engine.kv_store.static_decode_inputs is not None
+    assert isinstance(runner, OffloadGraphRunner) and llm.engine.kv_store.static_decode_inputs is runner.decode_inputs
     assert tokens(llm, SELECTING_PROMPTS) == want[0]
     assert runner.replayed_steps + runner.eager_steps == DECODE_STEPS
     assert runner.replayed_steps >= DECODE_STEPS // 2 and runner.stats["layout_captures"] >= 2

@@ -1,7 +1,9 @@
 """offload=cpu: KV blocks live in pinned host memory; attention runs through the policy's ring pipelines."""
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Iterator
 
 import torch
 
@@ -9,7 +11,7 @@ from sparsekv.engine.context import Context
 from sparsekv.engine.sequence import Sequence
 from sparsekv.kvcache.base import KVStore, available_host_memory
 from sparsekv.kvcache.host_pool import GIB, HostPool
-from sparsekv.kvcache.offload_engine import OffloadEngine
+from sparsekv.kvcache.offload_engine import OffloadEngine, RingCapture
 from sparsekv.kvcache.reader import RingReader
 from sparsekv.policies.context import KVLayout, PolicyContext
 
@@ -53,7 +55,7 @@ class OffloadKVStore(KVStore):
         self.free_rows = list(range(max_num_seqs))
         self.filled: list[int] = []  # decode: batch indices whose block fills this step
         self.num_layers, self.max_num_seqs = num_layers, max_num_seqs
-        # captured decode steps (use_static_decode_inputs): each step's decode slots and tail lengths
+        # captured decode steps (bind_static_decode_inputs): each step's decode slots and tail lengths
         self.static_decode_inputs: torch.Tensor | None = None
 
     @property
@@ -89,18 +91,58 @@ class OffloadKVStore(KVStore):
             return (*self.engine.get_decode_layer_kv(row, layer, (len(seq) - 1) % self.block_size + 1), None)
         return (*self.engine.get_decode_layer_kv(row, layer, self.block_size), self._tail_lengths[seq.seq_id])
 
-    # ---- captured decode steps
-    def use_static_decode_inputs(self) -> None:
-        """Captured decode (graph.mode=cudagraph): each step's decode slots and tail lengths go to one fixed
-        device buffer, so a step replays with nothing but that buffer changed."""
-        self.static_decode_inputs = torch.zeros(self.max_num_seqs * (self.num_layers + 1), dtype=torch.int64,
-                                                device=self.device)
+    # ---- for the graph runners (sparsekv/engine/offload_graph.py): what a captured decode step needs
+    def static_decode_inputs_size(self) -> int:
+        """int64 elements of the buffer bind_static_decode_inputs takes."""
+        return self.max_num_seqs * (self.num_layers + 1)
+
+    def bind_static_decode_inputs(self, buffer: torch.Tensor) -> None:
+        """Captured decode: each step's decode slots and tail lengths go to `buffer` (one fixed device buffer the
+        runner owns), so a step replays with nothing but that buffer changed."""
+        if buffer.dtype != torch.int64 or buffer.numel() < self.static_decode_inputs_size():
+            raise ValueError(f"static decode inputs: need {self.static_decode_inputs_size()} int64 elements, got "
+                             f"{buffer.numel()} {buffer.dtype}")
+        self.static_decode_inputs = buffer
 
     def decode_layout(self, seqs: list[Sequence]) -> tuple:
         """What a captured decode step bakes in: per sequence its decode row and full host blocks, the host slabs
         the gather reads, and the device-side id lists it was captured with."""
         return (len(self.host.k_slabs), self.engine.device_ids_generation,
                 *((self.decode_rows[s.seq_id][1], *self.full_blocks(s)) for s in seqs))
+
+    def block_fills(self) -> bool:
+        """A block fills this step (after begin_step): its offload and the policy hooks run on the host."""
+        return bool(self.filled)
+
+    @property
+    def decode_graph_safe(self) -> bool:
+        return self.decode_policy.decode_graph_safe
+
+    def forget_device_ids(self) -> None:
+        self.engine.forget_device_ids()
+
+    @contextlib.contextmanager
+    def capturing(self, capture: RingCapture) -> Iterator[None]:
+        """The ring engine in capture mode for the block: its loads are ordered inside the capture and counted
+        into capture.moved."""
+        self.engine.start_capture(capture)
+        try:
+            yield
+        finally:
+            self.engine.finish_capture()
+
+    def offloads_issued(self) -> int:
+        return self.engine.offloads_issued()
+
+    def order_after_offloads(self) -> None:
+        """A replay queued from now on waits for the offloads so far (its gathers read those host blocks)."""
+        self.engine.order_after_offloads()
+
+    def replayed(self, moved: dict[str, int]) -> None:
+        """A replay was queued that read every ring slot and moved `moved` (its capture's transfer counts)."""
+        for key, value in moved.items():
+            self.engine.transfer_stats[key] += value
+        self.engine.mark_ring_read()
 
     # ---- step
     def _row(self, seq: Sequence, in_step: set[int]) -> int:

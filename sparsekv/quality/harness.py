@@ -53,36 +53,6 @@ class RecordingOffloadStore(OffloadKVStore):
     engine_class = RecordingOffloadEngine
 
 
-class SequenceKVViews:
-    """Stand-in for the `kvcache_manager` policies receive (OffloadKVStore): the same views over one sequence
-    whose unfinished block lives in decode-buffer row `row`."""
-
-    def __init__(self, engine: OffloadEngine, chunk_tokens: int, row: int = 0):
-        self.engine = engine
-        self.host = engine.host
-        self.block_size = engine.block_size
-        self.chunk_tokens = chunk_tokens
-        self.prefill_token_budget = chunk_tokens
-        self.device = engine.device
-        self.row = row
-
-    @property
-    def transfer_stats(self) -> dict[str, int]:
-        return self.engine.transfer_stats
-
-    def prefix_blocks(self, seq) -> list[int]:
-        return seq.block_table[: seq.num_computed_tokens // self.block_size]
-
-    def num_chunks(self, seq) -> int:
-        return -(-len(seq) // self.chunk_tokens)
-
-    def full_blocks(self, seq) -> list[int]:
-        return seq.block_table[: (len(seq) - 1) // self.block_size]
-
-    def decode_tail(self, seq, layer: int) -> tuple[torch.Tensor, torch.Tensor, None]:
-        return (*self.engine.get_decode_layer_kv(self.row, layer, (len(seq) - 1) % self.block_size + 1), None)
-
-
 @dataclass
 class PhaseRun:
     """What the policy produced in one phase: per layer the evaluated output rows, loaded host blocks and the
