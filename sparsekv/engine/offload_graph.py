@@ -19,8 +19,8 @@ LayoutGraphs.MAX_LAYOUTS layouts are kept (a batch whose sequences fill blocks a
 device-side id lists (OffloadKVStore.forget_device_ids) changes every layout, so no graph reading freed lists ever
 replays. Replays are ordered after pending offloads (their loads read those host blocks) and later ring loads
 after the replay (OffloadKVStore.order_after_offloads / replayed); a replay adds the transfers its capture counted
-(OffloadStepCapture.moved) to the store's transfer_stats. LayoutGraphs is shared with graph.mode=segmented, which captures each whole layer per
-layout the same way.
+(OffloadStepCapture.moved) to the store's transfer_stats. LayoutGraphs is shared with graph.mode=segmented, which
+captures each whole layer per layout the same way.
 """
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 
 class LayoutGraphs:
     """Offloaded decode work captured per KV layout, what OffloadGraphRunner (the whole step) and
-    SegmentedGraphRunner (each layer) share. plan_step() says how to run a step (and drops the graphs when a block fills):
+    SegmentedGraphRunner (each layer) share. plan_step() says how to run a step (and drops the graphs when a block
+    fills):
       (None, None)      eagerly, capturing nothing: a block fills (the graphs are dropped), or graphs are off
       (layout, None)    eagerly, then capture(layout, fns) with the step's work as fns
       (layout, entry)   replaying(entry): the entry's graphs, in capture order

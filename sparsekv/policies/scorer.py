@@ -45,8 +45,8 @@ class ScorerPolicy(SparsePolicy):
             return None
         scores = self.score_blocks(ctx)
         if scores.shape != (n,):
-            raise PolicySelectionError(f"{type(self).__name__}.score_blocks (layer {ctx.layer}, {ctx.phase}): "
-                                       f"returned shape {tuple(scores.shape)}, expected ({n},): one score per candidate")
+            raise PolicySelectionError(f"{type(self).__name__}.score_blocks (layer {ctx.layer}, {ctx.phase}): returned "
+                                       f"shape {tuple(scores.shape)}, expected ({n},): one score per candidate")
         return top_blocks(ctx.candidate_ids, scores, keep, self.sink_blocks, self.recent_blocks)
 
 

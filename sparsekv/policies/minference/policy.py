@@ -4,7 +4,7 @@ Per head, the last `last_q` queries of the chunk estimate which key columns ("ve
 delimiters) and which diagonals ("slash" lines: fixed relative offsets q_pos - k_pos, the local band) carry
 the attention mass; every query of the chunk then attends exactly to the union of the top `vertical_size`
 columns and the top `slash_size` diagonals (plus the first `sink_tokens` columns and the `recent_diagonals`
-offsets next to the main diagonal, always kept), through sparsekv.policies.minference.vertical_slash.vertical_slash_attention.
+offsets next to the main diagonal, always kept), through vertical_slash_attention (vertical_slash.py beside this file).
 Decode is not sparse: the factory pairs this policy with `full` for decode.
 
 `slash_granularity` = 64 ranks whole bands of 64 offsets [64 b, 64 b + 63] by their summed diagonal mass and keeps
