@@ -76,7 +76,9 @@ class KVGroup(NamedTuple):
 class KVReader(Protocol):
     """Read access to host blocks of one layer through the GPU ring. groups() loads ahead, waits for each group
     before yielding it, and frees a group's slots when the caller advances to the next group (the caller's kernels
-    reading it are enqueued on the compute stream by then). Views are valid only until the caller advances."""
+    reading it are enqueued on the compute stream by then). Views are valid only until the caller advances.
+    group_size (default: half the ring, so two groups are in flight) applies to id lists; a device tensor of ids is
+    gathered in groups of up to ring_capacity blocks."""
     block_size: int
     ring_capacity: int  # slots in the ring: a group holds at most this many blocks
     check_selections: bool  # validate device-tensor selections too (one host sync per layer and step)
