@@ -13,7 +13,7 @@ POLICY_CLASSES = [
     "sparsekv.policies.full:FullAttentionPolicy",
     "sparsekv.policies.minference:MInferencePolicy",
     "sparsekv.policies.quest:QuestPolicy",
-    "sparsekv.policies.xattn_bsa:XAttentionPolicy",
+    "sparsekv.policies.xattn:XAttentionPolicy",
 ]
 
 

@@ -100,19 +100,19 @@ def build_kv_store(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device:
     full = registry().policies["full"]()
     prefill_policy = policy if policy.supports_prefill else full
     decode_policy = policy if policy.supports_decode else full
-    if cfg.offload.mode == OffloadMode.none:
-        if decode_policy.requires_block_selection:
-            log.warning("policy %s selects blocks to load over PCIe; with offload=none decode stays dense "
-                        "(use offload=cpu to load only the selected blocks)", decode_policy.name)
+    check_selections = bool(cfg.get("check_selections", False))  # validate device selections too (a sync each)
+    if cfg.offload.mode == OffloadMode.none:  # a selecting decode policy chooses among the resident blocks
         num_blocks = num_device_kv_blocks(cfg, spec, dtype, device, max_model_len)
         return PagedKVStore(spec.num_hidden_layers, num_blocks, cfg.offload.block_size, spec.num_key_value_heads,
-                            spec.head_dim, dtype, device, prefill_policy, max_model_len)
+                            spec.head_dim, dtype, device, prefill_policy, max_model_len, decode_policy=decode_policy,
+                            check_selections=check_selections)
     offload = cfg.offload
     chunk = prefill_chunk_tokens(cfg, max_model_len)
     initial_prefill_buffer = min(chunk, cfg.scheduler.max_num_batched_tokens)
     return OffloadKVStore(spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, offload.block_size,
                           offload.num_gpu_blocks, chunk, cfg.scheduler.max_num_seqs, offload.host_pool_gib, dtype,
-                          device, prefill_policy, decode_policy, initial_prefill_buffer)
+                          device, prefill_policy, decode_policy, initial_prefill_buffer,
+                          check_selections=check_selections)
 
 
 def build_engine(cfg: DictConfig) -> LLMEngine:

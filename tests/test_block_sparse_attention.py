@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 
-from sparsekv.kernels import block_sparse_attention as bsa_module
+from sparsekv.policies.xattn import block_sparse_attention as bsa_module
 from sparsekv.kernels.attention import flash_attn_with_lse
-from sparsekv.kernels.block_lists import block_lists_from_mask, block_runs
-from sparsekv.kernels.block_sparse_attention import (
+from sparsekv.policies.xattn.block_lists import block_lists_from_mask, block_runs
+from sparsekv.policies.xattn.block_sparse_attention import (
     LoopConfig,
     block_sparse_attention,
     block_sparse_attention_reference,
@@ -145,7 +145,7 @@ class _Record:
         return launch
 
 
-def test_loop_config_from_environment(monkeypatch):
+def test_loop_config_from_a_spec_and_as_an_argument(monkeypatch):
     assert loop_config("") == bsa_module.LOOP
     assert loop_config("mode=lists, list_stages=3") == LoopConfig(mode="lists", list_stages=3)
     for bad, match in (("mode=fast", "mode='fast'"), ("stages=3", "key=value"), ("list_stages=-1", "non-negative"),
@@ -154,11 +154,10 @@ def test_loop_config_from_environment(monkeypatch):
             loop_config(bad)
     record = _Record(bsa_module._bsa_fwd_kernel)
     monkeypatch.setattr(bsa_module, "_bsa_fwd_kernel", record)
-    monkeypatch.setenv(bsa_module.ENV_LOOP, "mode=runs,run_min_tiles=7")
     gen = torch.Generator().manual_seed(5)
     q, k = torch.randn(40, 2, 16, generator=gen).to(DEV), torch.randn(80, 1, 16, generator=gen).to(DEV)
     idx, count = block_lists_from_mask(_selection("ragged", 2, 3, 5, gen))
-    block_sparse_attention(q, k, k, idx, count, 16)
+    block_sparse_attention(q, k, k, idx, count, 16, loop=loop_config("mode=runs,run_min_tiles=7"))
     block_sparse_attention(q, k, k, idx, count, 16, loop=LoopConfig(mode="lists", list_stages=4))
     first, second = record.kwargs
     assert (first["LOOP_MODE"], first["RUN_MIN_TILES"]) == (bsa_module.LOOP_MODES["runs"], 7)

@@ -44,23 +44,21 @@ class TopHalfPolicy(FullAttentionPolicy):
     requires_block_selection: ClassVar[bool] = True
     decode_graph_safe: ClassVar[bool] = False  # its choice is a host list made from the query
 
-    def initialize(self, num_layers, num_kv_heads, head_dim, num_cpu_blocks, dtype, device) -> None:
+    def initialize(self, layout) -> None:
         self.means: dict[tuple[int, int], torch.Tensor] = {}
 
-    def on_prefill_offload(self, cpu_block_id, layer_id, k_cache, num_valid_tokens) -> None:
-        self.means[(layer_id, cpu_block_id)] = k_cache[:num_valid_tokens].float().mean(0)  # [KVH, D]
-
-    def on_decode_offload(self, cpu_block_id, layer_id, k_cache, num_valid_tokens) -> None:
-        self.on_prefill_offload(cpu_block_id, layer_id, k_cache, num_valid_tokens)
+    def on_prefill_offload(self, block_id, layer, keys, n) -> None:
+        self.means[(layer, block_id)] = keys[:n].float().mean(0)  # [KVH, D]
 
     def reset(self) -> None:
         self.means = {}
 
-    def select_blocks(self, available_blocks, offload_engine, ctx):
+    def select_blocks(self, ctx):
+        available_blocks = list(ctx.candidates)
         if ctx.is_prefill or len(available_blocks) <= 2:
-            return available_blocks
+            return None
         q = ctx.query.float()[0]  # [H, D]
-        means = torch.stack([self.means[(ctx.layer_id, b)] for b in available_blocks])  # [n, KVH, D]
+        means = torch.stack([self.means[(ctx.layer, b)] for b in available_blocks])  # [n, KVH, D]
         group = q.shape[0] // means.shape[1]
         scores = (means.repeat_interleave(group, dim=1) * q).sum((1, 2)).tolist()  # host sync, like Quest
         keep = sorted(range(len(available_blocks) - 1), key=lambda i: -scores[i])[: len(available_blocks) // 2]
@@ -71,9 +69,8 @@ def use_decode_policy(llm: LLM, policy) -> None:
     """Swap the offload store's decode policy (before any request) for one this test defines."""
     store = llm.engine.kv_store
     store.decode_policy = policy
-    store.engine.policy_hooks = [store.prefill_policy, policy]
-    policy.initialize(llm.engine.spec.num_hidden_layers, llm.engine.spec.num_key_value_heads,
-                      llm.engine.spec.head_dim, store.num_blocks, llm.engine.dtype, llm.engine.device)
+    store.policies = [store.prefill_policy, policy]
+    policy.initialize(store.layout)
 
 
 # ---------------------------------------------------------------- CPU: configuration
@@ -132,8 +129,10 @@ def test_resolution_on_cuda(offload, monkeypatch):
         assert resolve_graph_mode("auto", offload, CUDA, unsafe) == GraphMode.segmented
         with pytest.raises(ValueError, match=r"policy=test_top_half sets decode_graph_safe=False.*graph=segmented"):
             resolve_graph_mode("cudagraph", offload, CUDA, unsafe)
-    else:  # offload=none decodes densely whatever the policy
-        assert resolve_graph_mode("cudagraph", offload, CUDA, unsafe) == GraphMode.cudagraph
+    else:  # offload=none: a selecting decode policy builds each step's block table on the host
+        assert resolve_graph_mode("auto", offload, CUDA, unsafe) == GraphMode.segmented
+        with pytest.raises(ValueError, match=r"policy=test_top_half selects blocks per step on the host"):
+            resolve_graph_mode("cudagraph", offload, CUDA, unsafe)
 
 
 @pytest.mark.parametrize("offload", list(OffloadMode))
@@ -263,7 +262,7 @@ def test_emulated_offload_cudagraph_gives_the_eager_tokens_and_loads(qwen3_ckpt,
     want = (tokens(eager, SELECTING_PROMPTS), tokens(eager, ONE))
     llm = emulated(qwen3_ckpt, OFFLOAD, "cudagraph", *extra)
     runner = llm.engine.runner.graph_runner
-    assert isinstance(runner, OffloadGraphRunner) and llm.engine.kv_store.static_decode_inputs is not None
+    assert isinstance(runner, OffloadGraphRunner) and llm.engine.kv_store.static_decode_inputs is runner.decode_inputs
     assert tokens(llm, SELECTING_PROMPTS) == want[0]
     assert runner.replayed_steps + runner.eager_steps == DECODE_STEPS
     assert runner.replayed_steps >= DECODE_STEPS // 2 and runner.stats["layout_captures"] >= 2

@@ -14,22 +14,23 @@ import pytest
 import torch
 
 from sparsekv import LLM, SamplingParams
-from sparsekv.kernels import (
-    _dispatch,
-    flash_attn_with_lse_reference,
+from sparsekv.kernels import _dispatch, flash_attn_with_lse_reference
+from sparsekv.policies.minference.vertical_slash import (
     vertical_slash_attention,
     vertical_slash_attention_reference,
     vertical_slash_pair_count,
 )
-from sparsekv.kernels.vertical_slash_estimate import (
+from sparsekv.policies.minference.vertical_slash_estimate import (
     last_rows_lse,
     last_rows_lse_reference,
     vertical_slash_masses,
     vertical_slash_masses_reference,
 )
 from sparsekv.kvcache.host_pool import HostPool
+from sparsekv.kvcache.reader import RingReader
+from sparsekv.policies.context import PolicyContext
 from sparsekv.kvcache.offload_engine import OffloadEngine
-from sparsekv.policies.minference import SLASH_BAND, MInferencePolicy, _compact, band_offsets, band_sums, top_indices
+from sparsekv.policies.minference.policy import SLASH_BAND, MInferencePolicy, _compact, band_offsets, band_sums, top_indices
 from tests.conftest import random_prompt
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -132,7 +133,7 @@ def test_kernel_matches_reference(sq, sk, h, kvh, d, q_offset, nv, ns):
 @pytest.mark.parametrize("tiles", [(32, 32, 4, 1), (64, 32, 4, 1), (64, 64, 4, 1), (128, 64, 4, 1), (128, 128, 4, 1)])
 def test_kernel_tile_shapes_pack_the_offset_bits(tiles, monkeypatch):
     """Tiles spanning 63 to 255 offsets: one to four selection words per tile, q_offset not tile-aligned."""
-    from sparsekv.kernels import vertical_slash as module
+    from sparsekv.policies.minference import vertical_slash as module
     monkeypatch.setattr(module, "INTERPRET_CONFIG", tiles)
     gen = torch.Generator().manual_seed(tiles[0] + tiles[1])
     sq, sk, h, kvh, d, q_offset = 150, 300, 2, 1, 16, 150 + 37
@@ -334,19 +335,6 @@ def test_compute_prefill_full_budget_is_dense(shortcut, granularity, monkeypatch
     assert policy.last_density == pytest.approx(1.0)
 
 
-class _Manager:
-    """The two views of OffloadKVStore that compute_chunked_prefill reads."""
-
-    def __init__(self, blocks: list[int], chunk: int):
-        self.blocks, self.chunk = blocks, chunk
-
-    def prefix_blocks(self, seq):
-        return self.blocks
-
-    def num_chunks(self, seq):
-        return -(-len(self.blocks) // self.chunk)
-
-
 def _chunked_prefill(policy, q, k, v, c0: int, bs: int, scale: float, slots: int = 4):
     """Run compute_chunked_prefill for the chunk at positions c0.. with the prefix in a real host pool."""
     S, kvh, d = k.shape
@@ -359,10 +347,10 @@ def _chunked_prefill(policy, q, k, v, c0: int, bs: int, scale: float, slots: int
     for i, blk in enumerate(table):
         engine.offload_prefill_buffer_async(0, blk, bs, i * bs)
     engine.transfer_stats["h2d_blocks"] = 0
-    seq = SimpleNamespace(num_computed_tokens=c0)
     n = q.shape[0]
-    out = policy.compute_chunked_prefill(q.to(DEV), k[c0:].to(DEV), v[c0:].to(DEV), 0, scale, engine,
-                                         _Manager(table, 32), c0 // 32, seq, n)
+    ctx = PolicyContext(phase="prefill", layer=0, query=q.to(DEV), candidates=table, block_size=bs, query_start=c0,
+                        kv_len=c0 + n, softmax_scale=scale, chunk_keys=k[c0:].to(DEV))
+    out = policy.compute_chunked_prefill(q.to(DEV), k[c0:].to(DEV), v[c0:].to(DEV), ctx, RingReader(engine, 0))
     assert engine.transfer_stats["h2d_blocks"] == nblk  # one pass: every prefix block loaded once
     return out.cpu()
 

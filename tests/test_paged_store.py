@@ -55,3 +55,45 @@ def test_chunked_prefill_reads_runs_as_views_and_fragmented_tables_by_gather(lla
     chunked = llm.generate(prompts, greedy)
     assert [o.token_ids for o in chunked] == [o.token_ids for o in one_shot]
     assert None in seen and any(b is not None for b in seen), set(seen)  # the fragmented first and the contiguous second
+
+
+def test_selecting_decode_policy_selects_among_resident_blocks(qwen3_ckpt):
+    """offload=none with quest: decode attends to the blocks quest selects, the same ones as offload=cpu (equal
+    greedy tokens), and only those (the attention over the selection differs from dense attention)."""
+    from sparsekv import LLM, SamplingParams
+    from tests.conftest import random_prompt
+
+    prompts = [random_prompt(150, seed=4), random_prompt(90, seed=5)]  # 9 and 5 full blocks: quest selects 2
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    base = ["device=cpu", "dtype=float32", "offload.block_size=16", "graph=eager"]
+    quest = ["policy=quest", "policy.token_budget=32", "policy.dense_layers=0"]
+    resident = LLM(str(qwen3_ckpt), overrides=base + quest)
+    policy = resident.engine.kv_store.selection.policy
+    calls = []
+    select = policy.select_blocks
+
+    def spy(ctx):
+        chosen = select(ctx)
+        calls.append((ctx.phase, list(ctx.candidates), None if chosen is None else sorted(chosen.tolist())))
+        return chosen
+
+    policy.select_blocks = spy
+    got = [o.token_ids for o in resident.generate(prompts, greedy)]
+    offloaded = LLM(str(qwen3_ckpt), overrides=base + quest + ["offload=cpu", "offload.num_gpu_blocks=4"])
+    assert got == [o.token_ids for o in offloaded.generate(prompts, greedy)]
+    assert calls and all(phase == "decode" for phase, _, _ in calls)
+    for _, candidates, chosen in calls:
+        assert chosen is None or (len(chosen) == 2 and chosen[0] == candidates[0] and chosen[1] == candidates[-1])
+    assert any(chosen is not None for _, _, chosen in calls)
+    dense = LLM(str(qwen3_ckpt), overrides=base).generate(prompts, greedy)
+    assert got != [o.token_ids for o in dense]
+
+
+def test_selecting_decode_policy_refuses_captured_graphs_without_offload():
+    import pytest
+
+    from sparsekv.engine.cuda_graph import resolve_graph_mode
+    from sparsekv.policies.quest import QuestPolicy
+
+    with pytest.raises(ValueError, match="selects blocks per step on the host; use graph=segmented"):
+        resolve_graph_mode("cudagraph", "none", torch.device("cuda"), QuestPolicy())  # checked before any CUDA call

@@ -23,10 +23,11 @@ from hydra.errors import ConfigCompositionException
 from sparsekv import LLM, SamplingParams, plugins
 from sparsekv.factory import build_policy
 from sparsekv.llm import compose_config
-from sparsekv.policies.base import PolicyContext
+from sparsekv.policies.context import KVLayout, PolicyContext
 from sparsekv.policies.minference import MInferencePolicy
 from sparsekv.policies.quest import QuestPolicy
-from sparsekv.policies.xattn_bsa import XAttentionPolicy, threshold_keep
+from sparsekv.policies.scorer import top_blocks
+from sparsekv.policies.xattn.policy import XAttentionPolicy, threshold_keep
 from tests.conftest import host_sync_sites, make_checkpoint, random_prompt
 from tests.test_streaming_plugin import install_streaming_plugin, plugin_site_on_path
 
@@ -39,6 +40,18 @@ OFFLOAD = {
 }
 PROMPTS = [random_prompt(200, seed=11), random_prompt(150, seed=12)]  # 12 and 9 full blocks of 16 tokens
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def make_ctx(phase: str, layer: int, query: torch.Tensor, candidates: list[int], block_size: int, kv_len: int,
+             chunk_keys: torch.Tensor | None = None) -> PolicyContext:
+    return PolicyContext(phase=phase, layer=layer, query=query, candidates=candidates, block_size=block_size,
+                         query_start=kv_len - query.shape[0], kv_len=kv_len, softmax_scale=query.shape[-1] ** -0.5,
+                         chunk_keys=chunk_keys)
+
+
+def make_layout(layers: int, kv_heads: int, dim: int, block_size: int, dtype=torch.float32, device="cpu") -> KVLayout:
+    return KVLayout(num_layers=layers, num_kv_heads=kv_heads, head_dim=dim, block_size=block_size,
+                    max_blocks=10 ** 9, dtype=dtype, device=torch.device(device))
 
 
 @dataclass
@@ -137,7 +150,13 @@ def test_phase_pairing_with_small_budgets(name, prefill, decode, ckpt):
     if name == "xattn_bsa":  # prefill loads exactly the blocks its selections keep
         policy, chosen = store.prefill_policy, []
         select = policy.select_blocks
-        policy.select_blocks = lambda blocks, engine, ctx: chosen.append(select(blocks, engine, ctx)) or chosen[-1]
+
+        def spy(ctx):
+            selection = select(ctx)
+            chosen.append(ctx.candidates if selection is None else selection)
+            return selection
+
+        policy.select_blocks = spy
         before = store.transfer_stats["h2d_blocks"]
         llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         assert store.transfer_stats["h2d_blocks"] - before == sum(map(len, chosen)) > 0
@@ -150,8 +169,8 @@ def test_phase_pairing_with_small_budgets(name, prefill, decode, ckpt):
 def planted_dense(policy_cls) -> None:
     """full selects every block, in order."""
     blocks = [4, 9, 2, 30]
-    ctx = PolicyContext(0, 1, 0, torch.randn(1, 4, 16), False, 16, 64)
-    assert policy_cls().select_blocks(blocks, None, ctx) == blocks
+    ctx = make_ctx("decode", 0, torch.randn(1, 4, 16), blocks, 16, 64)
+    assert policy_cls().select_blocks(ctx) is None  # None: every candidate
 
 
 def _unit(dim: int, gen: torch.Generator) -> torch.Tensor:
@@ -165,7 +184,7 @@ def planted_quest(policy_cls) -> None:
     blocks = [3, 5, 8, 9, 17, 40, 41, 42, 100, 250]  # sparse ids: the tables grow to 251 rows, lazily
     needle = 41
     policy = policy_cls(token_budget=3 * bs, dense_layers=1)
-    policy.initialize(layers, kv_heads, dim, 10 ** 9, torch.float32, torch.device("cpu"))
+    policy.initialize(make_layout(layers, kv_heads, dim, bs))
     query = torch.randn(1, heads, dim, generator=gen)
     group_query = query.view(kv_heads, heads // kv_heads, dim).mean(dim=1)  # [KVH, D]
     keys = {}
@@ -178,11 +197,12 @@ def planted_quest(policy_cls) -> None:
             policy.on_prefill_offload(block, layer, k, bs)
     assert policy._kmax.capacity < 10 ** 6  # allocated by use, not by the host pool's bound
 
-    ctx = PolicyContext(0, 1, 1, query, False, bs, len(blocks) * bs + 1)
-    chosen = policy.select_blocks(blocks, None, ctx)
-    assert chosen == [blocks[0], needle, blocks[-1]]  # sink, needle, newest; in order
-    dense_ctx = PolicyContext(0, 1, 0, query, False, bs, len(blocks) * bs + 1)
-    assert policy.select_blocks(blocks, None, dense_ctx) == blocks  # layer 0 < dense_layers
+    ctx = make_ctx("decode", 1, query, blocks, bs, len(blocks) * bs + 1)
+    chosen = sorted(policy.select_blocks(ctx).tolist())  # a device tensor, any order
+    assert chosen == [blocks[0], needle, blocks[-1]]  # sink, needle, newest
+    assert sorted(top_blocks(ctx.candidate_ids, policy.score_blocks(ctx), 3, 1, 1).tolist()) == chosen  # reference
+    dense_ctx = make_ctx("decode", 0, query, blocks, bs, len(blocks) * bs + 1)
+    assert policy.select_blocks(dense_ctx) is None  # layer 0 < dense_layers: every block
 
     # the per-channel bound is an upper bound of every q.k in the block, and tighter than max(q.kmax, q.kmin)
     ids = torch.tensor(blocks)
@@ -214,7 +234,7 @@ def _planted_xattn_offload(policy_cls) -> None:
     blocks = list(range(20, 32))  # 12 prefix host blocks
     needle = blocks[5]
     policy = policy_cls(threshold=0.6, stride=4)
-    policy.initialize(1, kv_heads, dim, 10 ** 9, torch.float32, torch.device("cpu"))
+    policy.initialize(make_layout(1, kv_heads, dim, bs))
     for block in blocks:
         k = 0.3 * torch.randn(bs, kv_heads, dim, generator=gen)
         if block == needle:
@@ -222,8 +242,8 @@ def _planted_xattn_offload(policy_cls) -> None:
         policy.on_prefill_offload(block, 0, k, bs)
     assert policy.summary_bytes_per_block() == 1 * (bs // 4) * kv_heads * dim * 4  # 1/stride of the keys
     query = 4.0 * u + 0.3 * torch.randn(32, heads, dim, generator=gen)  # a 2-block chunk asking for u
-    ctx = PolicyContext(1, 2, 0, query, True, bs, (len(blocks) + 2) * bs)
-    chosen = policy.select_blocks(blocks, None, ctx)
+    ctx = make_ctx("prefill", 0, query, blocks, bs, (len(blocks) + 2) * bs)
+    chosen = policy.select_blocks(ctx)
     assert needle in chosen and chosen[0] == blocks[0] and chosen[-1] == blocks[-1]
     assert chosen == sorted(chosen) and len(chosen) <= 4
     assert policy.last_density == len(chosen) / len(blocks) < 0.5
@@ -308,8 +328,8 @@ def planted_streaming_llm(policy_cls) -> None:
     """Position-based, not content-based: sinks + recent window, here checked on both paths."""
     policy = policy_cls(sink_blocks=1, recent_blocks=2, block_size=16)
     blocks = list(range(10, 20))
-    ctx = PolicyContext(0, 1, 0, torch.randn(1, 4, 16), False, 16, 161)
-    assert policy.select_blocks(blocks, None, ctx) == [10, 18, 19]
+    ctx = make_ctx("decode", 0, torch.randn(1, 4, 16), blocks, 16, 161)
+    assert policy.select_blocks(ctx) == [10, 18, 19]
     gen = torch.Generator().manual_seed(3)
     seq, bs = 100, 16
     q = torch.randn(seq, 4, 16, generator=gen)
@@ -362,11 +382,12 @@ def test_quest_small_budget_loads_only_the_selected_blocks(ckpt):
 
     selections: list[tuple[int, list[int], list[int]]] = []
     streamed: list[list[int]] = []
-    select, stream, gather = policy.select_blocks_on_device, engine.stream_block_groups, engine.gather_block_groups
+    select, stream, gather = policy.select_blocks, engine.stream_block_groups, engine.gather_block_groups
 
-    def spy_select(available, offload_engine, ctx):
-        chosen = select(available, offload_engine, ctx)
-        selections.append((ctx.layer_id, list(available), available if chosen is None else sorted(chosen.tolist())))
+    def spy_select(ctx):
+        chosen = select(ctx)
+        available = list(ctx.candidates)
+        selections.append((ctx.layer, available, available if chosen is None else sorted(chosen.tolist())))
         return chosen
 
     def spy_stream(layer, cpu_blocks, *args, **kwargs):
@@ -377,7 +398,7 @@ def test_quest_small_budget_loads_only_the_selected_blocks(ckpt):
         streamed.append(sorted(block_ids.tolist()))
         return gather(layer, block_ids)
 
-    policy.select_blocks_on_device = spy_select
+    policy.select_blocks = spy_select
     engine.stream_block_groups, engine.gather_block_groups = spy_stream, spy_gather
 
     def h2d_blocks(max_tokens: int) -> int:
@@ -450,23 +471,19 @@ def test_gpu_bf16_hooks_do_not_sync_and_only_host_selection_syncs():
     keys = torch.randn(bs, kv_heads, dim, device=dev, dtype=dt, generator=gen)
     quest, xattn = QuestPolicy(token_budget=4096, dense_layers=0), XAttentionPolicy(threshold=0.9)
     for policy in (quest, xattn):
-        policy.initialize(4, kv_heads, dim, 10 ** 6, dt, dev)
+        policy.initialize(make_layout(4, kv_heads, dim, bs, dt, dev))
         for block in range(40):
             policy.on_prefill_offload(block, 2, keys.roll(block, 0), bs)
         assert host_sync_sites(lambda: policy.on_prefill_offload(40, 2, keys, 700)) == []  # a partial block too
         assert host_sync_sites(lambda: policy.on_decode_offload(40, 2, keys, bs)) == []
     blocks = list(range(41))
     q1 = torch.randn(1, heads, dim, device=dev, dtype=dt, generator=gen)
-    syncs = host_sync_sites(lambda: quest.select_blocks(blocks, None, PolicyContext(0, 1, 2, q1, False, bs, 42 * bs)))
-    assert len(syncs) == 1, syncs
-    on_device = quest.select_blocks_on_device(blocks, None, PolicyContext(0, 1, 2, q1, False, bs, 42 * bs))
-    assert host_sync_sites(lambda: quest.select_blocks_on_device(blocks, None, PolicyContext(0, 1, 2, q1, False, bs,
-                                                                                         42 * bs))) == []
-    assert sorted(on_device.tolist()) == quest.select_blocks(blocks, None, PolicyContext(0, 1, 2, q1, False, bs,
-                                                                                         42 * bs))
+    ctx = make_ctx("decode", 2, q1, blocks, bs, 42 * bs)
+    on_device = quest.select_blocks(ctx)
+    assert host_sync_sites(lambda: quest.select_blocks(make_ctx("decode", 2, q1, blocks, bs, 42 * bs))) == []
+    assert on_device.shape == (4,) and on_device.device.type == "cuda"  # 4096 tokens of 1024-token blocks
     chunk = torch.randn(4096, heads, dim, device=dev, dtype=dt, generator=gen)
-    syncs = host_sync_sites(lambda: xattn.select_blocks(blocks, None, PolicyContext(10, 11, 2, chunk, True, bs,
-                                                                                45 * bs)))
+    syncs = host_sync_sites(lambda: xattn.select_blocks(make_ctx("prefill", 2, chunk, blocks, bs, 45 * bs)))
     assert len(syncs) == 1, syncs
 
 

@@ -34,16 +34,14 @@ class KeepBlocks(SparsePolicy):
     hook_calls: list = field(default_factory=list)
     requires_block_selection = True
 
-    def select_blocks(self, available_blocks, offload_engine, ctx):
-        return [available_blocks[i] for i in self.keep if i < len(available_blocks)]
+    def select_blocks(self, ctx):
+        return [ctx.candidates[i] for i in self.keep if i < len(ctx.candidates)]
 
-    def on_prefill_offload(self, cpu_block_id, layer_id, k_cache, num_valid_tokens):
-        self.hook_calls.append(("prefill", cpu_block_id, layer_id, k_cache.device.type, k_cache.shape[0],
-                                num_valid_tokens))
+    def on_prefill_offload(self, block_id, layer, keys, n):
+        self.hook_calls.append(("prefill", block_id, layer, keys.device.type, keys.shape[0], n))
 
-    def on_decode_offload(self, cpu_block_id, layer_id, k_cache, num_valid_tokens):
-        self.hook_calls.append(("decode", cpu_block_id, layer_id, k_cache.device.type, k_cache.shape[0],
-                                num_valid_tokens))
+    def on_decode_offload(self, block_id, layer, keys, n):
+        self.hook_calls.append(("decode", block_id, layer, keys.device.type, keys.shape[0], n))
 
 
 # ---------------------------------------------------------------------------------------------- planted inputs

@@ -1,4 +1,4 @@
-"""Quest's fused block-score kernel (sparsekv/kernels/quest_score.py) against its pure-torch reference, and the
+"""Quest's fused block-score kernel (sparsekv/policies/quest/quest_score.py) against its pure-torch reference, and the
 reference against QuestPolicy's general (multi-query) scoring it replaces in decode.
 
 On CPU the kernel runs under the Triton interpreter (the triton_kernels fixture)."""
@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv.kernels import quest_score
-from sparsekv.kernels.quest_score import (
+from sparsekv.policies.quest import quest_score
+from sparsekv.policies.quest.quest_score import (
     quest_block_shares,
     quest_block_shares_reference,
     quest_select,
     quest_select_reference,
 )
+from sparsekv.policies.context import KVLayout
 from sparsekv.policies.quest import QuestPolicy
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -50,7 +51,8 @@ def test_reference_equals_policy_scores():
     heads, kv_heads, dim, blocks = 8, 2, 16, 12
     q, hi, lo, ids = _inputs(heads, kv_heads, dim, blocks, 9, seed=3)
     policy = QuestPolicy(token_budget=2)
-    policy.initialize(1, kv_heads, dim, blocks, torch.float32, DEV)
+    policy.initialize(KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, block_size=16, max_blocks=blocks,
+                               dtype=torch.float32, device=DEV))
     for block in range(blocks):
         policy._kmax.write(0, block, hi[block])
         policy._kmin.write(0, block, lo[block])

@@ -1,4 +1,4 @@
-"""vertical_slash_attention's metadata builder (sparsekv.kernels.vertical_slash_index) against its torch reference,
+"""vertical_slash_attention's metadata builder (sparsekv.policies.minference.vertical_slash_index) against its torch reference,
 and the kernel's pair counter against vertical_slash_pair_count.
 
 On CPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set by conftest); small sizes only.
@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from sparsekv.kernels import _dispatch
-from sparsekv.kernels import vertical_slash as vs
-from sparsekv.kernels import vertical_slash_index as vsi
-from sparsekv.kernels.vertical_slash import (
+from sparsekv.policies.minference import vertical_slash as vs
+from sparsekv.policies.minference import vertical_slash_index as vsi
+from sparsekv.policies.minference.vertical_slash import (
     vertical_slash_attention,
     vertical_slash_attention_reference,
     vertical_slash_pair_count,
     visible_pair_count,
 )
-from sparsekv.policies.minference import SLASH_BAND, MInferencePolicy, band_offsets
+from sparsekv.policies.minference.policy import SLASH_BAND, MInferencePolicy, band_offsets
 from tests.conftest import CountLaunches
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -12,16 +12,16 @@ import math
 import pytest
 import torch
 
-from sparsekv.kernels import block_sparse_attention as bsa_module
+from sparsekv.policies.xattn import block_sparse_attention as bsa_module
 from sparsekv.kernels import flash_attn_with_lse_reference
-from sparsekv.kernels import xattn_estimate as estimate_module
-from sparsekv.kernels.block_sparse_attention import (
+from sparsekv.policies.xattn import xattn_estimate as estimate_module
+from sparsekv.policies.xattn.block_sparse_attention import (
     block_lists_from_mask,
     block_sparse_attention,
     block_sparse_attention_reference,
 )
-from sparsekv.kernels.xattn_estimate import xattn_block_mass, xattn_block_mass_reference
-from sparsekv.policies.xattn_bsa import XAttentionPolicy
+from sparsekv.policies.xattn.xattn_estimate import xattn_block_mass, xattn_block_mass_reference
+from sparsekv.policies.xattn import XAttentionPolicy
 from tests.conftest import CountLaunches, host_sync_sites
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")

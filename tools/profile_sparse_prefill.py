@@ -15,11 +15,11 @@ import statistics
 
 import torch
 
-from sparsekv.kernels.vertical_slash import vertical_slash_attention
-from sparsekv.kernels.vertical_slash_estimate import vertical_slash_masses
+from sparsekv.policies.minference.vertical_slash import vertical_slash_attention
+from sparsekv.policies.minference.vertical_slash_estimate import vertical_slash_masses
 from sparsekv.policies.full import FullAttentionPolicy as FullPolicy
 from sparsekv.policies.minference import MInferencePolicy
-from sparsekv.policies.xattn_bsa import XAttentionPolicy
+from sparsekv.policies.xattn import XAttentionPolicy
 
 
 def timed(fn, reps: int) -> float:

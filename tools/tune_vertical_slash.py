@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 import torch
 
-from sparsekv.kernels import vertical_slash as vs
-from sparsekv.kernels import vertical_slash_estimate as est
-from sparsekv.policies.minference import SLASH_BAND, MInferencePolicy, band_offsets, top_indices
+from sparsekv.policies.minference import vertical_slash as vs
+from sparsekv.policies.minference import vertical_slash_estimate as est
+from sparsekv.policies.minference.policy import SLASH_BAND, MInferencePolicy, band_offsets, top_indices
 from profile_sparse_prefill import chunk_parser, dense_chunk_ms, random_chunk, timed  # tools/ is on sys.path
 
 CANDIDATES = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2),

@@ -26,14 +26,14 @@ from profile_sparse_prefill import (  # tools/ is on sys.path
 
 from sparsekv.kernels import flash_attn_with_lse
 from sparsekv.kernels._dispatch import attention_backend, default_kernels
-from sparsekv.kernels import xattn_estimate as est
-from sparsekv.kernels.block_lists import block_runs
-from sparsekv.kernels.block_sparse_attention import (
+from sparsekv.policies.xattn import xattn_estimate as est
+from sparsekv.policies.xattn.block_lists import block_runs
+from sparsekv.policies.xattn.block_sparse_attention import (
     block_lists_from_mask,
     block_sparse_attention,
     loop_config,
 )
-from sparsekv.policies.xattn_bsa import XAttentionPolicy
+from sparsekv.policies.xattn import XAttentionPolicy
 
 CANDIDATES = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3),
               (128, 128, 8, 4), (256, 64, 8, 3)]
@@ -126,8 +126,8 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=0.9)
     parser.add_argument("--sections", default="bsa,estimate,pieces", help="comma-separated: bsa, estimate, pieces")
     parser.add_argument("--loops", nargs="*", default=None,
-                        help="block-sparse loop variants, each label:spec or spec (a LoopConfig spec as in "
-                             "SPARSEKV_BSA_LOOP, e.g. auto2:mode=auto,run_min_tiles=2); default: "
+                        help="block-sparse loop variants, each label:spec or spec (a LoopConfig spec, "
+                             "e.g. auto2:mode=auto,run_min_tiles=2); default: "
                              + " ".join(f"{label}:{spec}" for label, spec in LOOPS.items()))
     args = parser.parse_args()
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}

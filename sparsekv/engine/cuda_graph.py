@@ -69,6 +69,9 @@ def resolve_graph_mode(mode, offload, device: torch.device, decode_policy=None) 
 
     mode, offload = _enum(mode, GraphMode), _enum(offload, OffloadMode)
     graph_safe = getattr(decode_policy, "decode_graph_safe", True)
+    offloaded = offload == OffloadMode.cpu
+    # offload=none: a selecting decode policy builds each step's block table on the host (paged_selection)
+    paged_selecting = not offloaded and getattr(decode_policy, "requires_block_selection", False)
     if mode == GraphMode.eager:
         return mode
     if device.type != "cuda":
@@ -76,10 +79,14 @@ def resolve_graph_mode(mode, offload, device: torch.device, decode_policy=None) 
             return GraphMode.eager
         raise ValueError(f"graph.mode={mode.value} needs a CUDA device, but this run is on {device.type}: CUDA graphs "
                          "replay captured GPU kernels. Use graph=eager, or graph=auto (eager without CUDA)")
+    if mode == GraphMode.cudagraph and paged_selecting:
+        raise ValueError(f"graph.mode=cudagraph replays captured decode steps, but with offload=none policy="
+                         f"{getattr(decode_policy, 'name', decode_policy)} selects blocks per step on the host; use "
+                         "graph=segmented or graph=auto, or offload=cpu")
     triton = use_triton(device)  # the torch references of the decode kernels sync with the host: not capturable
-    offloaded = offload == OffloadMode.cpu
     if mode == GraphMode.auto:
-        return GraphMode.cudagraph if triton and (graph_safe or not offloaded) else GraphMode.segmented
+        return GraphMode.cudagraph if triton and (graph_safe or not offloaded) and not paged_selecting \
+            else GraphMode.segmented
     if mode == GraphMode.cudagraph and not triton:
         raise ValueError(f"graph.mode=cudagraph needs the Triton decode kernels, but the attention backend is "
                          f"the torch reference (triton missing, or {ENV_BACKEND}=torch), which syncs with the host; "

@@ -2,11 +2,11 @@
 
 Once the host blocks each sequence may read are fixed, an offloaded decode step needs nothing from the host:
   loads      host-known block lists are copy-engine memcpys on a branch of the graph, ordered by events recorded
-             in the capture (OffloadEngine.begin_capture), so a layer's loads overlap the compute as in eager
+             in the capture (OffloadKVStore.capturing), so a layer's loads overlap the compute as in eager
              steps; a block-selecting policy (Quest) chooses on the device and its blocks are gathered from
              pinned host memory by a kernel
   new token  its decode-buffer slot and the length of the sequence's unfinished block are read from a static
-             device buffer that the host fills before each replay (OffloadKVStore.use_static_decode_inputs)
+             device buffer the runner owns and the host fills before each replay (bind_static_decode_inputs)
 What does change is the layout (OffloadKVStore.decode_layout): the sequences' decode rows and full host blocks
 (one more every block_size tokens) and the host slabs. A step with a new layout runs eagerly, then is captured
 (the eager run compiled every kernel and made every device-side id list); later steps with that layout replay
@@ -16,11 +16,11 @@ and drops the graphs of older layouts. Per block of decode: two eager steps and 
 The graphs of a layout have a memory pool of their own, released with them (the caching allocator returns a
 dropped pool's memory only on empty_cache, which the step that drops the graphs calls): at most
 LayoutGraphs.MAX_LAYOUTS layouts are kept (a batch whose sequences fill blocks at different steps cycles through layouts), and forgetting the
-device-side id lists (OffloadEngine.forget_device_ids) changes every layout, so no graph reading freed lists ever
+device-side id lists (OffloadKVStore.forget_device_ids) changes every layout, so no graph reading freed lists ever
 replays. Replays are ordered after pending offloads (their loads read those host blocks) and later ring loads
-after the replay (OffloadEngine.before/after_graph_replay); a replay adds the transfers its capture counted to the
-engine's transfer_stats. LayoutGraphs is shared with graph.mode=segmented, which captures each whole layer per
-layout the same way.
+after the replay (OffloadKVStore.order_after_offloads / replayed); a replay adds the transfers its capture counted
+(OffloadStepCapture.moved) to the store's transfer_stats. LayoutGraphs is shared with graph.mode=segmented, which
+captures each whole layer per layout the same way.
 """
 from __future__ import annotations
 
@@ -42,31 +42,32 @@ log = logging.getLogger(__name__)
 
 class LayoutGraphs:
     """Offloaded decode work captured per KV layout, what OffloadGraphRunner (the whole step) and
-    SegmentedGraphRunner (each layer) share. lookup() says how to run a step:
+    SegmentedGraphRunner (each layer) share. plan_step() says how to run a step (and drops the graphs when a block
+    fills):
       (None, None)      eagerly, capturing nothing: a block fills (the graphs are dropped), or graphs are off
       (layout, None)    eagerly, then capture(layout, fns) with the step's work as fns
       (layout, entry)   replaying(entry): the entry's graphs, in capture order
     All graphs of a layout share one memory pool, freed with them (replays run in capture order, never at once)."""
     MAX_LAYOUTS = 4
 
-    def __init__(self, kv_store, capturer, stats: dict, emulate: bool):
-        kv_store.use_static_decode_inputs()
-        self.store, self.engine, self.capturer, self.stats, self.emulate = (kv_store, kv_store.engine, capturer,
-                                                                             stats, emulate)
+    def __init__(self, kv_store, capturer, stats: dict, emulate: bool, static_inputs: torch.Tensor):
+        kv_store.bind_static_decode_inputs(static_inputs)
+        self.store, self.capturer, self.stats, self.emulate = kv_store, capturer, stats, emulate
+        self.replayed_offloads = 0  # offloads the last replay was ordered after
         # layout -> (replays, transfer counts a replay moves)
         self.graphs: OrderedDict[tuple, tuple[list[Callable[[], None]], dict[str, int]]] = OrderedDict()
         self.disabled = False  # a capture failed: every later step runs eagerly
         stats.update(layout_captures=0, layout_capture_seconds=0.0)
 
-    def lookup(self, seqs) -> tuple[tuple | None, tuple | None]:
-        if self.disabled or not getattr(self.store.decode_policy, "decode_graph_safe", True):
+    def plan_step(self, seqs) -> tuple[tuple | None, tuple | None]:
+        if self.disabled or not self.store.decode_graph_safe:
             return None, None
-        if self.store.filled:  # offloads and policy hooks run on the host; the next step has a new layout
+        if self.store.block_fills():  # offloads and policy hooks run on the host; the next step has a new layout
             dropped = bool(self.graphs)
             self.graphs.clear()
             if dropped and not self.emulate:
                 torch.cuda.empty_cache()  # hand the dropped graphs' pools back: GPU memory must not creep per block
-            self.engine.forget_device_ids()  # only the dropped graphs read the old lists
+            self.store.forget_device_ids()  # only the dropped graphs read the old lists
             return None, None
         layout = self.store.decode_layout(seqs)
         entry = self.graphs.get(layout)
@@ -82,9 +83,10 @@ class LayoutGraphs:
         captured, moved = [], {}
         try:
             for fn in fns:  # each graph orders its loads by events of its own capture
-                with _captured(self.engine) as counts:
+                capture = OffloadStepCapture()
+                with self.store.capturing(capture):
                     captured.append(self.capturer.capture(fn, warmup=False, pool=pool))
-                moved = {key: moved.get(key, 0) + value for key, value in counts.items()}
+                moved = {key: moved.get(key, 0) + value for key, value in capture.moved.items()}
         except RuntimeError as error:  # e.g. a policy that syncs with the host while choosing blocks
             self.disabled = True
             log.warning("capturing an offloaded decode step failed (%s); decoding without these graphs from now on. "
@@ -101,9 +103,12 @@ class LayoutGraphs:
         """Yields the entry's replays: ordered after pending offloads, later ring loads ordered after them, and
         their captured transfer counts added to the engine's (emulated, the replays run the Python and count)."""
         replays, moved = entry
-        self.engine.before_graph_replay()
+        issued = self.store.offloads_issued()
+        if issued != self.replayed_offloads:
+            self.store.order_after_offloads()
+            self.replayed_offloads = issued
         yield replays
-        self.engine.after_graph_replay(moved)
+        self.store.replayed(moved)
 
 
 class OffloadGraphRunner(DecodeGraphRunner):
@@ -116,13 +121,15 @@ class OffloadGraphRunner(DecodeGraphRunner):
 
     def _allocate(self) -> None:
         self.inputs = torch.zeros(2 * self.max_batch_size, dtype=torch.int64, device=self.device)  # ids, positions
-        self.layouts = LayoutGraphs(self.kv_store, self.capturer, self.stats, self.emulate)
+        self.decode_inputs = torch.zeros(self.kv_store.static_decode_inputs_size(), dtype=torch.int64,
+                                         device=self.device)  # decode slots and tail lengths (the store fills it)
+        self.layouts = LayoutGraphs(self.kv_store, self.capturer, self.stats, self.emulate, self.decode_inputs)
 
     def _capture(self, bs: int) -> None:
         """Nothing up front: a layout is captured when a step first runs it."""
 
     def _static_buffers(self) -> list[torch.Tensor]:
-        return [self.inputs, self.kv_store.static_decode_inputs]
+        return [self.inputs, self.decode_inputs]
 
     def prepare_decode(self, batch):
         seqs = batch.seqs
@@ -134,7 +141,7 @@ class OffloadGraphRunner(DecodeGraphRunner):
         return ids, positions, Context(is_prefill=False, kv_store=self.kv_store, seqs=seqs), list(range(n))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
-        layout, entry = self.layouts.lookup(context.seqs)
+        layout, entry = self.layouts.plan_step(context.seqs)
         n = input_ids.shape[0]
         if entry is None:
             hidden = self._forward(input_ids, positions, context)  # also the warm-up of a capture
@@ -157,16 +164,16 @@ class OffloadGraphRunner(DecodeGraphRunner):
         return hidden if out is None else out.copy_(hidden)
 
 
-@contextlib.contextmanager
-def _captured(engine):
-    """The engine in capture mode for the block; yields a dict that is then filled with the transfer counts the
-    block recorded, which are taken back out of engine.transfer_stats (a capture moves nothing)."""
-    before = dict(engine.transfer_stats)
-    moved: dict[str, int] = {}
-    engine.begin_capture()
-    try:
-        yield moved
-    finally:
-        engine.end_capture()
-        moved.update({key: engine.transfer_stats[key] - before[key] for key in before})
-        engine.transfer_stats.update(before)
+class OffloadStepCapture:
+    """One capture of offloaded decode work (sparsekv.kvcache.offload_engine.RingCapture): the fork event the ring's
+    first loads wait for, and the transfers the capture issued (they happen at every replay)."""
+
+    def __init__(self):
+        self.moved: dict[str, int] = {}
+        self._fork: torch.cuda.Event | None = None
+
+    def fork_event(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        if self._fork is None:  # the copy stream joins the capture here
+            self._fork = torch.cuda.Event()
+            self._fork.record(stream)
+        return self._fork

@@ -51,12 +51,14 @@ class SegmentedGraphRunner(DecodeGraphRunner):
     def _allocate(self) -> None:
         from sparsekv.engine.offload_graph import LayoutGraphs
         from sparsekv.kernels._dispatch import use_triton
+        from sparsekv.kvcache.offload_store import OffloadKVStore
 
         store = self.kv_store  # offloaded, on the Triton kernels: layers captured per layout (if the policy allows)
-        self.layouts = None
-        if hasattr(store, "decode_layout") and (self.emulate or use_triton(self.device)):
-            self.layouts = LayoutGraphs(store, self.capturer, self.stats, self.emulate)
         mb, dev = self.max_batch_size, self.device
+        self.layouts, self.decode_inputs = None, None
+        if isinstance(store, OffloadKVStore) and (self.emulate or use_triton(self.device)):
+            self.decode_inputs = torch.zeros(store.static_decode_inputs_size(), dtype=torch.int64, device=dev)
+            self.layouts = LayoutGraphs(store, self.capturer, self.stats, self.emulate, self.decode_inputs)
         self.inputs = torch.zeros(2 * mb, dtype=torch.int64, device=dev)  # [2 * bs]: input ids, positions
         with step_context(None):
             hidden, rope = self.model.embed(self.inputs[:1], self.inputs[1:2])
@@ -65,7 +67,8 @@ class SegmentedGraphRunner(DecodeGraphRunner):
         self.attn_out = torch.zeros(mb, *q.shape[1:], dtype=q.dtype, device=dev)  # [bs, H, D]
 
     def _static_buffers(self) -> list[torch.Tensor]:
-        return [self.inputs, self.hidden, self.attn_out]
+        extra = [self.decode_inputs] if self.decode_inputs is not None else []
+        return [self.inputs, self.hidden, self.attn_out, *extra]
 
     def _capture(self, bs: int) -> None:
         ids, positions = self.inputs[:2 * bs].view(2, bs)
@@ -97,7 +100,7 @@ class SegmentedGraphRunner(DecodeGraphRunner):
         static[1, :n].copy_(positions)
         (embed, rope), layers, (final, normed) = self.graphs[bs]
         embed()
-        layout, entry = self.layouts.lookup(context.seqs) if self.layouts else (None, None)
+        layout, entry = self.layouts.plan_step(context.seqs) if self.layouts else (None, None)
         if entry is None:
             for layer, pre, (q, k, v), post in layers:
                 pre()

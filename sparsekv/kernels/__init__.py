@@ -25,15 +25,3 @@ __all__ = [
     "resolve_kernels",
     "store_kv",
 ]
-
-from .vertical_slash import (  # noqa: E402
-    vertical_slash_attention,
-    vertical_slash_attention_reference,
-    vertical_slash_pair_count,
-)
-
-__all__ += [
-    "vertical_slash_attention",
-    "vertical_slash_attention_reference",
-    "vertical_slash_pair_count",
-]

@@ -25,10 +25,6 @@ class HostPool:
     def capacity(self) -> int:
         return len(self.k_slabs) * self.blocks_per_slab
 
-    @property
-    def allocated_bytes(self) -> int:
-        return self.capacity * self.bytes_per_block
-
     def ensure_capacity(self, num_blocks: int) -> None:
         """Allocate slabs until block ids [0, num_blocks) exist."""
         if num_blocks > self.max_blocks:

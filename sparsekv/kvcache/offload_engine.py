@@ -10,24 +10,35 @@ their previous offload finished. Nothing here waits on the host, so the CPU runs
 keeps loading layer L+1's blocks while layer L computes.
 
 Two ways into the ring: copy engines for block lists the host knows (stream_block_groups), and a gather kernel
-reading pinned memory directly for lists that exist only on the device (gather_block_groups: a block-selecting
-policy's choice, loaded without a host sync).
+reading pinned memory directly for lists that exist only on the device (gather_block_groups: a selection held
+on the device, loaded without a host sync). sparsekv.kvcache.reader.RingReader drives both; nothing here knows of
+policies.
 
-Decode steps can be captured into CUDA graphs (sparsekv/engine/offload_graph.py): between begin_capture and
-end_capture the copy-engine loads become memcpy nodes on a branch of the graph, ordered by events recorded inside
-the capture only (a slot's first load waits for a fork event at the start of the capture, later ones for the
-attention that last read the slot, as in eager steps), and nothing waits for offloads; the runner orders each
-replay after pending offloads and later loads after the replay (before_graph_replay / after_graph_replay).
+Decode steps can be captured into CUDA graphs (sparsekv/engine/offload_graph.py owns the capture): between
+start_capture and finish_capture the copy-engine loads become memcpy nodes on a branch of the graph, ordered by
+events recorded inside the capture only (a slot's first load waits for the capture's fork event, later ones for
+the attention that last read the slot, as in eager steps), nothing waits for offloads, and transfers are counted
+into the capture rather than transfer_stats; the runner orders each replay after pending offloads and later loads
+after the replay (order_after_offloads / mark_ring_read).
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 
 from sparsekv.kernels.block_gather import gather_host_blocks, slab_word_offsets
 from sparsekv.kvcache.host_pool import HostPool
+
+
+class RingCapture(Protocol):
+    """A CUDA-graph capture in progress, as the engine sees it (the graph runner owns it: OffloadStepCapture in
+    sparsekv/engine/offload_graph.py)."""
+    moved: dict[str, int]  # transfers issued during the capture: they happen at each replay, not now
+
+    def fork_event(self, stream: "torch.cuda.Stream") -> "torch.cuda.Event":
+        """An event recorded on the capturing stream at the capture's start: a slot's first load waits for it."""
 
 
 class _Streams:
@@ -62,7 +73,7 @@ class _Streams:
 
 class OffloadEngine:
     def __init__(self, host: HostPool, num_gpu_blocks: int, prefill_tokens: int, max_num_seqs: int,
-                 device: torch.device, policy_hooks=()):
+                 device: torch.device):
         self.host = host
         self.device = device
         self.block_size = host.block_size
@@ -76,37 +87,15 @@ class OffloadEngine:
         self.decode_v = torch.empty_like(self.decode_k)
         self._decode_kv_rows = (self.decode_k.view(-1, kvh, d), self.decode_v.view(-1, kvh, d))  # [max_seqs*L*bs, ...]
         self.streams = _Streams(device, num_gpu_blocks, L)
-        self.policy_hooks = list(policy_hooks)  # policies whose on_*_offload hooks see offloaded keys
         self.next_slot = 0
         self.block_bytes = bs * kvh * d * dtype.itemsize  # one of K or V, one layer
         self.transfer_stats = {"h2d_bytes": 0, "d2h_bytes": 0, "h2d_blocks": 0, "d2h_blocks": 0}
         self._slab_offsets: torch.Tensor | None = None  # [2, num_slabs] int64 on the device, for the gather
-        self.capturing = False  # a decode step is being captured into a CUDA graph (begin_capture)
-        self._capture_fork: torch.cuda.Event | None = None  # recorded in the capture before its first load
+        self.capture: RingCapture | None = None  # set while a decode step is captured (start_capture)
         self._device_ids: dict[tuple[int, ...], torch.Tensor] = {}  # block id lists -> [n] int64 on the device
         self.device_ids_generation = 0  # bumped when those are forgotten: graphs captured before must not replay
-        self._replay_offloads = 0  # offloads the last replay waited for
 
-    # ---- ring of GPU slots: load, wait, read, release
-    def load_to_slot_layer(self, slot: int, layer: int, cpu_block: int) -> None:
-        self.next_slot = slot
-        self._issue_group(layer, [cpu_block], 1)
-
-    def wait_slot_layer(self, slot: int) -> None:
-        self.wait_slots(slot, 1)
-
-    def get_kv_for_slot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_slots[slot], self.v_slots[slot]  # [block_size, KVH, D] each
-
-    def record_slot_compute_done(self, slot: int) -> None:
-        self.record_slots_compute_done(slot, 1)
-
-    def stream_blocks(self, layer: int, cpu_blocks: list[int]) -> Iterator[tuple[int, int]]:
-        """Yield (slot, cpu_block) in order, each loaded and waited for, keeping up to num_slots loads in
-        flight. The caller reads the slot and calls record_slot_compute_done(slot) before the next item."""
-        for first, blocks in self.stream_block_groups(layer, cpu_blocks, group_size=1):
-            yield first, blocks[0]
-
+    # ---- ring of GPU slots: load, wait, read, release (sparsekv.kvcache.reader.RingReader drives these)
     def num_block_groups(self, num_blocks: int, group_size: int | None = None) -> int:
         """How many groups stream_block_groups yields for `num_blocks` blocks."""
         size = group_size or max(1, self.num_slots // 2)
@@ -136,15 +125,14 @@ class OffloadEngine:
         """Like stream_block_groups for host block ids held in a device tensor [n] int64: yields (first_slot, ids)
         with len(ids) blocks gathered into consecutive slots. The gather kernel runs on the compute stream, so it
         is ordered after the attention that last read those slots; the host never sees the ids."""
-        if self.streams.cuda and not self.capturing:  # the blocks reached the host
+        if self.streams.cuda and self.capture is None:  # the blocks reached the host
             self.streams.wait_offloaded(torch.cuda.current_stream(self.device), layer)
         offsets = self._device_slab_offsets()
         for start in range(0, len(block_ids), self.num_slots):
             group = block_ids[start:start + self.num_slots]
             first = self._allocate_slots(len(group))
             gather_host_blocks(self.kv_slots, (self.host.k_slabs, self.host.v_slabs), offsets, group, layer, first)
-            self.transfer_stats["h2d_bytes"] += 2 * self.block_bytes * len(group)
-            self.transfer_stats["h2d_blocks"] += len(group)
+            self._count_loads(len(group))
             yield first, group
 
     MAX_DEVICE_ID_LISTS = 256
@@ -155,7 +143,7 @@ class OffloadEngine:
         key = tuple(blocks)
         ids = self._device_ids.get(key)
         if ids is None:
-            if self.capturing:
+            if self.capture is not None:
                 raise RuntimeError("OffloadEngine.device_block_ids: a new block list while capturing a CUDA graph; "
                                    "the eager step before the capture must have made it")
             if len(self._device_ids) >= self.MAX_DEVICE_ID_LISTS:
@@ -189,7 +177,8 @@ class OffloadEngine:
         first = self._allocate_slots(size)
         s = self.streams
         if s.cuda:
-            fork = self._fork_event() if self.capturing else None  # recorded on the capturing stream
+            capture = self.capture
+            fork = capture.fork_event(torch.cuda.current_stream(self.device)) if capture is not None else None
             with torch.cuda.stream(s.h2d):
                 last = None
                 for slot in range(first, first + len(blocks)):  # the attention that last read these slots is done
@@ -197,15 +186,19 @@ class OffloadEngine:
                     if event is not None and event is not last:
                         s.h2d.wait_event(event)
                         last = event
-                if not self.capturing:
+                if capture is None:
                     s.wait_offloaded(s.h2d, layer)  # the blocks reached the host
                 self._copy_runs(layer, first, blocks)
                 s.slot_loaded[first].record(s.h2d)
         else:
             self._copy_runs(layer, first, blocks)
-        self.transfer_stats["h2d_bytes"] += 2 * self.block_bytes * len(blocks)
-        self.transfer_stats["h2d_blocks"] += len(blocks)
+        self._count_loads(len(blocks))
         return first
+
+    def _count_loads(self, blocks: int) -> None:
+        stats = self.transfer_stats if self.capture is None else self.capture.moved
+        stats["h2d_bytes"] = stats.get("h2d_bytes", 0) + 2 * self.block_bytes * blocks
+        stats["h2d_blocks"] = stats.get("h2d_blocks", 0) + blocks
 
     def _copy_runs(self, layer: int, first_slot: int, blocks: list[int]) -> None:
         """One copy per run of consecutive host blocks in one slab (a sequence's blocks are mostly consecutive)."""
@@ -246,9 +239,6 @@ class OffloadEngine:
             self.prefill_k = torch.empty(shape, dtype=self.prefill_k.dtype, device=self.device)
             self.prefill_v = torch.empty_like(self.prefill_k)
 
-    def get_prefill_buffer_slice(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.prefill_k[layer, :n], self.prefill_v[layer, :n]
-
     def write_prefill_buffer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v [N, KVH, D]
         self.wait_prefill_offload(layer)
@@ -259,16 +249,19 @@ class OffloadEngine:
 
     def offload_prefill_buffer_async(self, layer: int, cpu_block: int, n: int, start: int = 0) -> None:
         """Rows [start, start+n) of the layer's prefill buffer become host block `cpu_block` (n <= block_size)."""
-        keys = self.prefill_k[layer, start:start + n]
-        for policy in self.policy_hooks:
-            policy.on_prefill_offload(cpu_block, layer, keys, n)
-        self._offload(layer, cpu_block, keys, self.prefill_v[layer, start:start + n])
+        self._offload(layer, cpu_block, self.prefill_k[layer, start:start + n], self.prefill_v[layer, start:start + n])
 
     def wait_prefill_offload(self, layer: int) -> None:
-        if self.streams.cuda and not self.capturing:
+        if self.streams.cuda and self.capture is None:
             self.streams.wait_offloaded(torch.cuda.current_stream(self.device), layer)
 
     # ---- decode buffer: each sequence's unfinished block
+    def prefill_keys(self, layer: int, start: int, n: int) -> torch.Tensor:
+        return self.prefill_k[layer, start:start + n]  # [n, KVH, D]
+
+    def decode_keys(self, row: int, layer: int) -> torch.Tensor:
+        return self.decode_k[row, layer]  # [block_size, KVH, D]
+
     def get_decode_layer_kv(self, row: int, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.decode_k[row, layer, :n], self.decode_v[row, layer, :n]  # [n, KVH, D]
 
@@ -298,11 +291,8 @@ class OffloadEngine:
         self.decode_v[row, layer, :n].copy_(self.prefill_v[layer, start:start + n])
 
     def offload_decode_buffer_async(self, layer: int, row: int, cpu_block: int) -> None:
-        keys = self.decode_k[row, layer]
-        for policy in self.policy_hooks:
-            policy.on_decode_offload(cpu_block, layer, keys, self.block_size)
         self._mark_written(layer)
-        self._offload(layer, cpu_block, keys, self.decode_v[row, layer])
+        self._offload(layer, cpu_block, self.decode_k[row, layer], self.decode_v[row, layer])
 
     # ---- shared
     def _mark_written(self, layer: int) -> None:
@@ -326,38 +316,29 @@ class OffloadEngine:
         self.transfer_stats["d2h_bytes"] += 2 * n * self.block_bytes // self.block_size
         self.transfer_stats["d2h_blocks"] += 1
 
-    # ---- captured decode steps
-    def begin_capture(self) -> None:
-        """Work captured from now on runs at replay time: forget the events recorded outside the graph."""
-        self.capturing = True
+    # ---- captured decode steps (the graph runner drives these through OffloadKVStore)
+    def start_capture(self, capture: RingCapture) -> None:
+        """Work from now on runs at replay time: forget the events recorded outside the graph."""
+        self.capture = capture
         if self.streams.cuda:
             self.streams.slot_free = [None] * self.num_slots
 
-    def end_capture(self) -> None:
+    def finish_capture(self) -> None:
         """Back to eager work: the events recorded during the capture mean nothing outside the graph; later loads
         wait for everything queued on the compute stream so far."""
-        self.capturing = False
-        self._capture_fork = None
-        self.after_graph_replay({})
+        self.capture = None
+        self.mark_ring_read()
 
-    def _fork_event(self) -> "torch.cuda.Event":
-        if self._capture_fork is None:  # the copy stream joins the capture here
-            self._capture_fork = torch.cuda.Event()
-            self._capture_fork.record(torch.cuda.current_stream(self.device))
-        return self._capture_fork
+    def offloads_issued(self) -> int:
+        return sum(self.streams.offloads) if self.streams.cuda else 0
 
-    def before_graph_replay(self) -> None:
-        """Order a replay after every offload issued so far (its gathers read those host blocks)."""
-        s = self.streams
-        if s.cuda and sum(s.offloads) != self._replay_offloads:
-            torch.cuda.current_stream(self.device).wait_stream(s.d2h)
-            self._replay_offloads = sum(s.offloads)
+    def order_after_offloads(self) -> None:
+        """Work queued on the compute stream from now on waits for every offload issued so far."""
+        if self.streams.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.streams.d2h)
 
-    def after_graph_replay(self, moved: dict[str, int]) -> None:
-        """A replay read every ring slot and moved `moved` (its captured transfer counts): later loads into the
-        ring wait for it."""
-        for key, value in moved.items():
-            self.transfer_stats[key] += value
+    def mark_ring_read(self) -> None:
+        """Work queued so far on the compute stream read every ring slot: later loads into the ring wait for it."""
         s = self.streams
         if s.cuda:
             event = s.free_pool[s.free_next]

@@ -1,7 +1,9 @@
 """offload=cpu: KV blocks live in pinned host memory; attention runs through the policy's ring pipelines."""
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Iterator
 
 import torch
 
@@ -9,7 +11,9 @@ from sparsekv.engine.context import Context
 from sparsekv.engine.sequence import Sequence
 from sparsekv.kvcache.base import KVStore, available_host_memory
 from sparsekv.kvcache.host_pool import GIB, HostPool
-from sparsekv.kvcache.offload_engine import OffloadEngine
+from sparsekv.kvcache.offload_engine import OffloadEngine, RingCapture
+from sparsekv.kvcache.reader import RingReader
+from sparsekv.policies.context import KVLayout, PolicyContext
 
 HOST_HEADROOM = 4 * GIB
 
@@ -20,9 +24,12 @@ def host_pool_blocks(host_pool_gib: float | None, bytes_per_block: int) -> int:
 
 
 class OffloadKVStore(KVStore):
+    engine_class = OffloadEngine  # the ring engine (the quality harness substitutes a recording one)
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_gpu_blocks: int,
                  prefill_tokens: int, max_num_seqs: int, host_pool_gib: float | None, dtype: torch.dtype,
-                 device: torch.device, prefill_policy, decode_policy, initial_prefill_buffer: int):
+                 device: torch.device, prefill_policy, decode_policy, initial_prefill_buffer: int,
+                 check_selections: bool = False):
         self.block_size = block_size
         self.chunk_tokens = prefill_tokens
         self.prefill_token_budget = prefill_tokens
@@ -31,18 +38,24 @@ class OffloadKVStore(KVStore):
         self.num_blocks = host_pool_blocks(host_pool_gib, self.bytes_per_block)
         self.host = HostPool(num_layers, max(1, self.num_blocks), block_size, num_kv_heads, head_dim, dtype,
                              pin_memory=device.type == "cuda")
-        policies = [prefill_policy] if prefill_policy is decode_policy else [prefill_policy, decode_policy]
-        self.engine = OffloadEngine(self.host, num_gpu_blocks, initial_prefill_buffer, max_num_seqs, device,
-                                    policies)
-        for policy in policies:
-            policy.initialize(num_layers, num_kv_heads, head_dim, self.num_blocks, dtype, device)
+        self.engine = self.engine_class(self.host, num_gpu_blocks, initial_prefill_buffer, max_num_seqs, device)
+        # the policies whose metadata hooks see every offloaded block
+        self.policies = [prefill_policy] if prefill_policy is decode_policy else [prefill_policy, decode_policy]
+        self.layout = KVLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                               block_size=block_size, max_blocks=self.num_blocks, dtype=dtype, device=device)
+        for policy in self.policies:
+            policy.initialize(self.layout)
         self.prefill_policy, self.decode_policy = prefill_policy, decode_policy
+        # validate device-tensor selections too: one host sync per layer and step (list selections always are)
+        self.check_selections = check_selections
+        self.readers = [RingReader(self.engine, layer, check_selections=check_selections)
+                        for layer in range(num_layers)]
         self.device = device
         self.decode_rows: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (seq, row of the decode buffer)
         self.free_rows = list(range(max_num_seqs))
         self.filled: list[int] = []  # decode: batch indices whose block fills this step
         self.num_layers, self.max_num_seqs = num_layers, max_num_seqs
-        # captured decode steps (use_static_decode_inputs): each step's decode slots and tail lengths
+        # captured decode steps (bind_static_decode_inputs): each step's decode slots and tail lengths
         self.static_decode_inputs: torch.Tensor | None = None
 
     @property
@@ -60,13 +73,10 @@ class OffloadKVStore(KVStore):
         self.host.ensure_capacity(min(self.num_blocks, -(-num_tokens // self.block_size)))
         return time.perf_counter() - start
 
-    # ---- views the policies use
+    # ---- what the policies see
     def prefix_blocks(self, seq: Sequence) -> list[int]:
         """Host blocks before the prefill chunk being computed (all full)."""
         return seq.block_table[: seq.num_computed_tokens // self.block_size]
-
-    def num_chunks(self, seq: Sequence) -> int:
-        return -(-len(seq) // self.chunk_tokens)
 
     def full_blocks(self, seq: Sequence) -> list[int]:
         """Decode: host blocks before the block of the token being computed."""
@@ -81,18 +91,58 @@ class OffloadKVStore(KVStore):
             return (*self.engine.get_decode_layer_kv(row, layer, (len(seq) - 1) % self.block_size + 1), None)
         return (*self.engine.get_decode_layer_kv(row, layer, self.block_size), self._tail_lengths[seq.seq_id])
 
-    # ---- captured decode steps
-    def use_static_decode_inputs(self) -> None:
-        """Captured decode (graph.mode=cudagraph): each step's decode slots and tail lengths go to one fixed
-        device buffer, so a step replays with nothing but that buffer changed."""
-        self.static_decode_inputs = torch.zeros(self.max_num_seqs * (self.num_layers + 1), dtype=torch.int64,
-                                                device=self.device)
+    # ---- for the graph runners (sparsekv/engine/offload_graph.py): what a captured decode step needs
+    def static_decode_inputs_size(self) -> int:
+        """int64 elements of the buffer bind_static_decode_inputs takes."""
+        return self.max_num_seqs * (self.num_layers + 1)
+
+    def bind_static_decode_inputs(self, buffer: torch.Tensor) -> None:
+        """Captured decode: each step's decode slots and tail lengths go to `buffer` (one fixed device buffer the
+        runner owns), so a step replays with nothing but that buffer changed."""
+        if buffer.dtype != torch.int64 or buffer.numel() < self.static_decode_inputs_size():
+            raise ValueError(f"static decode inputs: need {self.static_decode_inputs_size()} int64 elements, got "
+                             f"{buffer.numel()} {buffer.dtype}")
+        self.static_decode_inputs = buffer
 
     def decode_layout(self, seqs: list[Sequence]) -> tuple:
         """What a captured decode step bakes in: per sequence its decode row and full host blocks, the host slabs
         the gather reads, and the device-side id lists it was captured with."""
         return (len(self.host.k_slabs), self.engine.device_ids_generation,
                 *((self.decode_rows[s.seq_id][1], *self.full_blocks(s)) for s in seqs))
+
+    def block_fills(self) -> bool:
+        """A block fills this step (after begin_step): its offload and the policy hooks run on the host."""
+        return bool(self.filled)
+
+    @property
+    def decode_graph_safe(self) -> bool:
+        return self.decode_policy.decode_graph_safe
+
+    def forget_device_ids(self) -> None:
+        self.engine.forget_device_ids()
+
+    @contextlib.contextmanager
+    def capturing(self, capture: RingCapture) -> Iterator[None]:
+        """The ring engine in capture mode for the block: its loads are ordered inside the capture and counted
+        into capture.moved."""
+        self.engine.start_capture(capture)
+        try:
+            yield
+        finally:
+            self.engine.finish_capture()
+
+    def offloads_issued(self) -> int:
+        return self.engine.offloads_issued()
+
+    def order_after_offloads(self) -> None:
+        """A replay queued from now on waits for the offloads so far (its gathers read those host blocks)."""
+        self.engine.order_after_offloads()
+
+    def replayed(self, moved: dict[str, int]) -> None:
+        """A replay was queued that read every ring slot and moved `moved` (its capture's transfer counts)."""
+        for key, value in moved.items():
+            self.engine.transfer_stats[key] += value
+        self.engine.mark_ring_read()
 
     # ---- step
     def _row(self, seq: Sequence, in_step: set[int]) -> int:
@@ -137,16 +187,22 @@ class OffloadKVStore(KVStore):
         engine, bs = self.engine, self.block_size
         engine.write_prefill_buffer(layer, k, v)
         out = torch.empty_like(q)
+        policy, reader = self.prefill_policy, self.readers[layer]
         for chunk in context.chunks:  # attention first: its loads need not queue behind this chunk's offload
             rows = slice(chunk.start, chunk.end)
-            out[rows] = self.prefill_policy.compute_chunked_prefill(
-                q[rows], k[rows], v[rows], layer, scale, engine, self, chunk.num_cached // self.chunk_tokens,
-                chunk.seq, chunk.num_tokens)
+            ctx = PolicyContext(phase="prefill", layer=layer, query=q[rows], candidates=self.prefix_blocks(chunk.seq),
+                                block_size=bs, query_start=chunk.num_cached,
+                                kv_len=chunk.num_cached + chunk.num_tokens, softmax_scale=scale, chunk_keys=k[rows],
+                                ids_source=engine.device_block_ids)
+            out[rows] = policy.compute_chunked_prefill(q[rows], k[rows], v[rows], ctx, reader)
         for chunk in context.chunks:  # the D2H copies overlap the rest of the layer
             seq, first = chunk.seq, chunk.num_cached // bs
             for i, start in enumerate(range(chunk.start, chunk.end, bs)):
-                engine.offload_prefill_buffer_async(layer, seq.block_table[first + i], min(bs, chunk.end - start),
-                                                    start)
+                block, n = seq.block_table[first + i], min(bs, chunk.end - start)
+                keys = engine.prefill_keys(layer, start, n)  # [n, KVH, D]
+                for hooked in self.policies:
+                    hooked.on_prefill_offload(block, layer, keys, n)
+                engine.offload_prefill_buffer_async(layer, block, n, start)
             tail = (chunk.num_cached + chunk.num_tokens) % bs
             if tail and chunk.num_cached + chunk.num_tokens == len(seq):
                 engine.copy_prefill_tail_to_decode(layer, self.decode_rows[seq.seq_id][1], chunk.end - tail, tail)
@@ -155,14 +211,24 @@ class OffloadKVStore(KVStore):
     def _decode(self, layer: int, q, k, v, scale: float, context: Context) -> torch.Tensor:
         engine = self.engine
         engine.write_decode_tokens(layer, self.decode_slots[layer], k, v)
-        outs = [self.decode_policy.compute_chunked_decode(q[b:b + 1], layer, scale, engine, self, seq)
-                for b, seq in enumerate(context.seqs)]  # each [1, H, D]
+        outs = [self._decode_one(layer, q[b:b + 1], scale, seq) for b, seq in enumerate(context.seqs)]  # [1, H, D]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         for b in self.filled:
             seq = context.seqs[b]
-            engine.offload_decode_buffer_async(layer, self.decode_rows[seq.seq_id][1],
-                                               seq.block_table[(len(seq) - 1) // self.block_size])
+            row, block = self.decode_rows[seq.seq_id][1], seq.block_table[(len(seq) - 1) // self.block_size]
+            keys = engine.decode_keys(row, layer)  # [block_size, KVH, D]
+            for hooked in self.policies:
+                hooked.on_decode_offload(block, layer, keys, self.block_size)
+            engine.offload_decode_buffer_async(layer, row, block)
         return out
+
+    def _decode_one(self, layer: int, q: torch.Tensor, scale: float, seq: Sequence) -> torch.Tensor:
+        n = len(seq)
+        ctx = PolicyContext(phase="decode", layer=layer, query=q, candidates=self.full_blocks(seq),
+                            block_size=self.block_size, query_start=n - 1, kv_len=n, softmax_scale=scale,
+                            ids_source=self.engine.device_block_ids)
+        reader = RingReader(self.engine, layer, self.decode_tail(seq, layer), self.check_selections)
+        return self.decode_policy.compute_chunked_decode(q, ctx, reader)
 
     def release(self, seq: Sequence) -> None:
         entry = self.decode_rows.pop(seq.seq_id, None)
@@ -170,5 +236,5 @@ class OffloadKVStore(KVStore):
             self.free_rows.append(entry[1])
         if not self.decode_rows:  # idle: per-sequence policy state and device-side id lists can go
             self.engine.forget_device_ids()
-            for policy in {id(p): p for p in (self.prefill_policy, self.decode_policy)}.values():
+            for policy in self.policies:
                 policy.reset()

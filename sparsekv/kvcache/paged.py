@@ -9,17 +9,21 @@ from sparsekv.engine.context import Context
 from sparsekv.kernels import paged_decode_attention, store_kv
 from sparsekv.kernels.paged_attention import MIN_SPLIT_TOKENS, choose_num_splits
 from sparsekv.kvcache.base import KVStore
+from sparsekv.kvcache.paged_selection import PagedSelection
+from sparsekv.policies.context import KVLayout
 
 log = logging.getLogger(__name__)
 
 
 class PagedKVStore(KVStore):
     """Prefill attention is the prefill policy's compute_prefill over the sequence's keys so far; decode is dense
-    paged attention (block-selecting decode policies pay off only when blocks must cross PCIe: offload=cpu)."""
+    paged attention, or, with a block-selecting decode policy, attention over the blocks it selects
+    (sparsekv.kvcache.paged_selection)."""
     overlapped_decode_safe = True  # every write and read of a block is a kernel on the compute stream
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, prefill_policy, max_model_len: int | None = None):
+                 dtype: torch.dtype, device: torch.device, prefill_policy, max_model_len: int | None = None,
+                 decode_policy=None, check_selections: bool = False):
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         # With max_model_len, the paged kernel's split plan for decode is fixed by it and by the batch size rounded
@@ -36,7 +40,16 @@ class PagedKVStore(KVStore):
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * self.k_cache.element_size()
         self.prefill_policy = prefill_policy
-        prefill_policy.initialize(num_layers, num_kv_heads, head_dim, num_blocks, dtype, device)
+        layout = KVLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                          max_blocks=num_blocks, dtype=dtype, device=torch.device(device))
+        prefill_policy.initialize(layout)
+        self.selection: PagedSelection | None = None
+        self.active: set[int] = set()  # sequences seen since the store was last idle
+        if decode_policy is not None and decode_policy.requires_block_selection and decode_policy.supports_decode:
+            if decode_policy is not prefill_policy:
+                decode_policy.initialize(layout)
+            self.selection = PagedSelection(decode_policy, block_size, torch.device(device), check_selections)
+            self.overlapped_decode_safe = False  # selections are made on the host per step
 
     def kv_write_target(self, layer_id: int, context: Context
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -51,12 +64,25 @@ class PagedKVStore(KVStore):
         k_cache, v_cache = self.k_cache[layer_id], self.v_cache[layer_id]
         if not kv_written:  # else the caller stored them at kv_write_target's slots
             store_kv(k, v, k_cache, v_cache, context.slot_mapping)
-        if not context.is_prefill:
+        selection = self.selection
+        if context.is_prefill:
+            out = self._prefill(layer_id, q, k, v, scale, context)
+            if selection is not None:  # the selecting decode policy's hooks see every written block
+                self.active.update(seq.seq_id for seq in context.seqs)
+                selection.prefill_written(layer_id, k_cache, context)
+            return out
+        out = selection.attend(layer_id, q, k_cache, v_cache, scale, context) if selection is not None else None
+        if out is None:  # dense (every block kept)
             max_len, splits = self.decode_plan(q.shape[0]) or (context.max_context_len, None)
             out, _ = paged_decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens,
                                             scale, max_context_len=max_len, num_splits=splits,
                                             min_split_tokens=MIN_SPLIT_TOKENS)
-            return out
+        if selection is not None:
+            selection.decode_written(layer_id, k_cache, context)
+        return out
+
+    def _prefill(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 context: Context) -> torch.Tensor:
         out = torch.empty_like(q)
         for chunk in context.chunks:
             rows = slice(chunk.start, chunk.end)
@@ -66,6 +92,12 @@ class PagedKVStore(KVStore):
                                                 chunk.first_block)
             out[rows] = self.prefill_policy.compute_prefill(q[rows], keys, values, layer_id, scale)
         return out
+
+    def release(self, seq) -> None:
+        self.active.discard(seq.seq_id)
+        if self.selection is not None and not self.active:  # idle: per-sequence policy state can go
+            self.selection.forget()
+            self.selection.policy.reset()
 
     def decode_plan(self, batch: int) -> tuple[int, int] | None:
         """(max_context_len, num_splits) for a decode step of `batch` sequences; None without max_model_len."""

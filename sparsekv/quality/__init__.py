@@ -6,12 +6,12 @@
 
 Inputs (AttentionInputs) are Q/K/V of one sequence for a few layers: planted ones (planted_inputs: attention
 sinks, local windows, vertical stripes and needle blocks the final queries look for) or a checkpoint's real ones
-(task=quality captures them). The harness (run_policy) drives the policy exactly as OffloadKVStore does, through
-a real HostPool + OffloadEngine: the prompt (all tokens but the last) is prefilled chunk by chunk, every layer's
-chunk written to the prefill buffer and offloaded block by block (the policy's on_prefill_offload hook sees the
-keys on the device), then compute_chunked_prefill runs; then the last token is one decode step through
-compute_chunked_decode (a block that fills is offloaded afterwards, firing on_decode_offload). compute_prefill
-(offload=none) is evaluated on the whole prompt. Loaded blocks are observed at OffloadEngine.load_to_slot_layer.
+(task=quality captures them). The harness (run_offloaded) drives the real OffloadKVStore with the inputs' Q/K/V in
+place of a model: the prompt (all tokens but the last) is prefilled chunk by chunk (store.begin_step / attend per
+layer: compute_chunked_prefill, then the chunk's blocks offloaded with the on_prefill_offload hook), then decode
+steps up to the last token (compute_chunked_decode; a block that fills is offloaded, firing on_decode_offload).
+compute_prefill (offload=none) is evaluated on the whole prompt. Loaded blocks are observed where the ring engine
+issues them (RecordingOffloadEngine).
 
 Phases and what is evaluated:
   decode    the last token's query (compute_chunked_decode); selectable = full blocks before its block
@@ -22,8 +22,8 @@ A policy that does not support a phase is reported as skipped for it (the engine
 Modules: planted (AttentionInputs, planted_inputs), harness (run_offloaded, run_resident), metrics (evaluate and
 its measures, see there), sweep (sweeps, rows, summarize, format_table).
 """
-from sparsekv.quality.harness import (PhaseRun, RecordingOffloadEngine, SequenceKVViews, block_table, run_offloaded,
-                                      run_resident)
+from sparsekv.quality.harness import (PhaseRun, RecordingOffloadEngine, RecordingOffloadStore, block_table,
+                                      run_offloaded, run_resident)
 from sparsekv.quality.metrics import (PHASES, block_mass, dense_attention, evaluate, needle_probe_values,
                                       needle_scores, oracle_blocks, phase_metrics, recall_of, relative_error)
 from sparsekv.quality.planted import AttentionInputs, Layout, layout, needle_block_indices, planted_inputs

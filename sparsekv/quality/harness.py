@@ -1,5 +1,5 @@
-"""Drive a SparsePolicy over one sequence as OffloadKVStore does, through a real HostPool + OffloadEngine
-(run_offloaded: chunked prefill and decode) or on the device (run_resident: compute_prefill); see sparsekv.quality."""
+"""Drive a SparsePolicy over one sequence through the real OffloadKVStore (run_offloaded: chunked prefill and
+decode steps, the store's own loops) or on the device (run_resident: compute_prefill); see sparsekv.quality."""
 from __future__ import annotations
 
 import math
@@ -9,10 +9,13 @@ from typing import Iterable
 
 import torch
 
-from sparsekv.kvcache.host_pool import HostPool
+from sparsekv.engine.context import Context, PrefillChunk
+from sparsekv.kvcache.host_pool import GIB
 from sparsekv.kvcache.offload_engine import OffloadEngine
+from sparsekv.kvcache.offload_store import OffloadKVStore
 from sparsekv.policies.base import SparsePolicy
 from sparsekv.quality.planted import AttentionInputs
+
 
 class RecordingOffloadEngine(OffloadEngine):
     """An OffloadEngine that records every (layer, host block) it loads into the ring. Loads are observed where
@@ -45,34 +48,9 @@ class RecordingOffloadEngine(OffloadEngine):
         return [b for (l, b) in self.loads if l == layer]
 
 
-class SequenceKVViews:
-    """Stand-in for the `kvcache_manager` policies receive (OffloadKVStore): the same views over one sequence
-    whose unfinished block lives in decode-buffer row `row`."""
-
-    def __init__(self, engine: OffloadEngine, chunk_tokens: int, row: int = 0):
-        self.engine = engine
-        self.host = engine.host
-        self.block_size = engine.block_size
-        self.chunk_tokens = chunk_tokens
-        self.prefill_token_budget = chunk_tokens
-        self.device = engine.device
-        self.row = row
-
-    @property
-    def transfer_stats(self) -> dict[str, int]:
-        return self.engine.transfer_stats
-
-    def prefix_blocks(self, seq) -> list[int]:
-        return seq.block_table[: seq.num_computed_tokens // self.block_size]
-
-    def num_chunks(self, seq) -> int:
-        return -(-len(seq) // self.chunk_tokens)
-
-    def full_blocks(self, seq) -> list[int]:
-        return seq.block_table[: (len(seq) - 1) // self.block_size]
-
-    def decode_tail(self, seq, layer: int) -> tuple[torch.Tensor, torch.Tensor, None]:
-        return (*self.engine.get_decode_layer_kv(self.row, layer, (len(seq) - 1) % self.block_size + 1), None)
+class RecordingOffloadStore(OffloadKVStore):
+    """The OffloadKVStore, its ring engine a RecordingOffloadEngine."""
+    engine_class = RecordingOffloadEngine
 
 
 @dataclass
@@ -120,9 +98,10 @@ def _sync(device: torch.device) -> None:
 
 def run_offloaded(policy: SparsePolicy, inputs: AttentionInputs, values: torch.Tensor | None = None, *,
                   phases: Iterable[str] = ("decode", "prefill"), num_gpu_blocks: int = 4,
-                  shuffle_blocks: bool = False) -> dict[str, PhaseRun]:
-    """Drive `policy` over the sequence as OffloadKVStore does (see the module doc). `values` replaces inputs.v
-    (the needle probe). Returns the runs of the requested phases the policy supports."""
+                  shuffle_blocks: bool = False, check_selections: bool = False) -> dict[str, PhaseRun]:
+    """Prefill the prompt chunk by chunk, then decode to the last token, through OffloadKVStore.begin_step/attend
+    with the inputs' per-layer Q/K/V standing in for the model. `values` replaces inputs.v (the needle probe).
+    Returns the runs of the requested phases the policy supports: the last chunk (prefill), the last token (decode)."""
     from sparsekv.engine.sequence import Sequence
     from sparsekv.plugins import registry
     from sparsekv.sampling_params import SamplingParams
@@ -132,88 +111,56 @@ def run_offloaded(policy: SparsePolicy, inputs: AttentionInputs, values: torch.T
     device, lay, bs, chunk = inputs.device, inputs.layout, inputs.block_size, inputs.chunk
     L, S = inputs.num_layers, inputs.context
     full = registry().policies["full"]()
-    prefill_policy = policy if policy.supports_prefill else full
-    decode_policy = policy if policy.supports_decode else full
-    hooked = [prefill_policy] if prefill_policy is decode_policy else [prefill_policy, decode_policy]
     table = block_table(lay.num_blocks, shuffle_blocks, inputs.meta.get("seed", 0))
-    host = HostPool(L, max(table) + 1, bs, inputs.num_kv_heads, inputs.head_dim, inputs.dtype,
-                    pin_memory=device.type == "cuda")
-    host.ensure_capacity(max(table) + 1)
-    engine = RecordingOffloadEngine(host, num_gpu_blocks, chunk, 1, device, hooked)
-    for p in hooked:
+    bytes_per_block = 2 * L * bs * inputs.num_kv_heads * inputs.head_dim * inputs.dtype.itemsize
+    for p in {id(p): p for p in (policy, full)}.values():
         p.reset()
-        p.initialize(L, inputs.num_kv_heads, inputs.head_dim, host.max_blocks, inputs.dtype, device)
-    views = SequenceKVViews(engine, chunk)
+    store = RecordingOffloadStore(
+        num_layers=L, num_kv_heads=inputs.num_kv_heads, head_dim=inputs.head_dim, block_size=bs,
+        num_gpu_blocks=num_gpu_blocks, prefill_tokens=chunk, max_num_seqs=1,
+        host_pool_gib=(max(table) + 2) * bytes_per_block / GIB, dtype=inputs.dtype, device=device,
+        prefill_policy=policy if policy.supports_prefill else full,
+        decode_policy=policy if policy.supports_decode else full, initial_prefill_buffer=chunk,
+        check_selections=check_selections)
+    engine = store.engine
     seq = Sequence([0] * lay.prompt_len, SamplingParams(), bs)
     seq.block_table = table[: -(-lay.prompt_len // bs)]
-    runs = {phase: PhaseRun() for phase in phases & {"decode", "prefill"}}
-    if "prefill" in runs and not policy.supports_prefill:
-        del runs["prefill"]
-    if "decode" in runs and not policy.supports_decode:
-        del runs["decode"]
+    runs = {phase: PhaseRun() for phase in phases & {"decode", "prefill"}
+            if (policy.supports_prefill if phase == "prefill" else policy.supports_decode)}
     dev = (lambda x: x.to(device, non_blocking=True))
-    compute_prefill = "prefill" in runs
 
-    # ---- chunked prefill of the prompt
-    for start in range(0, lay.prompt_len, chunk):
-        end = min(lay.prompt_len, start + chunk)
-        n = end - start
-        last = end == lay.prompt_len
+    def step(context: Context, rows: slice, evaluated: PhaseRun | None, phase_policy: SparsePolicy) -> None:
+        store.begin_step(context)
         tic = time.perf_counter()
         for layer in range(L):
-            q_c, k_c, v_c = (dev(x[layer, start:end]) for x in (inputs.q, inputs.k, v_all))
-            engine.write_prefill_buffer(layer, k_c, v_c)
-            first = start // bs
-            for i, row in enumerate(range(0, n, bs)):
-                engine.offload_prefill_buffer_async(layer, seq.block_table[first + i], min(bs, n - row), row)
-            tail = end % bs
-            if tail and last:
-                engine.copy_prefill_tail_to_decode(layer, views.row, n - tail, tail)
-            if compute_prefill:
-                engine.start_recording()
-                _clear_density(prefill_policy)
-                out = prefill_policy.compute_chunked_prefill(q_c, k_c, v_c, layer, inputs.softmax_scale, engine,
-                                                             views, start // chunk, seq, n)
-                if last:
-                    run = runs["prefill"]
-                    run.outputs.append(out)
-                    run.loads.append(engine.loaded_blocks(layer))
-                    run.densities.append(_read_density(prefill_policy))
-        if compute_prefill and last:
-            _sync(device)
-            runs["prefill"].seconds = time.perf_counter() - tic
-        seq.num_computed_tokens = end
-
-    if "decode" not in runs:
-        engine.synchronize()
-        return runs
-    # ---- decode: decode_steps tokens, then the evaluated last token
-    for pos in range(lay.prompt_len, S):
-        seq.append_token(0)
-        needed = -(-len(seq) // bs)
-        if len(seq.block_table) < needed:
-            seq.block_table.append(table[len(seq.block_table)])
-        evaluated = pos == S - 1
-        slots = engine.decode_slots([views.row], [pos % bs])  # [L, 1]
-        tic = time.perf_counter()
-        for layer in range(L):
-            engine.write_decode_tokens(layer, slots[layer], dev(inputs.k[layer, pos:pos + 1]),
-                                       dev(v_all[layer, pos:pos + 1]))
+            q, k, v = (dev(x[layer, rows]) for x in (inputs.q, inputs.k, v_all))
             engine.start_recording()
-            _clear_density(decode_policy)
-            out = decode_policy.compute_chunked_decode(dev(inputs.q[layer, pos:pos + 1]), layer,
-                                                       inputs.softmax_scale, engine, views, seq)
-            if evaluated and "decode" in runs:
-                run = runs["decode"]
-                run.outputs.append(out)
-                run.loads.append(engine.loaded_blocks(layer))
-                run.densities.append(_read_density(decode_policy))
-            if len(seq) % bs == 0:
-                engine.offload_decode_buffer_async(layer, views.row, seq.block_table[pos // bs])
-        if evaluated and "decode" in runs:
+            _clear_density(phase_policy)
+            out = store.attend(layer, q, k, v, inputs.softmax_scale, context)
+            if evaluated is not None:
+                evaluated.outputs.append(out)
+                evaluated.loads.append(engine.loaded_blocks(layer))
+                evaluated.densities.append(_read_density(phase_policy))
+        if evaluated is not None:
             _sync(device)
-            runs["decode"].seconds = time.perf_counter() - tic
-        seq.num_computed_tokens = pos + 1
+            evaluated.seconds = time.perf_counter() - tic
+
+    for start in range(0, lay.prompt_len, chunk):  # chunked prefill of the prompt
+        end = min(lay.prompt_len, start + chunk)
+        table_t = torch.tensor(seq.block_table, dtype=torch.int32, device=device)
+        context = Context(is_prefill=True, kv_store=store, seqs=[seq],
+                          chunks=[PrefillChunk(seq, 0, end - start, start, table_t)])
+        step(context, slice(start, end), runs.get("prefill") if end == lay.prompt_len else None,
+             store.prefill_policy)
+        seq.num_computed_tokens = end
+    if "decode" in runs:  # decode steps up to the evaluated last token
+        for pos in range(lay.prompt_len, S):
+            seq.append_token(0)
+            if len(seq.block_table) < -(-len(seq) // bs):
+                seq.block_table.append(table[len(seq.block_table)])
+            step(Context(is_prefill=False, kv_store=store, seqs=[seq]), slice(pos, pos + 1),
+                 runs["decode"] if pos == S - 1 else None, store.decode_policy)
+            seq.num_computed_tokens = pos + 1
     engine.synchronize()
     return runs
 

@@ -1,6 +1,7 @@
 """StreamingLLM (Xiao et al., 2023): keep the first tokens (attention sinks) and a window of recent ones.
 
-As a sparsekv policy it is pure block selection. With offload=cpu the base class's ring pipelines do the work:
+As a sparsekv policy it is pure block selection on ctx.candidates. With offload=cpu the base class's pipelines do
+the work:
 
   prefill chunk  the chunk attends to itself causally, plus the first `sink_blocks` and the last `recent_blocks`
                  host blocks before it
@@ -8,20 +9,17 @@ As a sparsekv policy it is pure block selection. With offload=cpu the base class
 
 so only those blocks cross PCIe. With offload=none (all keys on the device) compute_prefill applies the same rule
 per query block of `block_size` tokens: each block attends to the sink tokens and to the `recent_blocks` blocks
-before it plus itself (causally); decode there stays dense, as for every policy.
+before it plus itself (causally); decode selects the same way among the paged blocks.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from sparsekv.kernels import flash_attn_with_lse, merge_attention_outputs
-from sparsekv.policies.base import PolicyContext, SparsePolicy
-
-if TYPE_CHECKING:
-    from sparsekv.kvcache.offload_engine import OffloadEngine
+from sparsekv.policies import PolicyContext, SparsePolicy
 
 
 @dataclass
@@ -35,6 +33,7 @@ class StreamingLLMPolicy(SparsePolicy):
     supports_prefill: ClassVar[bool] = True
     supports_decode: ClassVar[bool] = True
     requires_block_selection: ClassVar[bool] = True
+    allow_empty_selection: ClassVar[bool] = True  # sink_blocks=recent_blocks=0: only the newest keys
 
     def __post_init__(self) -> None:  # bad values fail when the policy is built, naming the field
         for field, minimum in (("sink_blocks", 0), ("recent_blocks", 0), ("block_size", 1)):
@@ -42,13 +41,12 @@ class StreamingLLMPolicy(SparsePolicy):
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"policy.{field}={value!r}: must be an integer >= {minimum}")
 
-    # offload=cpu: the base class streams the returned blocks through the GPU ring, in order
-    def select_blocks(self, available_blocks: list[int], offload_engine: "OffloadEngine",
-                      ctx: PolicyContext) -> list[int]:
-        n = len(available_blocks)
+    # offload=cpu: only the returned host blocks are loaded; None keeps every candidate
+    def select_blocks(self, ctx: PolicyContext) -> list[int] | None:
+        n = len(ctx.candidates)
         if n <= self.sink_blocks + self.recent_blocks:
-            return available_blocks
-        return available_blocks[:self.sink_blocks] + available_blocks[n - self.recent_blocks:]
+            return None
+        return [*ctx.candidates[:self.sink_blocks], *ctx.candidates[n - self.recent_blocks:]]
 
     # offload=none: q [n, H, D] are the last n positions of k/v [S, KVH, D]
     def compute_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,

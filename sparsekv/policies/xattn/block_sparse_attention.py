@@ -42,12 +42,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import torch
 
-from ._dispatch import HAS_TRITON, alloc_output, cdiv, jit, tl, use_triton
-from .attention import (
+from sparsekv.kernels._dispatch import HAS_TRITON, alloc_output, cdiv, jit, tl, use_triton
+from sparsekv.kernels.attention import (
     SUPPORTED_HEAD_DIMS,
     TensorDescriptor,
     _attn_block_step,
@@ -71,7 +70,6 @@ LOG2E = 1.4426950408889634
 VARIANTS: dict[str, bool] = {"FUSED_SCALE": True, "USE_TMA": True}
 REFERENCE_CHUNK_ELEMENTS = 1 << 24  # [H, rows, S] scores the reference materialises at once
 LOOP_MODES = {"lists": 0, "runs": 1, "auto": 2}
-ENV_LOOP = "SPARSEKV_BSA_LOOP"  # e.g. "mode=lists,list_stages=3" (the kernel before runs) to A/B without code
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,18 +92,17 @@ class LoopConfig:
 LOOP = LoopConfig()
 
 
-def loop_config(spec: str | None = None) -> LoopConfig:
-    """LOOP updated by a "key=value,..." spec (default: the SPARSEKV_BSA_LOOP environment variable)."""
-    spec = os.environ.get(ENV_LOOP, "") if spec is None else spec
+def loop_config(spec: str) -> LoopConfig:
+    """LOOP updated by a "key=value,..." spec, e.g. "mode=lists,list_stages=3" (the kernel before runs)."""
     fields = [f.name for f in dataclasses.fields(LoopConfig)]
     updates: dict[str, object] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or key not in fields:
-            raise ValueError(f"{ENV_LOOP} item {item!r}: expected key=value with key in {sorted(fields)}")
+            raise ValueError(f"loop spec item {item!r}: expected key=value with key in {sorted(fields)}")
         if key != "mode" and not value.isdigit():
-            raise ValueError(f"{ENV_LOOP} item {item!r}: {key} must be a non-negative integer")
+            raise ValueError(f"loop spec item {item!r}: {key} must be a non-negative integer")
         updates[key] = value if key == "mode" else int(value)
     return dataclasses.replace(LOOP, **updates)
 
@@ -336,7 +333,7 @@ def block_sparse_attention(
     q [n, H, D] at positions q_start.. (default S - n), k/v [S, KVH, D], block_idx [nqb, W] sorted key blocks per
     query block, block_count [nqb] -> (o [n, H, D] in q.dtype, lse [H, n] fp32 natural log). Runs the Triton
     kernel on CUDA (or on CPU under TRITON_INTERPRET=1), else the reference. No host sync. loop: how the kernel
-    walks the blocks (default: loop_config(), i.e. LOOP with SPARSEKV_BSA_LOOP's overrides).
+    walks the blocks (default: LOOP, whose mode "auto" picks runs or lists from the selection on the device).
     """
     q_start = _check_inputs(q, k, v, block_idx, block_count, block_size, q_start)
     n, _, D = q.shape
@@ -347,4 +344,4 @@ def block_sparse_attention(
     if config is None:
         return block_sparse_attention_reference(q, k, v, block_idx, block_count, block_size, scale, q_start)
     return _block_sparse_triton(q, k, v, block_idx, block_count, block_size, scale, q_start, config,
-                                loop if loop is not None else loop_config())
+                                loop if loop is not None else LOOP)

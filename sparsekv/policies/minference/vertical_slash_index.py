@@ -40,8 +40,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import _dispatch
-from ._dispatch import cdiv, jit, next_power_of_2, tl
+from sparsekv.kernels import _dispatch
+from sparsekv.kernels._dispatch import cdiv, jit, next_power_of_2, tl
 
 __all__ = [
     "SlashIndex",

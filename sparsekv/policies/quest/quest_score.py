@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import alloc_output, cdiv, jit, next_power_of_2, tl, triton_interpret, use_triton
+from sparsekv.kernels._dispatch import alloc_output, cdiv, jit, next_power_of_2, tl, triton_interpret, use_triton
 
 __all__ = ["quest_block_shares", "quest_block_shares_reference", "quest_select", "quest_select_reference"]
 

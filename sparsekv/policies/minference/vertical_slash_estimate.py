@@ -33,8 +33,8 @@ import math
 
 import torch
 
-from ._dispatch import HAS_TRITON, cdiv, jit, next_power_of_2, tl, triton_interpret, use_triton
-from .attention import check_qkv
+from sparsekv.kernels._dispatch import HAS_TRITON, cdiv, jit, next_power_of_2, tl, triton_interpret, use_triton
+from sparsekv.kernels.attention import check_qkv
 
 __all__ = ["last_rows_lse", "vertical_slash_masses", "vertical_slash_masses_reference"]
 

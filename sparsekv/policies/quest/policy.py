@@ -18,10 +18,9 @@ Selection. Keep the `topk_blocks` best blocks, or token_budget // block_size blo
 (token_budget wins when both are; with neither set the budget is DEFAULT_TOKEN_BUDGET tokens). The first block
 (attention sink) and the newest full block are always kept, so at least 2 blocks load whatever the budget. Layers
 below `dense_layers` and sequences with at most `threshold_blocks` full blocks load everything. In decode the
-choice stays on the device (select_blocks_on_device): the chosen blocks are gathered from pinned host memory by a
-kernel (OffloadEngine.gather_block_groups), so no layer waits for the host; select_blocks returns the same ids
-ascending, with a host sync. In decode, scores and choice are one kernel launch (quest_select in
-sparsekv/kernels/quest_score.py); the torch ops here are its reference.
+choice stays on the device (select_blocks returns a device tensor): the chosen blocks are gathered from pinned host
+memory by a kernel, so no layer waits for the host. In decode, scores and choice are one kernel launch (quest_select
+in sparsekv/policies/quest/quest_score.py); score_blocks and sparsekv.policies.scorer.top_blocks are its reference.
 
 Decode only: prefill runs full attention (the factory pairs the phases), while the hooks still record the metadata
 of every prompt block.
@@ -29,16 +28,15 @@ of every prompt block.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import ClassVar, Optional
 
 import torch
 
-from sparsekv.kernels.quest_score import quest_block_shares, quest_select
-from sparsekv.policies.base import PolicyContext, SparsePolicy
 from sparsekv.policies.block_metadata import BlockMetadata
-
-if TYPE_CHECKING:
-    from sparsekv.kvcache.offload_engine import OffloadEngine
+from sparsekv.policies.context import KVLayout, PolicyContext
+from sparsekv.policies.quest.quest_score import quest_block_shares, quest_select
+from sparsekv.policies.base import SparsePolicy
+from sparsekv.policies.scorer import top_blocks
 
 DEFAULT_TOKEN_BUDGET = 4096
 
@@ -71,98 +69,68 @@ class QuestPolicy(SparsePolicy):
         _check_int("dense_layers", self.dense_layers, 0)
         self._kmax: BlockMetadata | None = None  # [L, blocks, KVH, D]
         self._kmin: BlockMetadata | None = None
-        self._ids_key: list[int] | None = None  # the last candidate list and its device copy
-        self._ids: torch.Tensor | None = None
 
     def budget_blocks(self, block_size: int) -> int:
-        """Blocks loaded per (layer, step) when selecting, before the sink/newest minimum of 2."""
+        """Blocks loaded per (layer, step) when selecting: at least the sink and the newest block."""
         if self.token_budget is not None or self.topk_blocks is None:
             budget = DEFAULT_TOKEN_BUDGET if self.token_budget is None else self.token_budget
-            return budget // block_size
-        return self.topk_blocks
+            return max(budget // block_size, 2)
+        return max(self.topk_blocks, 2)
 
     # ---- metadata hooks (keys still on the GPU)
-    def initialize(self, num_layers: int, num_kv_heads: int, head_dim: int, num_cpu_blocks: int,
-                   dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_kv_heads, head_dim)
-        self._kmax = BlockMetadata(num_layers, shape, dtype, device, num_cpu_blocks)
-        self._kmin = BlockMetadata(num_layers, shape, dtype, device, num_cpu_blocks)
-        self._ids_key = self._ids = None
+    def initialize(self, layout: KVLayout) -> None:
+        shape = (layout.num_kv_heads, layout.head_dim)
+        self._kmax = BlockMetadata(layout.num_layers, shape, layout.dtype, layout.device, layout.max_blocks)
+        self._kmin = BlockMetadata(layout.num_layers, shape, layout.dtype, layout.device, layout.max_blocks)
 
-    def on_prefill_offload(self, cpu_block_id: int, layer_id: int, k_cache: torch.Tensor,
-                           num_valid_tokens: int) -> None:
-        self._record(cpu_block_id, layer_id, k_cache, num_valid_tokens)
-
-    def _record(self, cpu_block_id: int, layer_id: int, k_cache: torch.Tensor, n: int) -> None:
+    def on_prefill_offload(self, block_id: int, layer: int, keys: torch.Tensor, n: int) -> None:
         if self._kmax is None or self._kmin is None:
             raise RuntimeError("QuestPolicy.initialize() must run before blocks are offloaded")
-        keys = k_cache[:n]  # [n, KVH, D]
-        self._kmax.write(layer_id, cpu_block_id, keys.amax(dim=0))
-        self._kmin.write(layer_id, cpu_block_id, keys.amin(dim=0))
+        keys = keys[:n]  # [n, KVH, D]
+        self._kmax.write(layer, block_id, keys.amax(dim=0))
+        self._kmin.write(layer, block_id, keys.amin(dim=0))
 
-    # ---- selection
-    def _device_ids(self, blocks: list[int], device: torch.device) -> torch.Tensor:
-        """Device copy of the candidate ids, reused across the layers of one step (no host sync)."""
-        if self._ids is None or self._ids_key != blocks:
-            self._ids = torch.tensor(blocks, dtype=torch.int64).to(device, non_blocking=True)
-            self._ids_key = list(blocks)
-        return self._ids
-
-    def upper_bounds(self, query: torch.Tensor, block_ids: torch.Tensor, layer_id: int) -> torch.Tensor:
+    # ---- scores
+    def upper_bounds(self, query: torch.Tensor, block_ids: torch.Tensor, layer: int) -> torch.Tensor:
         """query [Nq, H, D], block_ids [n] int64 on the device -> [n, Nq, KVH, G] fp32: per block and query head,
         sum_i max(q_i * kmax_i, q_i * kmin_i) >= q . k for every key k of the block."""
         if self._kmax is None or self._kmin is None:
             raise RuntimeError("QuestPolicy.initialize() must run before blocks are selected")
-        kmax = self._kmax.gather(layer_id, block_ids).float()  # [n, KVH, D]
-        kmin = self._kmin.gather(layer_id, block_ids).float()
+        kmax = self._kmax.gather(layer, block_ids).float()  # [n, KVH, D]
+        kmin = self._kmin.gather(layer, block_ids).float()
         nq, heads, dim = query.shape
         kv_heads = kmax.shape[1]
         q = query.float().view(nq, kv_heads, heads // kv_heads, dim)  # [Nq, KVH, G, D]
         return (torch.einsum("qkgd,nkd->nqkg", q.clamp(min=0), kmax)
                 + torch.einsum("qkgd,nkd->nqkg", q.clamp(max=0), kmin))
 
-    def block_scores(self, query: torch.Tensor, block_ids: torch.Tensor, layer_id: int) -> torch.Tensor:
+    def block_scores(self, query: torch.Tensor, block_ids: torch.Tensor, layer: int) -> torch.Tensor:
         """query [Nq, H, D], block_ids [n] int64 on the device -> [n] fp32: each block's estimated attention share,
         summed over KV heads (and query tokens)."""
         scale = query.shape[-1] ** -0.5
         if query.shape[0] == 1 and self._kmax is not None and self._kmin is not None:  # decode: one fused launch
-            return quest_block_shares(query[0], self._kmax.data[layer_id], self._kmin.data[layer_id], block_ids,
+            return quest_block_shares(query[0], self._kmax.data[layer], self._kmin.data[layer], block_ids,
                                       scale).sum(dim=0)  # [KVH, n] -> [n]
-        bound = self.upper_bounds(query, block_ids, layer_id)  # [n, Nq, KVH, G]
+        bound = self.upper_bounds(query, block_ids, layer)  # [n, Nq, KVH, G]
         share = torch.softmax(bound * scale, dim=0)  # per query head, over the blocks
         return share.amax(dim=3).sum(dim=(1, 2))  # max over the GQA group, sum over KV heads -> [n]
 
-    def select_blocks_on_device(self, available_blocks: list[int], offload_engine: "OffloadEngine",
-                                ctx: PolicyContext) -> torch.Tensor | None:
+    def score_blocks(self, ctx: PolicyContext) -> torch.Tensor:
+        """[n] fp32 per candidate, as a ScorerPolicy would score (the reference of the fused decode path)."""
+        return self.block_scores(ctx.query, ctx.candidate_ids, ctx.layer)
+
+    # ---- selection
+    def select_blocks(self, ctx: PolicyContext) -> torch.Tensor | None:
         """The chosen block ids [keep] int64 on the device (sink, newest, then the best of the middle), or None
         when every block loads (dense layer, short sequence, budget covering all)."""
-        return self._choose(available_blocks, offload_engine, ctx)
-
-    def select_blocks(self, available_blocks: list[int], offload_engine: "OffloadEngine",
-                      ctx: PolicyContext) -> list[int]:
-        chosen = self._choose(available_blocks, offload_engine, ctx)
-        return available_blocks if chosen is None else sorted(chosen.tolist())  # host sync
-
-    def _choose(self, available_blocks: list[int], offload_engine: "OffloadEngine | None",
-                ctx: PolicyContext) -> torch.Tensor | None:
-        n = len(available_blocks)
-        if ctx.layer_id < self.dense_layers or n <= self.threshold_blocks:
+        n = len(ctx.candidates)
+        if ctx.layer < self.dense_layers or n <= self.threshold_blocks:
             return None
-        keep = max(self.budget_blocks(ctx.block_size), 2)
+        keep = self.budget_blocks(ctx.block_size)
         if n <= keep:
             return None
-        ids = (self._device_ids(available_blocks, ctx.query.device) if offload_engine is None
-               else offload_engine.device_block_ids(available_blocks))  # the engine's copies outlive graph captures
+        ids = ctx.candidate_ids  # the store's copy, which outlives graph captures
         if ctx.query.shape[0] == 1 and self._kmax is not None and self._kmin is not None:  # decode: one launch
-            return quest_select(ctx.query[0], self._kmax.data[ctx.layer_id], self._kmin.data[ctx.layer_id], ids,
+            return quest_select(ctx.query[0], self._kmax.data[ctx.layer], self._kmin.data[ctx.layer], ids,
                                 ctx.query.shape[-1] ** -0.5, keep)
-        scores = self.block_scores(ctx.query, ids, ctx.layer_id)  # [n]
-        ends = (ids[:1], ids[-1:])  # attention sink and newest full block
-        if keep == 2:
-            return torch.cat(ends)
-        middle = torch.topk(scores[1:-1], keep - 2, sorted=False).indices + 1
-        return torch.cat([*ends, ids[middle]])
-
-    def reset(self) -> None:
-        # The tables stay allocated for the next sequence: a block's rows are rewritten before it is ever read.
-        self._ids_key = self._ids = None
+        return top_blocks(ids, self.block_scores(ctx.query, ids, ctx.layer), keep, 1, 1)

@@ -4,7 +4,7 @@ Per head, the last `last_q` queries of the chunk estimate which key columns ("ve
 delimiters) and which diagonals ("slash" lines: fixed relative offsets q_pos - k_pos, the local band) carry
 the attention mass; every query of the chunk then attends exactly to the union of the top `vertical_size`
 columns and the top `slash_size` diagonals (plus the first `sink_tokens` columns and the `recent_diagonals`
-offsets next to the main diagonal, always kept), through sparsekv.kernels.vertical_slash_attention.
+offsets next to the main diagonal, always kept), through vertical_slash_attention (vertical_slash.py beside this file).
 Decode is not sparse: the factory pairs this policy with `full` for decode.
 
 `slash_granularity` = 64 ranks whole bands of 64 offsets [64 b, 64 b + 63] by their summed diagonal mass and keeps
@@ -15,14 +15,14 @@ two comparisons instead of selection bits.
 
 offload=none (compute_prefill): all keys are on the device, so the selection is MInference's own: softmax of
 the last-q scores over every key they may see, column sums and diagonal sums, top-k of each, computed by the fused
-kernels of sparsekv.kernels.vertical_slash_estimate (the scores are never materialised). With
+kernels of sparsekv.policies.minference.vertical_slash_estimate (the scores are never materialised). With
 `slash_excludes_vertical` the diagonal sums leave out the selected columns: a column read by the last-q rows
 otherwise adds its mass to the last_q diagonals it crosses, and those diagonals, each costing a key tile per query
 block, win slash budget for mass the column already keeps.
 
 offload=cpu (compute_chunked_prefill), one pass over the host blocks
 ---------------------------------------------------------------------
-The prefix keys arrive only group by group through OffloadEngine.stream_block_groups (groups of num_slots / 2
+The prefix keys arrive only group by group through the KVReader (reader.groups: groups of ring_capacity / 2
 consecutive blocks, one attention call each), each block exactly once, and a group's attention must be computed
 while it is in its GPU slots, i.e. before the older groups have been seen. The global top-k cannot be known at
 that time, so the selection is made online, one group at a time (below, "candidate" is a column, or a granule of
@@ -60,18 +60,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import ClassVar, Optional
 
 import torch
 
 from sparsekv.kernels import merge_attention_outputs
-from sparsekv.kernels.vertical_slash import vertical_slash_attention, visible_pair_count
-from sparsekv.kernels.vertical_slash_estimate import last_rows_lse, vertical_slash_masses
+from sparsekv.policies.minference.vertical_slash import vertical_slash_attention, visible_pair_count
+from sparsekv.policies.minference.vertical_slash_estimate import last_rows_lse, vertical_slash_masses
 from sparsekv.policies.base import SparsePolicy
-
-if TYPE_CHECKING:
-    from sparsekv.engine.sequence import Sequence
-    from sparsekv.kvcache.offload_engine import OffloadEngine
+from sparsekv.policies.context import KVReader, PolicyContext
 
 SLASH_BAND = 64  # offsets per band when slash_granularity > 1
 _SENTINEL = 1 << 30  # pads ragged per-head index lists (ignored by the kernel: out of range)
@@ -177,23 +174,21 @@ class MInferencePolicy(SparsePolicy):
         return vertical_idx, band_offsets(bands, band)
 
     # ------------------------------------------------------------------------------------- offload=cpu
-    def compute_chunked_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                                softmax_scale: float, offload_engine: "OffloadEngine", kvcache_manager,
-                                current_chunk_idx: int, seq: "Sequence", num_tokens: int) -> torch.Tensor:
+    def compute_chunked_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PolicyContext,
+                                reader: KVReader) -> torch.Tensor:
         """q [n, H, D], k/v [n, KVH, D] of this chunk -> [n, H, D]; the prefix streams once (module docstring)."""
         n, H, _ = q.shape
         if n == 0:
             return torch.empty_like(q)
-        blocks = list(kvcache_manager.prefix_blocks(seq))
-        bs = offload_engine.block_size
+        blocks = list(ctx.candidates)
+        bs, softmax_scale = reader.block_size, ctx.softmax_scale
         c0 = len(blocks) * bs  # prefix tokens: the chunk's queries sit at c0 .. c0+n-1
         T = c0 + n
         V, NS = self.budgets(T)
         if self.dense_when_all_kept and (V, NS) == (T, T):
             visible = H * (n * c0 + visible_pair_count(n, n, 0))
             self.record_density(visible, visible)
-            return super().compute_chunked_prefill(q, k, v, layer_id, softmax_scale, offload_engine,
-                                                   kvcache_manager, current_chunk_idx, seq, num_tokens)
+            return super().compute_chunked_prefill(q, k, v, ctx, reader)
         L = min(self.last_q, n)
         r0 = c0 + n - L  # absolute position of the first last-q row
         ql = q[-L:]
@@ -217,13 +212,12 @@ class MInferencePolicy(SparsePolicy):
 
         out = lse = None
         pairs = torch.zeros(1, dtype=torch.int64, device=q.device)  # computed pairs, counted by the kernels
-        size = max(1, offload_engine.num_slots // 2)
+        size = max(1, reader.ring_capacity // 2)
         ends = list(range(len(blocks), 0, -size))  # groups of consecutive blocks, newest first
         order = [b for end in ends for b in blocks[max(0, end - size):end]]
-        for (slot, group), end in zip(offload_engine.stream_block_groups(layer_id, order, group_size=size), ends):
+        for (group, k_grp, v_grp), end in zip(reader.groups(order, group_size=size), ends):  # k/v [W, KVH, D]
             W = len(group) * bs
             a = end * bs - W  # position of the group's first key
-            k_grp, v_grp = offload_engine.get_kv_for_slots(slot, len(group))  # [W, KVH, D]
             # (i) last-q evidence of this group: offsets d0 .. r0 - a + L - 1
             d0 = r0 - a - W + 1
             col_g, diag_g = vertical_slash_masses(ql, k_grp, softmax_scale, r0 - a, lse=lse_loc, offsets_from=d0)
@@ -241,7 +235,6 @@ class MInferencePolicy(SparsePolicy):
             slash_offsets = _compact(_offsets_kept(slash_m >= slash_thr, e0, e1, g), e0)
             grp_out, grp_lse = vertical_slash_attention(q, k_grp, v_grp, vertical_idx, slash_offsets,
                                                         softmax_scale, c0 - a, pairs)
-            offload_engine.record_slots_compute_done(slot, len(group))
             out, lse = (grp_out, grp_lse) if out is None else merge_attention_outputs(out, lse, grp_out, grp_lse)
 
         # the chunk's own keys, with the final thresholds

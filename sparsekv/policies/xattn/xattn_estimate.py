@@ -30,7 +30,7 @@ columns for the kernels; other layouts run the reference.
 from __future__ import annotations
 
 import torch
-from ._dispatch import HAS_TRITON, alloc_output, cdiv, jit, next_power_of_2, tl, triton_interpret, use_triton
+from sparsekv.kernels._dispatch import HAS_TRITON, alloc_output, cdiv, jit, next_power_of_2, tl, triton_interpret, use_triton
 
 __all__ = ["xattn_block_mass", "xattn_block_mass_reference"]
 

@@ -27,7 +27,7 @@ Triton kernel, one program per (block of BLOCK_M query rows, head), online softm
   2. vertical columns: the selected columns are gathered BLOCK_N at a time by index (causally visible ones
      only: counted per query block), masking keys that lie on a selected diagonal of the row (already counted in
      loop 1).
-The lists, bits, run bounds and per-query-block ranges are built by sparsekv.kernels.vertical_slash_index (four
+The lists, bits, run bounds and per-query-block ranges are built by vertical_slash_index.py beside this file (four
 small Triton kernels and a zero fill; a torch reference there builds the same tensors).
 The pure-torch reference builds the dense boolean mask [H, rows, Sk] block of rows by block of rows.
 
@@ -42,8 +42,8 @@ import math
 
 import torch
 
-from ._dispatch import HAS_TRITON, alloc_output, jit, next_power_of_2, tl, triton_interpret, use_triton
-from .attention import _empty_result, check_qkv, masked_attention_rows, online_softmax_step
+from sparsekv.kernels._dispatch import HAS_TRITON, alloc_output, jit, next_power_of_2, tl, triton_interpret, use_triton
+from sparsekv.kernels.attention import _empty_result, check_qkv, masked_attention_rows, online_softmax_step
 from .vertical_slash_index import offset_range, slash_mask, vertical_slash_index
 
 __all__ = [

@@ -14,12 +14,12 @@ block is kept when at least `vote_fraction` of the KV heads keep it (majority vo
 and the diagonal block are always kept.
 
 offload=none (compute_prefill; the keys are all on the device): the scoring runs on the real keys at
-`block_size` granularity (sparsekv.kernels.xattn_estimate: one fused matmul pass over the strided scores that keeps
+`block_size` granularity (sparsekv.policies.xattn.xattn_estimate: one fused matmul pass over the strided scores that keeps
 only per-(row, key block) log-sum-exps, then the normalised masses), and the attention is computed exactly over
-each query block's own kept blocks by one block-sparse kernel (sparsekv.kernels.block_sparse_attention; the
+each query block's own kept blocks by one block-sparse kernel (sparsekv.policies.xattn.block_sparse_attention; the
 selection goes to it as sorted per-query-block lists built on the device, so the plan needs no host sync).
 
-offload=cpu (compute_chunked_prefill from the base pipeline; select_blocks(prefix host blocks)): the prefix keys
+offload=cpu (compute_chunked_prefill from the base pipeline; select_blocks(ctx) over the prefix host blocks): the prefix keys
 live on the host and only the chosen blocks may cross PCIe, so the decision uses a key summary kept on the GPU.
 Summary: for every host block and layer, the mean of each run of `summary_stride` (default: `stride`) consecutive
 keys, [block_size / summary_stride, KVH, D] in the key dtype, recorded by on_prefill_offload / on_decode_offload
@@ -44,17 +44,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import ClassVar, Optional
 
 import torch
 
-from sparsekv.kernels.block_sparse_attention import block_lists_from_mask, block_sparse_attention
-from sparsekv.kernels.xattn_estimate import xattn_block_mass
-from sparsekv.policies.base import PolicyContext, SparsePolicy
+from sparsekv.policies.xattn.block_sparse_attention import block_lists_from_mask, block_sparse_attention
+from sparsekv.policies.xattn.xattn_estimate import xattn_block_mass
+from sparsekv.policies.base import SparsePolicy
 from sparsekv.policies.block_metadata import BlockMetadata
-
-if TYPE_CHECKING:
-    from sparsekv.kvcache.offload_engine import OffloadEngine
+from sparsekv.policies.context import KVLayout, PolicyContext
 
 SCORE_ELEMENTS = 1 << 25  # fp32 summary scores (offload=cpu) materialised at once
 
@@ -143,7 +141,7 @@ class XAttentionPolicy(SparsePolicy):
         q [n, H, D] are the last n positions of k [S, KVH, D]; blocks are `block_size` tokens from position 0.
         -> [KVH, nqb, nkb] fp32 with nkb = ceil(S / B), nqb = nkb - (S - n) // B (the blocks holding the queries);
         each entry sums the softmax mass of the GQA group's query heads over the block's strided rows
-        (sparsekv.kernels.xattn_estimate: fused Triton kernels, or the pure-torch reference).
+        (sparsekv.policies.xattn.xattn_estimate: fused Triton kernels, or the pure-torch reference).
         """
         return xattn_block_mass(q, k, self.stride, self.block_size)
 
@@ -179,17 +177,16 @@ class XAttentionPolicy(SparsePolicy):
         return out
 
     # ---------------------------------------------------------------------------------------- offload=cpu
-    def initialize(self, num_layers: int, num_kv_heads: int, head_dim: int, num_cpu_blocks: int,
-                   dtype: torch.dtype, device: torch.device) -> None:
-        # the group count per block is known from the first offloaded block (initialize gets no block size)
-        self._layout = (num_layers, num_kv_heads, head_dim, dtype, torch.device(device))
-        self._max_blocks = num_cpu_blocks
+    def initialize(self, layout: KVLayout) -> None:
+        # the summary table is sized by the longest block seen (a table per group count, widened on demand)
+        self._layout = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
+                        torch.device(layout.device))
+        self._max_blocks = layout.max_blocks
         self._summary = None
-        self._groups = BlockMetadata(num_layers, (), torch.int32, device, num_cpu_blocks)
+        self._groups = BlockMetadata(layout.num_layers, (), torch.int32, layout.device, layout.max_blocks)
 
-    def on_prefill_offload(self, cpu_block_id: int, layer_id: int, k_cache: torch.Tensor,
-                           num_valid_tokens: int) -> None:
-        self._record(cpu_block_id, layer_id, k_cache, num_valid_tokens)
+    def on_prefill_offload(self, block_id: int, layer: int, keys: torch.Tensor, n: int) -> None:
+        self._record(block_id, layer, keys, n)
 
     @property
     def summary_group(self) -> int:
@@ -271,14 +268,14 @@ class XAttentionPolicy(SparsePolicy):
                 own_mass.index_add_(1, q_block[r0:r1], p[..., prefix_cols:].sum(-1))
         return mass, own_mass
 
-    def select_blocks(self, available_blocks: list[int], offload_engine: "OffloadEngine",
-                      ctx: PolicyContext) -> list[int]:
+    def select_blocks(self, ctx: PolicyContext) -> list[int] | None:
+        available_blocks = ctx.candidates
         nb = len(available_blocks)
         if nb <= 2 or self.threshold >= 1.0 or self._summary is None:
             self.record_density(nb, nb)
-            return available_blocks
-        ids = torch.tensor(available_blocks, dtype=torch.int64).to(ctx.query.device, non_blocking=True)
-        mass, own = self.prefix_block_mass(ctx.query, ids, ctx.layer_id, ctx.block_size, ctx.keys)  # [KVH, nqb, nb]
+            return None
+        mass, own = self.prefix_block_mass(ctx.query, ctx.candidate_ids, ctx.layer, ctx.block_size,
+                                           ctx.chunk_keys)  # [KVH, nqb, nb]
         keep = threshold_keep(mass, self.threshold, kept=own)
         chosen = self._vote(keep).any(dim=0)  # union over query blocks -> [nb]
         chosen[:1].fill_(True)  # attention sink (fill_ on a view: no host-to-device copy)

@@ -1,0 +1,45 @@
+"""RingReader: the KVReader a policy gets, host blocks of one layer read through the OffloadEngine's GPU ring."""
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+
+from sparsekv.kvcache.offload_engine import OffloadEngine
+from sparsekv.policies.context import KVGroup
+
+
+class RingReader:
+    """groups() yields KVGroups in the order of `blocks`; each is loaded (copy engines for a host list, the gather
+    kernel for a device tensor) and waited for before it is yielded, the next one loads meanwhile, and its slots are
+    released for reloading when the caller advances (or stops)."""
+    __slots__ = ("engine", "layer", "tail", "check_selections")
+
+    def __init__(self, engine: OffloadEngine, layer: int, tail=None, check_selections: bool = False):
+        self.engine, self.layer, self.tail, self.check_selections = engine, layer, tail, check_selections
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.block_size
+
+    @property
+    def ring_capacity(self) -> int:
+        return self.engine.num_slots
+
+    def num_groups(self, num_blocks: int, group_size: int | None = None) -> int:
+        return self.engine.num_block_groups(num_blocks, group_size)
+
+    def groups(self, blocks: Sequence[int] | torch.Tensor, group_size: int | None = None) -> Iterator[KVGroup]:
+        engine = self.engine
+        if group_size is not None and not 1 <= group_size <= engine.num_slots:
+            raise ValueError(f"group_size={group_size}: must be between 1 and the ring's {engine.num_slots} slots")
+        if isinstance(blocks, torch.Tensor):
+            loaded = engine.gather_block_groups(self.layer, blocks)
+        else:
+            loaded = engine.stream_block_groups(self.layer, list(blocks), group_size)
+        for first, ids in loaded:
+            k, v = engine.get_kv_for_slots(first, len(ids))  # [n * block_size, KVH, D] each
+            try:
+                yield KVGroup(ids, k, v)
+            finally:  # the caller's kernels on these slots are enqueued: later loads wait for them
+                engine.record_slots_compute_done(first, len(ids))

@@ -1,0 +1,149 @@
+"""The typed boundary between a policy and the KV store: what a policy is told, what it may read, what it returns.
+
+A policy receives
+  KVLayout       once, in initialize(layout): the shape of the KV it will see
+  PolicyContext  per attention call (layer, phase, query, candidate host blocks, positions): read-only
+  KVReader       compute policies only: yields groups of host blocks loaded into GPU ring slots as K/V views
+and returns a selection (select_blocks), scores (ScorerPolicy.score_blocks) or an attention output. It never
+receives the store, the ring engine or an engine Sequence, and never copies KV itself.
+
+Every selection goes through check_selection before anything loads; a bad one raises PolicySelectionError naming
+the policy class, the layer and the bad value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Callable, Iterator, Literal, NamedTuple, Protocol, Sequence, Union
+
+import torch
+
+if TYPE_CHECKING:
+    from sparsekv.policies.base import SparsePolicy
+
+Selection = Union[list[int], torch.Tensor, None]  # None: every candidate
+
+
+class PolicySelectionError(ValueError):
+    """A policy returned a selection the engine cannot load."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int  # tokens per host block
+    max_blocks: int  # upper bound on host block ids (the host pool's size; tables grow on demand up to it)
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """One attention call as a policy sees it. Read-only; built by the store."""
+    phase: Literal["prefill", "decode"]
+    layer: int
+    query: torch.Tensor  # [Nq, H, D] on the device
+    candidates: Sequence[int]  # host block ids the query may attend to, in position order (all full blocks)
+    block_size: int
+    query_start: int  # position of the first query
+    kv_len: int  # keys visible to the last query, this chunk / token included
+    softmax_scale: float
+    chunk_keys: torch.Tensor | None = None  # prefill: the chunk's own keys [Nq, KVH, D]; decode: None
+    # makes candidate_ids; the store passes its per-list cache so graph replays read the tensor they captured
+    ids_source: Callable[[Sequence[int]], torch.Tensor] | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def candidate_ids(self) -> torch.Tensor:
+        """The candidates as [n] int64 on the device (made on first use: policies that never read it cost nothing)."""
+        if self.ids_source is not None:
+            return self.ids_source(self.candidates)
+        return torch.tensor(list(self.candidates), dtype=torch.int64).to(self.query.device, non_blocking=True)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.phase == "prefill"
+
+
+class KVGroup(NamedTuple):
+    """Consecutive ring slots holding host blocks `ids` (a list, or a device tensor for device selections)."""
+    ids: list[int] | torch.Tensor
+    k: torch.Tensor  # [len(ids) * block_size, KVH, D], a view of the ring
+    v: torch.Tensor
+
+
+class KVReader(Protocol):
+    """Read access to host blocks of one layer through the GPU ring. groups() loads ahead, waits for each group
+    before yielding it, and frees a group's slots when the caller advances to the next group (the caller's kernels
+    reading it are enqueued on the compute stream by then). Views are valid only until the caller advances.
+    group_size (default: half the ring, so two groups are in flight) applies to id lists; a device tensor of ids is
+    gathered in groups of up to ring_capacity blocks."""
+    block_size: int
+    ring_capacity: int  # slots in the ring: a group holds at most this many blocks
+    check_selections: bool  # validate device-tensor selections too (one host sync per layer and step)
+
+    def groups(self, blocks: Sequence[int] | torch.Tensor, group_size: int | None = None) -> Iterator[KVGroup]: ...
+
+    def num_groups(self, num_blocks: int, group_size: int | None = None) -> int: ...
+
+
+def _fail(policy: "SparsePolicy", ctx: PolicyContext, what: str) -> PolicySelectionError:
+    return PolicySelectionError(f"{type(policy).__name__}.select_blocks (layer {ctx.layer}, {ctx.phase}, "
+                                f"{len(ctx.candidates)} candidates): {what}")
+
+
+def check_selection(policy: "SparsePolicy", ctx: PolicyContext, selection: object,
+                    check_device: bool = False) -> list[int] | torch.Tensor | None:
+    """Validate what select_blocks returned. The rules:
+      None                      every candidate
+      a list/tuple of int       a subset of ctx.candidates, no duplicates, any order (loaded in the order given)
+      a 1-D integer tensor      on the query's device, at most len(candidates) long; its values are checked only
+                                with check_device (one host sync per layer and step)
+      empty                     an error, unless the policy sets allow_empty_selection: then only the chunk's own
+                                keys (prefill) or the unfinished block (decode) are attended
+    Returns the selection (a list for list/tuple input)."""
+    if selection is None:
+        return None
+    if isinstance(selection, torch.Tensor):
+        if selection.dim() != 1 or selection.dtype not in (torch.int64, torch.int32):
+            raise _fail(policy, ctx, f"a device selection must be a 1-D int64 tensor of block ids, got shape "
+                                     f"{tuple(selection.shape)} dtype {selection.dtype}")
+        if selection.device != ctx.query.device:
+            raise _fail(policy, ctx, f"the selection is on {selection.device}, the query on {ctx.query.device}")
+        if selection.shape[0] > len(ctx.candidates):
+            raise _fail(policy, ctx, f"selected {selection.shape[0]} blocks of {len(ctx.candidates)} candidates")
+        if selection.shape[0] == 0 and not policy.allow_empty_selection:
+            raise _fail(policy, ctx, "empty selection; return None for every candidate, or set "
+                                     "allow_empty_selection = True to attend only to the newest keys")
+        if check_device:
+            _check_ids(policy, ctx, selection.tolist())
+        return selection
+    if not isinstance(selection, (list, tuple)):
+        raise _fail(policy, ctx, f"returned {type(selection).__name__}; expected None, a list of block ids or a "
+                                 "device tensor")
+    ids = list(selection)
+    _check_ids(policy, ctx, ids)
+    return ids
+
+
+def _check_ids(policy: "SparsePolicy", ctx: PolicyContext, ids: list) -> None:
+    if not ids and not policy.allow_empty_selection:
+        raise _fail(policy, ctx, "empty selection; return None for every candidate, or set "
+                                 "allow_empty_selection = True to attend only to the newest keys")
+    for value in ids:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail(policy, ctx, f"block id {value!r} is not an int")
+    allowed = set(ctx.candidates)
+    for value in ids:
+        if value not in allowed:
+            raise _fail(policy, ctx, f"block id {value} is not a candidate (candidates: {_short(ctx.candidates)})")
+    if len(set(ids)) != len(ids):
+        seen: set[int] = set()
+        duplicate = next(value for value in ids if value in seen or seen.add(value))
+        raise _fail(policy, ctx, f"block id {duplicate} is selected twice")
+
+
+def _short(ids: Sequence[int], limit: int = 8) -> str:
+    ids = list(ids)
+    return str(ids) if len(ids) <= limit else f"[{', '.join(map(str, ids[:limit]))}, ... {len(ids)} in all]"

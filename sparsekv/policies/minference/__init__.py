@@ -1,0 +1,3 @@
+from sparsekv.policies.minference.policy import MInferencePolicy
+
+__all__ = ["MInferencePolicy"]

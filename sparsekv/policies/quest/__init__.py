@@ -1,0 +1,3 @@
+from sparsekv.policies.quest.policy import QuestPolicy
+
+__all__ = ["QuestPolicy"]

@@ -1,0 +1,3 @@
+from sparsekv.policies.xattn.policy import XAttentionPolicy
+
+__all__ = ["XAttentionPolicy"]
