@@ -159,6 +159,9 @@ class Config:
     seed: int = bounded(0, ge=0)
     prompt: str = "The quick brown fox jumps over the lazy dog. Long context inference is"
     output_dir: Optional[str] = None  # where tasks write JSON; default: Hydra's run dir or ./outputs
+    # validate policies' device-tensor selections too (ids, duplicates, length): one host sync per layer and step;
+    # list selections are always validated
+    check_selections: bool = False
 
 
 SCHEMA_NAME = "sparsekv_schema"

@@ -10,6 +10,7 @@ from sparsekv.config import Device, DType, OffloadMode, PrefillMode
 from sparsekv.config_check import build_policy  # noqa: F401 - re-exported: factory.build_policy
 from sparsekv.engine.cuda_graph import attach_graph_runner, check_graph_config, graph_settings, resolve_graph_mode
 from sparsekv.engine.llm_engine import LLMEngine
+from sparsekv.kernels._dispatch import activate_kernels
 from sparsekv.kernels.backend import resolve_kernels
 from sparsekv.kvcache.base import available_host_memory
 from sparsekv.kvcache.offload_store import OffloadKVStore
@@ -130,7 +131,9 @@ def build_engine(cfg: DictConfig) -> LLMEngine:
     decode_policy = policy if policy.supports_decode else registry().policies["full"]
     graph_mode = resolve_graph_mode(graph_settings(graph_cfg)[0], cfg.offload.mode, device, decode_policy)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, spec, cls, device, dtype, cfg.seed, kernels=resolve_kernels(device))
+    kernels = resolve_kernels(device)  # every backend and fusion choice, once
+    activate_kernels(device, kernels)  # what the KV store, the policies and plugins' kernel calls run
+    model = build_model(cfg.model, spec, cls, device, dtype, cfg.seed, kernels=kernels)
     kv_store = build_kv_store(cfg, spec, dtype, device, max_model_len, policy)
     tokenizer = load_tokenizer(cfg.model.path, spec.vocab_size)
     log.info("built %s on %s (%s), offload=%s: %d KV blocks of %d tokens", spec.architecture, device, dtype,

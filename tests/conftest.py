@@ -65,10 +65,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def fresh_kernel_choice(monkeypatch):
+    """Each test starts with no active KernelChoice: kernels called without one resolve it from the test's own
+    SPARSEKV_ATTN_BACKEND, and an engine a test builds activates its own."""
+    from sparsekv.kernels import _dispatch
+
+    monkeypatch.setattr(_dispatch, "_ACTIVE", {})
+
+
 @pytest.fixture
 def triton_kernels(monkeypatch):
     """The KernelChoice that runs the Triton kernels (interpreted off-GPU), for layers and kernels that take one;
-    kernels called without one (as the KV stores and policies call them) follow SPARSEKV_ATTN_BACKEND=triton.
+    kernels called without one (as the KV stores and policies call them) and engines built in the test follow
+    SPARSEKV_ATTN_BACKEND=triton.
     Every output buffer the launchers allocate is poisoned, so an element a kernel forgets to write fails."""
     from sparsekv.kernels import _dispatch
     from sparsekv.kernels.backend import resolve_kernels

@@ -37,7 +37,9 @@ def plugin_site_on_path(site: Path) -> Iterator[None]:
     """Make the installed plugin discoverable (entry points are read from sys.path), and restore the plugin state
     afterwards: path, autoload switch, loaded modules, registry and the configs it stored."""
     saved_env = os.environ.get(plugins.DISABLE_AUTOLOAD_ENV)
+    saved_allow = os.environ.get(plugins.ALLOW_LIST_ENV)
     os.environ[plugins.DISABLE_AUTOLOAD_ENV] = "0"
+    os.environ[plugins.ALLOW_LIST_ENV] = "streamingllm"  # other installed plugins cannot interfere
     sys.path.insert(0, str(site))
     importlib.invalidate_caches()
     plugins.reset_for_tests()
@@ -49,6 +51,10 @@ def plugin_site_on_path(site: Path) -> Iterator[None]:
             os.environ.pop(plugins.DISABLE_AUTOLOAD_ENV, None)
         else:
             os.environ[plugins.DISABLE_AUTOLOAD_ENV] = saved_env
+        if saved_allow is None:
+            os.environ.pop(plugins.ALLOW_LIST_ENV, None)
+        else:
+            os.environ[plugins.ALLOW_LIST_ENV] = saved_allow
         for module in [m for m in sys.modules if m == PLUGIN_MODULE or m.startswith(PLUGIN_MODULE + ".")]:
             del sys.modules[module]
         importlib.invalidate_caches()

@@ -231,6 +231,7 @@ def test_policy_density_is_the_kernel_count(monkeypatch):
     densities = {}
     for backend in ("triton", "torch"):
         monkeypatch.setenv(_dispatch.ENV_BACKEND, backend)
+        _dispatch._ACTIVE.clear()  # resolve the choice again under this backend
         policy = MInferencePolicy(last_q=16, vertical_size=6, slash_size=10, sink_tokens=2, recent_diagonals=4)
         policy.compute_prefill(q, k, v, 0, 0.25)
         vertical, slash = policy.estimate_pattern(q, k, 0.25)
@@ -247,6 +248,7 @@ def test_chunked_policy_density_same_on_both_paths(monkeypatch):
     densities = {}
     for backend in ("triton", "torch"):
         monkeypatch.setenv(_dispatch.ENV_BACKEND, backend)
+        _dispatch._ACTIVE.clear()  # resolve the choice again under this backend
         policy = MInferencePolicy(last_q=8, vertical_size=6, slash_size=8, sink_tokens=2, recent_diagonals=3)
         _chunked_prefill(policy, q, k, v, 64, 16, 0.25, slots=2)
         densities[backend] = policy.last_density

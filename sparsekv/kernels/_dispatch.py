@@ -75,18 +75,27 @@ def attention_backend(preferred: str, dtype: torch.dtype | None = None, causal: 
     return "triton" if HAS_TRITON else "torch"
 
 
-def default_kernels(device: torch.device | str):
-    """The KernelChoice of kernels whose caller passes none (the KV stores and the policies): what
-    sparsekv.kernels.backend.resolve_kernels gives for the device under the current SPARSEKV_ATTN_BACKEND."""
+_ACTIVE: dict = {}  # (device type, index) -> the KernelChoice of the engine built last for that device
+
+
+def activate_kernels(device: torch.device | str, choice) -> None:
+    """Make `choice` (the engine's KernelChoice, resolved once when it is built) what kernels use on `device` when
+    their caller passes none: the KV stores, the policies and third-party plugins call the public kernels so."""
     device = torch.device(device)
-    return _default_kernels(device.type, device.index, os.environ.get(ENV_BACKEND, ""))
+    _ACTIVE[(device.type, device.index)] = choice
 
 
-@functools.lru_cache(maxsize=None)
-def _default_kernels(device_type: str, index: int | None, forced: str):
-    from .backend import resolve_kernels  # backend imports this module
+def default_kernels(device: torch.device | str):
+    """The KernelChoice of kernels whose caller passes none: the one activate_kernels set for the device, else
+    resolve_kernels' choice, resolved on first use and kept (no environment read per call)."""
+    device = torch.device(device)
+    key = (device.type, device.index)
+    choice = _ACTIVE.get(key)
+    if choice is None:
+        from .backend import resolve_kernels  # backend imports this module
 
-    return resolve_kernels(torch.device(device_type, index), backend=forced)
+        choice = _ACTIVE[key] = resolve_kernels(device)
+    return choice
 
 
 def use_triton(device: torch.device | str) -> bool:
