@@ -51,7 +51,7 @@ def registry(tmp_path_factory):
     """Built-ins, the bundled streaming plugin (pip-installed) and the example scorer (dist-info on the path)."""
     site = install_streaming_plugin(tmp_path_factory.mktemp("streamingllm"))
     write_example_plugin(site)
-    with plugin_site_on_path(site):
+    with plugin_site_on_path(site, allow="streamingllm,mean_key"):
         yield plugins.registry()
 
 

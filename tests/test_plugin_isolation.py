@@ -210,7 +210,7 @@ def test_every_failure_is_reported_once_with_package_and_entry_point_and_the_res
     # what still works: the good plugin, every built-in, the default config
     assert reg.plugins["iso_good"].status == "loaded" and reg.plugins["iso_good"].policies == ["iso_good_policy"]
     assert {"full", "quest", "iso_good_policy"} <= set(reg.policies)
-    assert reg.policies["quest"].__module__ == "sparsekv.policies.quest"
+    assert reg.policies["quest"].__module__.startswith("sparsekv.policies.quest")  # the built-in, not a plugin's
     assert not {"iso_dup", "plain", "not_a_policy", "base", "iso_configless", "iso_bad_field"} & set(reg.policies)
     assert compose_config(["policy=iso_good_policy", "policy.width=3"]).policy.width == 3
     assert compose_config([]).policy.name == "full"

@@ -33,13 +33,13 @@ def install_streaming_plugin(root: Path) -> Path:
 
 
 @contextlib.contextmanager
-def plugin_site_on_path(site: Path) -> Iterator[None]:
+def plugin_site_on_path(site: Path, allow: str = "streamingllm") -> Iterator[None]:
     """Make the installed plugin discoverable (entry points are read from sys.path), and restore the plugin state
     afterwards: path, autoload switch, loaded modules, registry and the configs it stored."""
     saved_env = os.environ.get(plugins.DISABLE_AUTOLOAD_ENV)
     saved_allow = os.environ.get(plugins.ALLOW_LIST_ENV)
     os.environ[plugins.DISABLE_AUTOLOAD_ENV] = "0"
-    os.environ[plugins.ALLOW_LIST_ENV] = "streamingllm"  # other installed plugins cannot interfere
+    os.environ[plugins.ALLOW_LIST_ENV] = allow  # entry points of the site: other installed plugins cannot interfere
     sys.path.insert(0, str(site))
     importlib.invalidate_caches()
     plugins.reset_for_tests()
