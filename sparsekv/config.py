@@ -52,7 +52,7 @@ class PrefillMode(str, enum.Enum):
 
 
 class GraphMode(str, enum.Enum):
-    """How decode steps run (prefill is always eager). See sparsekv/engine/cuda_graph.py."""
+    """How decode steps run (prefill is always eager). See sparsekv/graphs/cuda_graph.py."""
     auto = "auto"  # CUDA: cudagraph for offload=none, segmented for offload=cpu; eager without CUDA
     eager = "eager"  # plain PyTorch, no CUDA graphs
     cudagraph = "cudagraph"  # whole decode forward captured per batch bucket (offload=none)

@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 
 from sparsekv.config import Device, DType, OffloadMode, PrefillMode
 from sparsekv.config_check import build_policy  # noqa: F401 - re-exported: factory.build_policy
-from sparsekv.engine.cuda_graph import attach_graph_runner, check_graph_config, graph_settings, resolve_graph_mode
+from sparsekv.graphs.cuda_graph import attach_graph_runner, check_graph_config, graph_settings, resolve_graph_mode
 from sparsekv.engine.llm_engine import LLMEngine
 from sparsekv.kernels._dispatch import activate_kernels
 from sparsekv.kernels.backend import resolve_kernels

@@ -4,7 +4,7 @@
    offload mode (the graph runner is attached and detached, so both modes see the same weights and KV layout).
 2. Segment replay, per-layer graphs vs one shared graph with the weights as inputs (each layer's weights copied
    into the captured layer before its replay), for the post-attention segment of every layer: the measurement
-   behind the per-layer design of graph.mode=segmented (sparsekv/engine/segmented_graph.py).
+   behind the per-layer design of graph.mode=segmented (sparsekv/graphs/segmented_graph.py).
 
     python tools/bench_cuda_graph.py [--model qwen3_4b] [--steps 32] [--json out.json]
 """
@@ -19,10 +19,10 @@ import time
 import torch
 
 from sparsekv import LLM, SamplingParams
-from sparsekv.engine.cuda_graph import attach_graph_runner
+from sparsekv.graphs.cuda_graph import attach_graph_runner
 from sparsekv.engine.llm_engine import RunStats
-from sparsekv.floors import cuda_median_seconds
-from sparsekv.tasks.bench import random_prompts
+from sparsekv.tasks.bench.floors import cuda_median_seconds
+from sparsekv.tasks.bench.task import random_prompts
 
 
 def decode_ms(llm: LLM, batch: int, context: int, steps: int, seed: int = 0) -> float:
@@ -65,7 +65,7 @@ def bench_modes(model: str, offload: list[str], mode: str, cases: list[tuple[int
 
 
 def time_cuda(fn) -> float:
-    """Median ms of one call (sparsekv.floors' CUDA-event timer)."""
+    """Median ms of one call (sparsekv.tasks.bench.floors' CUDA-event timer)."""
     return 1e3 * cuda_median_seconds(fn, warmup=1, repeats=5, inner=4)
 
 

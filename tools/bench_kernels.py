@@ -377,7 +377,7 @@ def _gemv_sweep(model: str, proj: str, x: torch.Tensor, weight: torch.Tensor, nb
 
 def run_gemv(quick: bool = False) -> None:
     """``--gemv``: the HBM copy rate for reference, then bench_gemv (sweeps at M in {1, 16} only with quick)."""
-    from sparsekv import floors
+    from sparsekv.tasks.bench import floors
 
     start = time.perf_counter()
     print(f"gemv  HBM device-to-device copy: {floors.hbm_gbps():.0f} GB/s (read + write bytes / time)", flush=True)

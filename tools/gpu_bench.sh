@@ -5,7 +5,7 @@
 #     python3 tools/bench_table.py /tmp/bench/records --update docs/benchmarks.md
 #
 # Sections (each fits a 10-minute limit on an H100; times are rough):
-#   info            nvidia-smi, versions, the measured ceilings (python3 -m sparsekv.floors)
+#   info            nvidia-smi, versions, the measured ceilings (python3 -m sparsekv.tasks.bench.floors)
 #   tests           the GPU-marked tests (pytest -m gpu)
 #   decode          GPU-resident graphed decode at 4K, batch 1 / 8 / 32                                      ~1.5 min
 #   offload         offloaded full decode at 8K (whole-step graph and segmented), 32K and 128K with HF beside ~5 min
@@ -91,16 +91,22 @@ for name in ("triton", "hydra", "omegaconf", "pluggy", "transformers", "flash_at
     except Exception as err:  # noqa: BLE001
         print(name, "unavailable:", type(err).__name__, err)
 EOF
-        echo "== measured ceilings (python3 -m sparsekv.floors)"
-        timeout 120 python3 -m sparsekv.floors
+        echo "== measured ceilings (python3 -m sparsekv.tasks.bench.floors)"
+        timeout 120 python3 -m sparsekv.tasks.bench.floors
     } 2>&1 | tee "$OUT/info.log"
 }
 
-section_tests() {
-    local start=$SECONDS rc
-    timeout --kill-after=20 "$TEST_TIMEOUT" python3 -m pytest -q -m gpu tests/ ${TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -20
-    rc=$?
-    status "gpu tests" "$rc" "$((SECONDS - start))"
+section_tests() {  # the whole suite (tests that pick CUDA when present run there too), one process per folder
+    local start=$SECONDS rc=0 dir pids=()
+    for dir in tests/*/; do
+        dir=${dir%/}
+        timeout --kill-after=20 "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -rfE "$dir" ${TEST_ARGS:-} \
+            > "$OUT/tests-${dir#tests/}.log" 2>&1 &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+    tail -n 3 "$OUT"/tests-*.log | tee "$OUT/gpu_tests.log"
+    status "tests" "$rc" "$((SECONDS - start))"
 }
 
 section_decode() {  # GPU-resident, whole-step CUDA graphs, 4K context

@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from sparsekv import LLM, SamplingParams
-from sparsekv.tasks.bench import random_prompts
+from sparsekv.tasks.bench.task import random_prompts
 
 
 def _device_us(event) -> float:

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from profile_decode import _device_us
 from sparsekv import LLM, SamplingParams
-from sparsekv.tasks.bench import random_prompts
+from sparsekv.tasks.bench.task import random_prompts
 
 
 def main() -> None:

@@ -71,7 +71,7 @@ def main() -> None:
         q, k, v = random_chunk(S, n)
     else:
         from sparsekv.llm import LLM
-        from sparsekv.tasks.bench import random_prompts
+        from sparsekv.tasks.bench.task import random_prompts
         from sparsekv.tasks.quality import capture_qkv
         llm = LLM(overrides=["model=qwen3_4b", "model.load_format=dummy_structured", f"scheduler.max_model_len={S + 8}",
                              "graph=eager"])

@@ -17,7 +17,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_store.block_size
         self.sampler = Sampler()
-        self.graph_runner = None  # sparsekv.engine.cuda_graph: replays captured decode steps (graph.mode)
+        self.graph_runner = None  # sparsekv.graphs.cuda_graph: replays captured decode steps (graph.mode)
 
     def _tensor(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda").to(

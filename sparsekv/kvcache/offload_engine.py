@@ -14,7 +14,7 @@ reading pinned memory directly for lists that exist only on the device (gather_b
 on the device, loaded without a host sync). sparsekv.kvcache.reader.RingReader drives both; nothing here knows of
 policies.
 
-Decode steps can be captured into CUDA graphs (sparsekv/engine/offload_graph.py owns the capture): between
+Decode steps can be captured into CUDA graphs (sparsekv/graphs/offload_graph.py owns the capture): between
 start_capture and finish_capture the copy-engine loads become memcpy nodes on a branch of the graph, ordered by
 events recorded inside the capture only (a slot's first load waits for the capture's fork event, later ones for
 the attention that last read the slot, as in eager steps), nothing waits for offloads, and transfers are counted
@@ -34,7 +34,7 @@ from sparsekv.kvcache.host_pool import HostPool
 
 class RingCapture(Protocol):
     """A CUDA-graph capture in progress, as the engine sees it (the graph runner owns it: OffloadStepCapture in
-    sparsekv/engine/offload_graph.py)."""
+    sparsekv/graphs/offload_graph.py)."""
     moved: dict[str, int]  # transfers issued during the capture: they happen at each replay, not now
 
     def fork_event(self, stream: "torch.cuda.Stream") -> "torch.cuda.Event":

@@ -91,7 +91,7 @@ class OffloadKVStore(KVStore):
             return (*self.engine.get_decode_layer_kv(row, layer, (len(seq) - 1) % self.block_size + 1), None)
         return (*self.engine.get_decode_layer_kv(row, layer, self.block_size), self._tail_lengths[seq.seq_id])
 
-    # ---- for the graph runners (sparsekv/engine/offload_graph.py): what a captured decode step needs
+    # ---- for the graph runners (sparsekv/graphs/offload_graph.py): what a captured decode step needs
     def static_decode_inputs_size(self) -> int:
         """int64 elements of the buffer bind_static_decode_inputs takes."""
         return self.max_num_seqs * (self.num_layers + 1)

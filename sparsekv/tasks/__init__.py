@@ -5,7 +5,7 @@ import importlib
 from typing import Callable
 
 TASKS = {"generate": "sparsekv.tasks.generate:run",
-         "bench": "sparsekv.tasks.bench:run",
+         "bench": "sparsekv.tasks.bench.task:run",
          "report": "sparsekv.tasks.report:run",
          "quality": "sparsekv.tasks.quality:run",
          "needle": "sparsekv.tasks.needle:run",

@@ -36,7 +36,7 @@ class BenchTask:
     warmup_tokens: int = bounded(256, ge=1)  # prompt tokens of each warm-up request (compilation stays out of figures)
     fit_kv_cache: bool = True  # offload=none without offload.num_kv_blocks: size the device KV pool to the bench
     progress: bool = True  # tqdm bars over prefill and decode
-    baseline: bool = False  # also time HF transformers on the same prompts (sparsekv.baseline) -> "hf_baseline"
+    baseline: bool = False  # also time HF transformers on the same prompts (sparsekv.tasks.bench.baseline) -> "hf_baseline"
 
 
 @dataclass

@@ -6,7 +6,7 @@
 Records are the `<run dir>/<task>.json` files the tasks write (tasks.common.write_record):
 {"config": resolved config, "status": "ok" | "failed", ...figures}; a failed multirun job's record holds
 "error" and "traceback" instead of figures (sparsekv.__main__). Each record becomes one row; a bench record
-with an `hf_baseline` entry (task.baseline=true, sparsekv.baseline) adds one row per HF system beside it.
+with an `hf_baseline` entry (task.baseline=true, sparsekv.tasks.bench.baseline) adds one row per HF system beside it.
 
 Written to task.out_dir (default: the scanned directory):
   report.csv   every row, the columns of ID_COLUMNS (report_records), then every numeric figure (nested dicts

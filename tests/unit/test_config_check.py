@@ -14,7 +14,7 @@ from sparsekv.config import OFFLOAD_SCHEMAS, Config, ConfigError, GraphConfig, M
 from sparsekv.llm import compose_config
 from sparsekv.sampling_params import SamplingParams
 from sparsekv.tasks.config import TASK_SCHEMAS
-from tests.test_cli import run_cli
+from tests.e2e.test_cli import run_cli
 
 NODES = {  # path -> (overrides that select it, a key it has)
     "model": ([], "vocab_size"), "scheduler": ([], "max_num_seqs"), "sampling": ([], "temperature"),

@@ -17,7 +17,7 @@ from hydra.errors import MissingConfigException
 from sparsekv import PolicyConfigError, plugins
 from sparsekv.llm import compose_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HEADER = '''
 from dataclasses import dataclass
 import sparsekv

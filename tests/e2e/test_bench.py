@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from sparsekv import floors
+from sparsekv.tasks.bench import floors
 from sparsekv.llm import compose_config
 from sparsekv.models.spec import spec_from_model_config
 from sparsekv.tasks import get_task
-from sparsekv.tasks.bench import bench_config
-from sparsekv.tasks.bench_summary import summarize
+from sparsekv.tasks.bench.task import bench_config
+from sparsekv.tasks.bench.summary import summarize
 
 RECORD_KEYS = {
     "config", "name", "model", "offload", "policy", "device", "gpu_name", "dtype", "batch_size", "context",

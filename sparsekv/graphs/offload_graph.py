@@ -35,7 +35,7 @@ import torch
 
 from sparsekv.config import GraphMode
 from sparsekv.engine.context import Context
-from sparsekv.engine.cuda_graph import DecodeGraphRunner, step_context
+from sparsekv.graphs.cuda_graph import DecodeGraphRunner, step_context
 
 log = logging.getLogger(__name__)
 

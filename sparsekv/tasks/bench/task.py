@@ -2,10 +2,10 @@
 
     python -m sparsekv task=bench model=qwen3_4b model.load_format=dummy task.context=32768 task.decode_steps=32
     python -m sparsekv -m task=bench policy=full,quest task.context=32768,131072
-    python -m sparsekv.tasks.bench summarize outputs/        # Markdown table of every bench.json below a folder
+    python -m sparsekv.tasks.bench.task summarize outputs/        # Markdown table of every bench.json below a folder
 
 Each run writes bench.json (tasks.common.write_record) holding the composed config and the figures:
-achieved prefill/decode figures, the ceilings measured on this device (sparsekv.floors), the floor each
+achieved prefill/decode figures, the ceilings measured on this device (sparsekv.tasks.bench.floors), the floor each
 figure is held against and the ratio achieved time / floor time (>= 1). On a CPU device the ceilings, floors
 and ratios are None.
 
@@ -32,7 +32,7 @@ from omegaconf import DictConfig, open_dict
 
 from sparsekv.tasks.common import enum_value, run_identity
 
-from sparsekv.tasks.bench_summary import print_table, summarize
+from sparsekv.tasks.bench.summary import print_table, summarize
 
 GIB = 1 << 30
 
@@ -138,7 +138,7 @@ def run(cfg: DictConfig) -> dict:
 
     import torch
 
-    from sparsekv import floors as fl
+    from sparsekv.tasks.bench import floors as fl
     from sparsekv.engine.llm_engine import RunStats
     from sparsekv.factory import resolve_device, resolve_dtype
     from sparsekv.llm import LLM
@@ -284,11 +284,11 @@ def run(cfg: DictConfig) -> dict:
     figures["gpu_build_peak_gib"] = gpu_build_peak_gib
     figures["floors"] = floors
 
-    # ---- HF transformers baseline on the same prompts (task.baseline=true; sparsekv.baseline owns the code)
+    # ---- HF transformers baseline on the same prompts (task.baseline=true; sparsekv.tasks.bench.baseline owns the code)
     if cfg.task.baseline:
         import gc
 
-        from sparsekv.baseline import baseline_figures
+        from sparsekv.tasks.bench.baseline import baseline_figures
 
         del outputs, engine, llm, progress  # hand the engine's weights and KV pool back before HF builds its model
         gc.collect()
@@ -304,7 +304,7 @@ def run(cfg: DictConfig) -> dict:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "summarize":
-        print("usage: python -m sparsekv.tasks.bench summarize DIR", file=sys.stderr)
+        print("usage: python -m sparsekv.tasks.bench.task summarize DIR", file=sys.stderr)
         return 2
     summarize(argv[1])
     return 0

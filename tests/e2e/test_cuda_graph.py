@@ -13,9 +13,9 @@ import torch
 
 from sparsekv import LLM, SamplingParams
 from sparsekv.config import GraphMode, OffloadMode
-from sparsekv.engine.cuda_graph import CudaGraphRunner, attach_graph_runner, capture_batch_sizes, resolve_graph_mode
-from sparsekv.engine.offload_graph import OffloadGraphRunner
-from sparsekv.engine.segmented_graph import SegmentedGraphRunner
+from sparsekv.graphs.cuda_graph import CudaGraphRunner, attach_graph_runner, capture_batch_sizes, resolve_graph_mode
+from sparsekv.graphs.offload_graph import OffloadGraphRunner
+from sparsekv.graphs.segmented_graph import SegmentedGraphRunner
 from sparsekv.policies.full import FullAttentionPolicy
 from tests.conftest import random_prompt
 

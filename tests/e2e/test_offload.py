@@ -116,7 +116,7 @@ def test_preemption_under_block_pressure_keeps_greedy_tokens(qwen3_ckpt, residen
               ["offload=cpu", "offload.host_pool_gib=%.12f" % ((blocks + 0.5) * block_bytes / 2**30)])
     llm = LLM(str(qwen3_ckpt), overrides=CPU + ["offload.block_size=16", *layout])
     if store == "offloaded-graphs":
-        from sparsekv.engine.cuda_graph import attach_graph_runner
+        from sparsekv.graphs.cuda_graph import attach_graph_runner
 
         attach_graph_runner(llm.engine, "cudagraph", llm.config.graph, emulate=True)
     assert llm.engine.kv_store.num_blocks == blocks

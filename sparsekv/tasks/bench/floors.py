@@ -240,7 +240,7 @@ def measure_floors(device="cuda", dtype: torch.dtype = torch.bfloat16, pageable:
     return floors
 
 
-if __name__ == "__main__":  # python -m sparsekv.floors: print this machine's ceilings
+if __name__ == "__main__":  # python -m sparsekv.tasks.bench.floors: print this machine's ceilings
     import json
 
     print(json.dumps(measure_floors("cuda" if torch.cuda.is_available() else "cpu"), indent=2))

@@ -1,7 +1,7 @@
 """Tables of bench records: the one a run prints (print_table) and the Markdown summary of every bench.json
 below a folder (summarize: one row per record plus one per HF baseline system, and the ceilings each run measured).
 
-    python -m sparsekv.tasks.bench summarize outputs/
+    python -m sparsekv.tasks.bench.task summarize outputs/
 """
 from __future__ import annotations
 

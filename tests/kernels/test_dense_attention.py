@@ -2,7 +2,7 @@
 
 The kernel moves q/k/v/o through TMA descriptors where the layouts allow (sm_90+, or the interpreter) and plain
 pointer loads elsewhere; it folds the scale into exp2 for a positive scale and scales the scores first otherwise.
-On CPU it runs under the Triton interpreter (fp32: see tests/test_kernels.py), on CUDA compiled (bf16 too).
+On CPU it runs under the Triton interpreter (fp32: see tests/kernels/test_kernels.py), on CUDA compiled (bf16 too).
 """
 
 from __future__ import annotations

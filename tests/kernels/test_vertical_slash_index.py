@@ -242,7 +242,7 @@ def test_policy_density_is_the_kernel_count(monkeypatch):
 
 
 def test_chunked_policy_density_same_on_both_paths(monkeypatch):
-    from tests.test_minference import _chunked_prefill, _qkv
+    from tests.policies.test_minference import _chunked_prefill, _qkv
 
     q, k, v = _qkv(32, 96, 2, 1, 16, seed=8)
     densities = {}

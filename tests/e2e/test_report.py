@@ -16,7 +16,7 @@ from sparsekv.tasks import get_task
 from sparsekv.tasks.report import build_report, cli
 from sparsekv.tasks.report_plots import format_tokens, log2_ticks, series_labels, use_log_scale
 from sparsekv.tasks.report_records import flatten_record, load_rows
-from tests.test_cli import cli_env
+from tests.e2e.test_cli import cli_env
 
 CPU = ["device=cpu", "dtype=float32"]
 
@@ -256,7 +256,7 @@ def test_failed_record_outside_multirun(tmp_path):
 
 
 def test_hf_baseline_cpu_device_cache(tmp_path):
-    from sparsekv.baseline import run_hf_baseline
+    from sparsekv.tasks.bench.baseline import run_hf_baseline
 
     cfg = compose_config(CPU + ["task=bench"])
     prompt = torch.randint(0, 512, (48,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -273,7 +273,7 @@ def test_hf_baseline_cpu_device_cache(tmp_path):
 
 
 def test_hf_baseline_offloaded_cache():
-    from sparsekv.baseline import offloaded_cache_api, run_hf_baseline
+    from sparsekv.tasks.bench.baseline import offloaded_cache_api, run_hf_baseline
 
     api, _ = offloaded_cache_api()
     assert api in ("DynamicCache(offloading=True)", "OffloadedCache()", "generate(cache_implementation='offloaded')")
@@ -289,7 +289,7 @@ def test_hf_baseline_offloaded_cache():
 
 def test_hf_baseline_generate_timing_path():
     """The fallback timing through generate() (used when only cache_implementation='offloaded' exists)."""
-    from sparsekv.baseline import build_hf_model, time_generate, time_manual
+    from sparsekv.tasks.bench.baseline import build_hf_model, time_generate, time_manual
     from transformers import DynamicCache
 
     model, _ = build_hf_model(compose_config(CPU))
@@ -301,7 +301,7 @@ def test_hf_baseline_generate_timing_path():
 
 
 def test_hf_config_from_spec_matches_dimensions():
-    from sparsekv.baseline import hf_config_from_spec
+    from sparsekv.tasks.bench.baseline import hf_config_from_spec
     from sparsekv.models.spec import spec_from_model_config
 
     cfg = compose_config(["model=llama3_8b", "model.load_format=dummy"])

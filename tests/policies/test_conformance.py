@@ -15,9 +15,9 @@ from sparsekv import plugins
 from sparsekv.builtin_plugin import POLICY_CLASSES, load
 from sparsekv.policies import PolicyContext, PolicySelectionError, SparsePolicy, check_selection
 from sparsekv.testing import CHECKS, check_full_budget, check_graph_safe, check_policy, check_valid_selections, run_check
-from tests.test_streaming_plugin import install_streaming_plugin, plugin_site_on_path
+from tests.policies.test_streaming_plugin import install_streaming_plugin, plugin_site_on_path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # (fields that make the policy select on the tiny model, fields whose budget covers everything)

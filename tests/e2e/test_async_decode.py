@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sparsekv import LLM, SamplingParams
-from sparsekv.engine.cuda_graph import attach_graph_runner
+from sparsekv.graphs.cuda_graph import attach_graph_runner
 from sparsekv.engine.overlap import PENDING_TOKEN
 from tests.conftest import random_prompt
 

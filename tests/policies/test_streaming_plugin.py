@@ -17,7 +17,7 @@ import pytest
 from sparsekv import SamplingParams, plugins
 from tests.conftest import make_checkpoint, random_prompt
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PLUGIN_SRC = REPO / "plugins" / "sparsekv-streamingllm"
 PLUGIN_MODULE = "sparsekv_streamingllm"
 

@@ -2,7 +2,7 @@
 reference on fresh random inputs: ragged and structured selections, runs that end at the causal diagonal, rows
 without their diagonal block or without any block, GQA, queries at an offset (chunked prefill) and in the middle.
 
-On CPU the kernel runs under the Triton interpreter (fp32 / fp16, small sizes: see tests/test_xattn_kernels.py);
+On CPU the kernel runs under the Triton interpreter (fp32 / fp16, small sizes: see tests/kernels/test_xattn_kernels.py);
 the GPU-marked tests at the end run bf16 at realistic sizes and check that the launch does not sync.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""graph.mode=segmented: decode graphs around eager attention (see sparsekv/engine/cuda_graph.py for the
+"""graph.mode=segmented: decode graphs around eager attention (see sparsekv/graphs/cuda_graph.py for the
 capture, the batch-size ladder and the wiring).
 
 segmented: per batch size one graph for the embedding (+ the rotary cos/sin tables on the torch path), then for
@@ -9,7 +9,7 @@ layer's graphs read and update in place, so no copies run between the segments b
 
 The attention between them runs eagerly, except offloaded with the Triton kernels and a decode_graph_safe policy:
 then, per KV layout, each whole layer (pre-attention, the attention with its ring loads, post-attention) is
-captured as well (sparsekv.engine.offload_graph.LayoutGraphs, as graph=cudagraph does for the whole step), and a
+captured as well (sparsekv.graphs.offload_graph.LayoutGraphs, as graph=cudagraph does for the whole step), and a
 step replays embed, one graph per layer, the final norm. On an H100 at 8K (docs/benchmarks.md, session 5) eager
 attention left the step at 1.42x its PCIe floor (about 0.2 ms of host time per layer); captured, 1.28-1.31x. A
 layer's loads cannot start before its graph does, so they never run under the previous layer's GEMVs as they do
@@ -29,7 +29,7 @@ import torch
 
 from sparsekv.config import GraphMode
 from sparsekv.engine.context import Context
-from sparsekv.engine.cuda_graph import DecodeGraphRunner, step_context
+from sparsekv.graphs.cuda_graph import DecodeGraphRunner, step_context
 
 
 class SegmentedGraphRunner(DecodeGraphRunner):
@@ -49,7 +49,7 @@ class SegmentedGraphRunner(DecodeGraphRunner):
         self.graphs: dict[int, tuple] = {}
 
     def _allocate(self) -> None:
-        from sparsekv.engine.offload_graph import LayoutGraphs
+        from sparsekv.graphs.offload_graph import LayoutGraphs
         from sparsekv.kernels._dispatch import use_triton
         from sparsekv.kvcache.offload_store import OffloadKVStore
 

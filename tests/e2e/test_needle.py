@@ -12,7 +12,7 @@ from sparsekv.tasks import get_task
 from sparsekv.tasks.needle import NEEDLE, QUESTION, build_haystack, sample_key_value, score
 from sparsekv.tokenizer import ByteTokenizer, HFTokenizer
 
-from conftest import save_tokenizer
+from tests.conftest import save_tokenizer
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,7 +16,7 @@ from sparsekv.kernels import flash_attn_with_lse, flash_attn_with_lse_reference,
 from sparsekv.kernels import attention as attention_module
 from sparsekv.kernels import decode_attention as decode_module
 from sparsekv.kernels.decode_attention import DecodePartials, choose_num_splits, launch_plan
-from tests.test_kernels import DEV, _check_attn, _qkv
+from tests.kernels.test_kernels import DEV, _check_attn, _qkv
 
 TRITON = resolve_kernels(DEV, backend="triton")
 

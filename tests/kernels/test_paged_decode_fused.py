@@ -14,7 +14,7 @@ import torch
 
 from sparsekv.kernels import paged_decode_attention_reference, resolve_kernels
 from sparsekv.kernels import paged_attention as P
-from tests.test_kernels import DEV, _check_attn, _paged_case
+from tests.kernels.test_kernels import DEV, _check_attn, _paged_case
 
 pytestmark = pytest.mark.usefixtures("triton_kernels")
 

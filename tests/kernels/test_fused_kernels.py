@@ -263,7 +263,7 @@ def test_emulated_segmented_graphs_with_fused_kernels_give_the_eager_tokens(qwen
     path) to every pre-attention segment; emulated off-GPU (a replay re-runs the captured function and copies its
     outputs into the first run's), the decode tokens equal eager decode's."""
     from sparsekv import LLM, SamplingParams
-    from sparsekv.engine.cuda_graph import attach_graph_runner
+    from sparsekv.graphs.cuda_graph import attach_graph_runner
     from tests.conftest import random_prompt
 
     prompts = [random_prompt(5, seed=12)]

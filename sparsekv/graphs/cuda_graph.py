@@ -9,9 +9,9 @@ holds the batch. Padding rows write their keys to the KV store's scratch slot an
 constant width * block_size: no host sync and the same kernels at every replay.
 
 cudagraph (offload=cpu): the whole decode step, host KV loads included, one graph per KV layout, in
-sparsekv/engine/offload_graph.py.
+sparsekv/graphs/offload_graph.py.
 
-segmented (offload=cpu): per-layer graphs around eager attention, in sparsekv/engine/segmented_graph.py.
+segmented (offload=cpu): per-layer graphs around eager attention, in sparsekv/graphs/segmented_graph.py.
 
 All graphs share one memory pool and are captured after the KV pools are allocated, before the first decode;
 `engine.graph_stats` records the mode, capture time and memory. `emulate=True` (CPU tests) "replays" by
@@ -351,14 +351,14 @@ def attach_graph_runner(engine, mode, graph_cfg=None, *, emulate: bool = False) 
         max_num_seqs = int(engine.config.scheduler.max_num_seqs)
         sizes = capture_batch_sizes(min(max_batch or max_num_seqs, max_num_seqs), sizes)
         if mode == GraphMode.cudagraph and _enum(engine.config.offload.mode, OffloadMode) == OffloadMode.cpu:
-            from sparsekv.engine.offload_graph import OffloadGraphRunner  # imports this module
+            from sparsekv.graphs.offload_graph import OffloadGraphRunner  # imports this module
 
             runner = OffloadGraphRunner(engine.model, engine.kv_store, engine.device, sizes[-1], emulate)
         elif mode == GraphMode.cudagraph:
             runner = CudaGraphRunner(engine.model, engine.kv_store, engine.device, sizes, engine.max_model_len,
                                      emulate)
         else:
-            from sparsekv.engine.segmented_graph import SegmentedGraphRunner  # imports this module
+            from sparsekv.graphs.segmented_graph import SegmentedGraphRunner  # imports this module
 
             runner = SegmentedGraphRunner(engine.model, engine.kv_store, engine.device, sizes, emulate)
         runner.stats = stats = {**stats, **runner.stats}  # one live dict: later (per-layout) captures update it

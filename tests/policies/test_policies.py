@@ -29,7 +29,7 @@ from sparsekv.policies.quest import QuestPolicy
 from sparsekv.policies.scorer import top_blocks
 from sparsekv.policies.xattn.policy import XAttentionPolicy, threshold_keep
 from tests.conftest import host_sync_sites, make_checkpoint, random_prompt
-from tests.test_streaming_plugin import install_streaming_plugin, plugin_site_on_path
+from tests.policies.test_streaming_plugin import install_streaming_plugin, plugin_site_on_path
 
 BASE = ["device=cpu", "dtype=float32", "offload.block_size=16"]
 OFFLOAD = {
@@ -68,7 +68,7 @@ CASES: dict[str, Case] = {
     "minference": Case(covering=["policy.vertical_size=100000", "policy.slash_size=100000"],
                        bad=[("last_q", 0), ("vertical_size", -1), ("adaptive_budget", 1.5), ("slash_granularity", 8)],
                        why={"planted": "minference picks vertical/slash lines inside the attention matrix and loads "
-                                       "every block; its planted patterns are in tests/test_minference.py"}),
+                                       "every block; its planted patterns are in tests/policies/test_minference.py"}),
     "quest": Case(covering=["policy.token_budget=1000000", "policy.threshold_blocks=0", "policy.dense_layers=0"],
                   planted="quest",
                   bad=[("token_budget", -1), ("token_budget", 0), ("topk_blocks", 0), ("threshold_blocks", -1),
@@ -97,7 +97,7 @@ def ckpt(tmp_path_factory) -> Path:
 
 
 def case(name: str) -> Case:
-    assert name in CASES, f"policy {name!r} is registered but tests/test_policies.py has no Case for it: add one"
+    assert name in CASES, f"policy {name!r} is registered but tests/policies/test_policies.py has no Case for it: add one"
     return CASES[name]
 
 
