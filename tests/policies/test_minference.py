@@ -34,6 +34,8 @@ from sparsekv.policies.minference.policy import SLASH_BAND, MInferencePolicy, _c
 from tests.conftest import random_prompt
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# the masses kernels' float32 dots run as TF32 on CUDA (relative error near 3e-4), exact float32 under the interpreter
+TOL = {"rtol": 2e-3, "atol": 1e-4} if DEV.type == "cuda" else {"rtol": 1e-4, "atol": 1e-5}
 EXACT = 3e-3 if DEV.type == "cuda" else 1e-5  # relative error of "exact" results (tf32 tl.dot on the GPU)
 CPU = ["device=cpu", "dtype=float32"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -230,8 +232,8 @@ def test_masses_kernel_matches_reference(L, H, KVH, D, Sk, row0):
     col, diag = vertical_slash_masses(q, k, 0.3, row0)
     ref_col, ref_diag = vertical_slash_masses_reference(q, k, 0.3, row0)
     assert col.shape == (H, Sk) and diag.shape == (H, row0 + L)
-    assert torch.allclose(col, ref_col, atol=1e-5) and torch.allclose(diag, ref_diag, atol=1e-5)
-    assert torch.allclose(diag.sum(1), torch.full((H,), float(L), device=DEV), atol=1e-4)  # each row sums to 1
+    assert torch.allclose(col, ref_col, **TOL) and torch.allclose(diag, ref_diag, **TOL)
+    assert torch.allclose(diag.sum(1), torch.full((H,), float(L), device=DEV), atol=1e-4 if DEV.type == "cpu" else 1e-2)  # each row sums to 1
 
 
 @pytest.mark.parametrize("L,Sk,row0,offsets_from", [
@@ -247,13 +249,13 @@ def test_masses_with_a_given_normaliser_and_offset_window(L, Sk, row0, offsets_f
     col, diag = vertical_slash_masses(q, k, 0.4, row0, lse=lse, offsets_from=offsets_from)
     ref_col, ref_diag = vertical_slash_masses_reference(q, k, 0.4, row0, lse=lse, offsets_from=offsets_from)
     assert diag.shape == (4, row0 + L - offsets_from) and torch.isfinite(col).all() and torch.isfinite(diag).all()
-    assert torch.allclose(col, ref_col, rtol=1e-4, atol=1e-5) and torch.allclose(diag, ref_diag, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(col, ref_col, **TOL) and torch.allclose(diag, ref_diag, **TOL)
     # with the rows' own log-sum-exp it is the plain estimate
     own = last_rows_lse(q, k, 0.4, row0)
-    assert torch.allclose(own, last_rows_lse_reference(q, k, 0.4, row0), atol=1e-5)
+    assert torch.allclose(own, last_rows_lse_reference(q, k, 0.4, row0), **TOL)
     col, diag = vertical_slash_masses(q, k, 0.4, row0, lse=own, offsets_from=offsets_from)
     plain_col, plain_diag = vertical_slash_masses_reference(q, k, 0.4, row0)
-    assert torch.allclose(col, plain_col, atol=1e-5) and torch.allclose(diag, plain_diag[:, offsets_from:], atol=1e-5)
+    assert torch.allclose(col, plain_col, **TOL) and torch.allclose(diag, plain_diag[:, offsets_from:], **TOL)
 
 
 def test_masses_exclude_columns_from_the_diagonals():
@@ -263,8 +265,8 @@ def test_masses_exclude_columns_from_the_diagonals():
     col, diag = vertical_slash_masses(q, k, 0.4, 34, exclude_columns=cols)
     ref_col, ref_diag = vertical_slash_masses_reference(q, k, 0.4, 34, exclude_columns=cols)
     all_col, all_diag = vertical_slash_masses_reference(q, k, 0.4, 34)
-    assert torch.allclose(col, ref_col, atol=1e-5) and torch.allclose(diag, ref_diag, atol=1e-5)
-    assert torch.allclose(col, all_col, atol=1e-5)  # the column masses are unchanged
+    assert torch.allclose(col, ref_col, **TOL) and torch.allclose(diag, ref_diag, **TOL)
+    assert torch.allclose(col, all_col, **TOL)  # the column masses are unchanged
     for h in range(4):  # the diagonals lose exactly the excluded (in-range) columns' mass
         kept = [c for c in cols[h].tolist() if c < 40]
         assert diag[h].sum().item() == pytest.approx(all_diag[h].sum().item() - all_col[h, kept].sum().item(), abs=1e-4)

@@ -261,7 +261,7 @@ def test_a_plugin_policy_range_error_is_a_policy_config_error_naming_the_plugin(
 def cli(args: list[str], site: Path, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k not in (plugins.DISABLE_AUTOLOAD_ENV, plugins.ALLOW_LIST_ENV,
                                                                    "HYDRA_FULL_ERROR")}
-    environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(site)])
+    environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(site)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     environ.update(env)
     return subprocess.run([sys.executable, "-m", "sparsekv", *args], cwd=tmp_path, env=environ, capture_output=True,
                           text=True, timeout=300)
