@@ -34,8 +34,9 @@ from sparsekv.policies.minference.policy import SLASH_BAND, MInferencePolicy, _c
 from tests.conftest import random_prompt
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-# the masses kernels' float32 dots run as TF32 on CUDA (relative error near 3e-4), exact float32 under the interpreter
-TOL = {"rtol": 2e-3, "atol": 1e-4} if DEV.type == "cuda" else {"rtol": 1e-4, "atol": 1e-5}
+# the masses kernels' float32 dots run as TF32 on CUDA (scores off by ~3e-4 relative, up to ~4e-3 once exponentiated
+# against a fixed normaliser), exact float32 under the interpreter
+TOL = {"rtol": 1e-2, "atol": 1e-4} if DEV.type == "cuda" else {"rtol": 1e-4, "atol": 1e-5}
 EXACT = 3e-3 if DEV.type == "cuda" else 1e-5  # relative error of "exact" results (tf32 tl.dot on the GPU)
 CPU = ["device=cpu", "dtype=float32"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -269,7 +270,7 @@ def test_masses_exclude_columns_from_the_diagonals():
     assert torch.allclose(col, all_col, **TOL)  # the column masses are unchanged
     for h in range(4):  # the diagonals lose exactly the excluded (in-range) columns' mass
         kept = [c for c in cols[h].tolist() if c < 40]
-        assert diag[h].sum().item() == pytest.approx(all_diag[h].sum().item() - all_col[h, kept].sum().item(), abs=1e-4)
+        assert diag[h].sum().item() == pytest.approx(all_diag[h].sum().item() - all_col[h, kept].sum().item(), abs=1e-4 if DEV.type == "cpu" else 1e-3)
 
 
 def test_masses_reject_bad_input():
