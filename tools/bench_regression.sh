@@ -87,6 +87,8 @@ def figure(path: Path, key: str):
 
 def head(tree_file: Path) -> str:
     tree = tree_file.read_text().split(":", 1)[0]
+    if not (Path(tree) / ".git").exists():  # an exported tree: git would answer for the repository around it
+        return Path(tree).name
     try:
         return subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
