@@ -10,7 +10,7 @@ layer's graphs read and update in place, so no copies run between the segments b
 The attention between them runs eagerly, except offloaded with the Triton kernels and a decode_graph_safe policy:
 then, per KV layout, each whole layer (pre-attention, the attention with its ring loads, post-attention) is
 captured as well (sparsekv.graphs.offload_graph.LayoutGraphs, as graph=cudagraph does for the whole step), and a
-step replays embed, one graph per layer, the final norm. On an H100 at 8K (docs/benchmarks.md, session 5) eager
+step replays embed, one graph per layer, the final norm. On an H100 at 8K (docs/decisions.md) eager
 attention left the step at 1.42x its PCIe floor (about 0.2 ms of host time per layer); captured, 1.28-1.31x. A
 layer's loads cannot start before its graph does, so they never run under the previous layer's GEMVs as they do
 in the whole-step graph (1.07-1.09x).
