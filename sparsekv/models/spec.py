@@ -7,6 +7,11 @@ from pathlib import Path
 from typing import Any
 
 
+class ModelLoadError(ValueError):
+    """A checkpoint (config.json, index, safetensors) that cannot be loaded as it is: the message names the file,
+    the key or tensor, and what to do."""
+
+
 @dataclass
 class ModelSpec:
     architecture: str
@@ -49,20 +54,39 @@ def spec_from_model_config(model_cfg) -> ModelSpec:
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
+def read_config_json(config_file: Path) -> dict[str, Any]:
+    """config.json as a dict, or a one-line ModelLoadError naming the file and what is wrong with it."""
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ModelLoadError(f"{config_file} cannot be read ({exc.strerror or exc}); check its permissions or "
+                             "download the checkpoint again") from None
+    except UnicodeDecodeError as exc:
+        raise ModelLoadError(f"{config_file} is not UTF-8 text (byte {exc.start}); download the checkpoint's "
+                             "config.json again") from None
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{config_file} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno});"
+                             " fix the file or download the checkpoint's config.json again") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{config_file} holds a JSON {type(raw).__name__}, not an object of config keys; "
+                             "download the checkpoint's config.json again")
+    return raw
+
+
 def spec_from_hf_config(path: str | Path) -> ModelSpec:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"model.path={path}: no config.json there; point model.path at a Hugging Face "
                                 "checkpoint directory (config.json + *.safetensors)")
-    raw = json.loads(config_file.read_text())
+    raw = read_config_json(config_file)
     if "text_config" in raw and "num_hidden_layers" not in raw:
         raw = {**raw, **raw["text_config"]}
     architectures = raw.get("architectures") or []
     if not architectures:
-        raise ValueError(f"{config_file} names no `architectures`; cannot tell which model class to build")
+        raise ModelLoadError(f"{config_file} names no `architectures`; cannot tell which model class to build")
     missing = [key for key in REQUIRED_KEYS if key not in raw]
     if missing:
-        raise ValueError(f"{config_file} (architecture {architectures[0]}) lacks {', '.join(missing)}: sparsekv "
+        raise ModelLoadError(f"{config_file} (architecture {architectures[0]}) lacks {', '.join(missing)}: sparsekv "
                          "reads Llama/Qwen-style config keys; a plugin must provide other architectures")
     num_heads = raw["num_attention_heads"]
     rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
