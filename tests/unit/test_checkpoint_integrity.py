@@ -155,3 +155,14 @@ def test_cli_shows_a_missing_packed_shard_as_a_one_line_error(pristine, tmp_path
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and name in errors[0], result.stderr
     assert "output:" not in result.stdout
+
+
+def test_missing_shard_tensor_of_a_sharded_checkpoint_names_the_index(tmp_path):
+    path = make_checkpoint(tmp_path / "sharded", "qwen3", tie=False, shard=True, tokenizer=False)
+    name = "model.layers.2.mlp.gate_proj.weight"
+    file = next(f for f in sorted(path.glob("*.safetensors")) if name in load_file(str(f)))
+    tensors = load_file(str(file))
+    del tensors[name]
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    message = load_error(path)
+    assert str(path / "model.safetensors.index.json") in message and name in message
