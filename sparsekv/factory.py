@@ -74,9 +74,9 @@ def num_device_kv_blocks(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, d
         raise ValueError(cpu_kv_error(max_model_len, per_seq * block_bytes, available))
     cap = max(per_seq, int(CPU_KV_POOL_CAP // block_bytes))
     if wanted > cap:
-        log.info("device=cpu: the KV cache holds %d blocks (%s), room for %d full sequences of %d tokens rather "
-                 "than scheduler.max_num_seqs=%d; set offload.num_kv_blocks for more", cap,
-                 format_bytes(cap * block_bytes), cap // per_seq, max_model_len, cfg.scheduler.max_num_seqs)
+        log.info("device=cpu: the KV cache holds %d blocks (%s): full-length (%d-token) sequences at once: %d, "
+                 "not scheduler.max_num_seqs=%d; set offload.num_kv_blocks for more", cap,
+                 format_bytes(cap * block_bytes), max_model_len, cap // per_seq, cfg.scheduler.max_num_seqs)
     return min(wanted, cap)
 
 
