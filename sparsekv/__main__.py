@@ -76,6 +76,14 @@ def record_failed_job(cfg: DictConfig, exc: BaseException) -> Path | None:
     return path
 
 
+def log_to_run_dir(message: str) -> None:
+    """`message` into the run directory's log file (Hydra's file handler) only: the terminal has its own line."""
+    record = logging.LogRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers + log.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 def release_memory() -> None:
     """After a failed job: drop the frames the traceback kept alive (the engine, its KV pool) and hand the cached
     device memory back, so the next job of the sweep starts with the memory the failed one held."""
@@ -99,7 +107,10 @@ def hydra_main(cfg: DictConfig) -> None:
             failed = True
         else:
             if not is_user_error(exc):
+                trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+                log_to_run_dir(f"error: {type(exc).__name__}: {exc}\n{trace.rstrip()}")
                 raise
+            log_to_run_dir(f"error: {exc}")
             sys.stdout.flush()
             print(f"error: {exc}", file=sys.stderr)
             sys.exit(USER_ERROR_EXIT_CODE)

@@ -102,7 +102,7 @@ class ResidentOffloadConfig:
     # CUDA: the fraction of device memory that weights, activations and the KV pool may use together
     gpu_memory_utilization: float = bounded(0.9, gt=0, le=1)
     # a fixed number of KV blocks; null: room for scheduler.max_num_seqs sequences of max_model_len tokens, capped
-    # by gpu_memory_utilization on CUDA (by half of MemAvailable on a CPU device)
+    # by gpu_memory_utilization on CUDA (on a CPU device by 2 GiB, or one max_model_len sequence if that is more)
     num_kv_blocks: Optional[int] = bounded(None, ge=1)
 
 
@@ -125,7 +125,7 @@ OFFLOAD_SCHEMAS: dict[str, type] = {"none": ResidentOffloadConfig, "cpu": HostOf
 class SchedulerConfig:
     max_num_seqs: int = bounded(16, ge=1)  # sequences decoded together
     max_num_batched_tokens: int = bounded(8192, ge=1)  # chunked-prefill token budget per step
-    max_model_len: Optional[int] = bounded(None, ge=2)  # null: the model's max_position_embeddings
+    max_model_len: Optional[int] = bounded(None, ge=2)  # null: the model's max_position_embeddings (CPU: <= 8192)
     # Overlapped decode (offload=none): the host schedules and launches decode step N+1, its input ids read on the
     # device from step N's sampled tokens, before it reads step N's tokens back; the GPU does not idle while the
     # host prepares a step. Same tokens as synchronous decode (overlap.py: the rounding caveat after stop tokens).

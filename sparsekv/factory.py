@@ -12,8 +12,8 @@ from sparsekv.graphs.cuda_graph import attach_graph_runner, check_graph_config, 
 from sparsekv.engine.llm_engine import LLMEngine
 from sparsekv.kernels._dispatch import activate_kernels
 from sparsekv.kernels.backend import resolve_kernels
-from sparsekv.kvcache.base import available_host_memory
-from sparsekv.kvcache.offload_store import OffloadKVStore
+from sparsekv.kvcache.base import available_host_memory, format_bytes
+from sparsekv.kvcache.offload_store import HOST_HEADROOM, OffloadKVStore
 from sparsekv.kvcache.paged import PagedKVStore
 from sparsekv.models.loader import build_model, model_class, resolve_spec
 from sparsekv.models.spec import ModelSpec
@@ -38,14 +38,27 @@ def resolve_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+CPU_DEFAULT_MAX_MODEL_LEN = 8192  # the prompt is unknown when the KV pool is sized: a modest default on CPU
+CPU_KV_FRACTION = 0.5  # of MemAvailable; the rest for weights, activations and everything else on the machine
+CPU_KV_POOL_CAP = 2 << 30  # the automatic CPU pool stops here unless one max_model_len sequence needs more
+GIB = 1 << 30
+
+
+def kv_block_bytes(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
+    return spec.kv_bytes_per_token * cfg.offload.block_size * dtype.itemsize
+
+
 def num_device_kv_blocks(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                          max_model_len: int) -> int:
-    """Enough for max_num_seqs full-length sequences, capped by the memory left after the weights."""
+    """Room for max_num_seqs sequences of max_model_len tokens, capped by the memory left after the weights on CUDA
+    (gpu_memory_utilization) and by CPU_KV_POOL_CAP on CPU; an error when one sequence exceeds half of
+    MemAvailable."""
     offload = cfg.offload
     if offload.num_kv_blocks:
         return int(offload.num_kv_blocks)
-    block_bytes = spec.kv_bytes_per_token * offload.block_size * dtype.itemsize
-    wanted = cfg.scheduler.max_num_seqs * -(-max_model_len // offload.block_size)
+    block_bytes = kv_block_bytes(cfg, spec, dtype)
+    per_seq = -(-max_model_len // offload.block_size)
+    wanted = cfg.scheduler.max_num_seqs * per_seq
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
@@ -53,18 +66,77 @@ def num_device_kv_blocks(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, d
             4 * spec.intermediate_size + 8 * spec.hidden_size + 6 * spec.num_attention_heads * spec.head_dim
         ) * dtype.itemsize + (1 << 30)
         budget = total * offload.gpu_memory_utilization - used - activations
+        return max(1, min(wanted, int(budget // block_bytes)))
+    available = available_host_memory()
+    if not available:  # MemAvailable unknown: the request's size, unchecked
+        return wanted
+    if int(available * CPU_KV_FRACTION // block_bytes) < per_seq:
+        raise ValueError(cpu_kv_error(max_model_len, per_seq * block_bytes, available))
+    cap = max(per_seq, int(CPU_KV_POOL_CAP // block_bytes))
+    if wanted > cap:
+        log.info("device=cpu: the KV cache holds %d blocks (%s): full-length (%d-token) sequences at once: %d, "
+                 "not scheduler.max_num_seqs=%d; set offload.num_kv_blocks for more", cap,
+                 format_bytes(cap * block_bytes), max_model_len, cap // per_seq, cfg.scheduler.max_num_seqs)
+    return min(wanted, cap)
+
+
+def cpu_kv_error(max_model_len: int, need: int, available: int) -> str:
+    return (f"scheduler.max_model_len={max_model_len} needs {format_bytes(need)} of KV cache for one sequence but "
+            f"only {format_bytes(available * CPU_KV_FRACTION)} (half of the {format_bytes(available)} of available "
+            "host memory) can hold the KV cache; lower scheduler.max_model_len")
+
+
+def check_kv_memory(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                    max_model_len: int) -> None:
+    """The KV cache the config asks for against the machine's memory, before any weights load."""
+    offload = cfg.offload
+    block_bytes = kv_block_bytes(cfg, spec, dtype)
+    available = available_host_memory()
+    if offload.mode == OffloadMode.cpu:
+        if not available:
+            return
+        if offload.host_pool_gib is not None and offload.host_pool_gib * GIB > available:
+            raise ValueError(f"offload.host_pool_gib={offload.host_pool_gib:g} exceeds the {format_bytes(available)} "
+                             "of available host memory; lower it or leave it unset (auto)")
+        if offload.host_pool_gib is None and 0.9 * available - HOST_HEADROOM < block_bytes:
+            raise ValueError(f"the automatic host KV pool (90% of available host memory less "
+                             f"{format_bytes(HOST_HEADROOM)}) is empty with {format_bytes(available)} available; "
+                             "free host memory or set offload.host_pool_gib")
+        return
+    if device.type == "cuda":
+        limit, where = torch.cuda.mem_get_info(device)[1] * offload.gpu_memory_utilization, "device memory"
     else:
-        budget = available_host_memory() * 0.5
-    return max(1, min(wanted, int(budget // block_bytes)))
+        limit, where = available, "available host memory"
+    if not limit:
+        return
+    if offload.num_kv_blocks:
+        need = offload.num_kv_blocks * block_bytes
+        if need > limit:
+            raise ValueError(f"offload.num_kv_blocks={offload.num_kv_blocks} needs {format_bytes(need)} of KV cache "
+                             f"but only {format_bytes(limit)} of {where} is there; lower it or leave it unset (auto)")
+        return
+    per_seq_bytes = -(-max_model_len // offload.block_size) * block_bytes
+    if device.type == "cpu" and per_seq_bytes > available * CPU_KV_FRACTION:
+        raise ValueError(cpu_kv_error(max_model_len, per_seq_bytes, available))
+    if device.type == "cuda" and per_seq_bytes > limit:
+        raise ValueError(f"scheduler.max_model_len={max_model_len} needs {format_bytes(per_seq_bytes)} of KV cache "
+                         f"for one sequence but only {format_bytes(limit)} of {where} is there; lower "
+                         "scheduler.max_model_len or use offload=cpu")
 
 
-def check_scheduler_config(cfg: DictConfig, spec: ModelSpec) -> int:
-    """Validate the scheduler keys; returns max_model_len."""
+def check_scheduler_config(cfg: DictConfig, spec: ModelSpec, device: torch.device | None = None) -> int:
+    """Validate the scheduler keys; returns max_model_len (unset on CPU: at most CPU_DEFAULT_MAX_MODEL_LEN)."""
     scheduler = cfg.scheduler
     for key in ("max_num_seqs", "max_num_batched_tokens"):
         if scheduler[key] < 1:
             raise ValueError(f"scheduler.{key}={scheduler[key]} must be at least 1")
     max_model_len = scheduler.max_model_len or spec.max_position_embeddings
+    if (not scheduler.max_model_len and device is not None and device.type == "cpu"
+            and max_model_len > CPU_DEFAULT_MAX_MODEL_LEN):
+        max_model_len = CPU_DEFAULT_MAX_MODEL_LEN
+        log.info("device=cpu: scheduler.max_model_len defaults to %d tokens (the model allows %d) to keep the KV "
+                 "cache small; set scheduler.max_model_len for longer sequences", max_model_len,
+                 spec.max_position_embeddings)
     if max_model_len < 2:
         raise ValueError(f"scheduler.max_model_len={max_model_len} must be at least 2")
     if max_model_len > spec.max_position_embeddings:
@@ -124,8 +196,9 @@ def build_engine(cfg: DictConfig) -> LLMEngine:
     policy = build_policy(cfg.policy)
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
-    max_model_len = check_scheduler_config(cfg, spec)
+    max_model_len = check_scheduler_config(cfg, spec, device)
     check_offload_config(cfg)
+    check_kv_memory(cfg, spec, dtype, device, max_model_len)
     graph_cfg = cfg.get("graph")
     check_graph_config(graph_cfg)
     decode_policy = policy if policy.supports_decode else registry().policies["full"]

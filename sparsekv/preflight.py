@@ -3,6 +3,8 @@ in a sweep fails at once, in one line, instead of aborting (or failing) the swee
 from __future__ import annotations
 
 import itertools
+import os
+from pathlib import Path
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import MissingConfigException
@@ -57,6 +59,21 @@ def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
     return [first[:i] + [value] + first[i + 1:] for i, values in enumerate(choices) for value in values]
 
 
+def check_output_dir(output_dir: str | None) -> None:
+    """A set output_dir must be a directory this process can create and write, before any weights load."""
+    if not output_dir:
+        return
+    path = Path(output_dir).expanduser()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    fix = "choose a writable directory or leave output_dir unset (Hydra's run directory)"
+    if not existing.is_dir():
+        raise ConfigError(f"output_dir={output_dir} cannot be created: {existing} is not a directory; {fix}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir={output_dir} is not writable ({existing} denies writing); {fix}")
+
+
 def preflight(argv: list[str]) -> str | None:
     """The first config error of the command line's job(s), or None (also when Hydra should decide alone)."""
     from sparsekv.llm import compose_config
@@ -71,7 +88,7 @@ def preflight(argv: list[str]) -> str | None:
         return None
     for job in job_list:
         try:
-            compose_config(job)
+            check_output_dir(compose_config(job).get("output_dir"))
         except (ConfigError, PolicyConfigError, MissingConfigException) as exc:
             message = str(exc).strip()
             return f"{message} (in the job {' '.join(job)})" if multirun and len(job_list) > 1 else message

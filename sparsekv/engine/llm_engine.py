@@ -12,6 +12,7 @@ from sparsekv.engine.model_runner import ModelRunner
 from sparsekv.engine.overlap import OverlappedDecoder
 from sparsekv.engine.scheduler import ScheduledBatch, Scheduler
 from sparsekv.engine.sequence import Sequence
+from sparsekv.kvcache.base import format_bytes
 from sparsekv.models.spec import ModelSpec
 from sparsekv.sampling_params import SamplingParams
 
@@ -102,10 +103,10 @@ class LLMEngine:
                              f"(the model's maximum is {self.spec.max_position_embeddings})")
         blocks = (num_tokens + self.kv_store.block_size - 1) // self.kv_store.block_size
         if blocks > self.kv_store.num_blocks:
-            need = blocks * self.kv_store.bytes_per_block / GIB
-            have = self.kv_store.num_blocks * self.kv_store.bytes_per_block / GIB
-            raise ValueError(f"prompt of {num_tokens} tokens needs {need:.2f} GiB of KV cache but only "
-                             f"{have:.2f} GiB is available: {self.kv_store.capacity_hint()}")
+            need = format_bytes(blocks * self.kv_store.bytes_per_block)
+            have = format_bytes(self.kv_store.num_blocks * self.kv_store.bytes_per_block)
+            raise ValueError(f"prompt of {num_tokens} tokens needs {need} of KV cache but only "
+                             f"{have} is available: {self.kv_store.capacity_hint()}")
 
     def add_request(self, token_ids: list[int], params: SamplingParams) -> Sequence:
         self.check_fits(len(token_ids))

@@ -37,6 +37,13 @@ class KVStore(ABC):
         """A sequence left (finished or aborted): forget per-sequence state."""
 
 
+def format_bytes(num_bytes: float) -> str:
+    """GiB from 1 GiB up, MiB below (so a small figure does not read "0.00 GiB")."""
+    if num_bytes >= 1 << 30:
+        return f"{num_bytes / (1 << 30):.2f} GiB"
+    return f"{num_bytes / (1 << 20):.2f} MiB"
+
+
 def available_host_memory() -> int:
     """MemAvailable from /proc/meminfo in bytes (0 if unknown)."""
     try:

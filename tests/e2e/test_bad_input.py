@@ -3,16 +3,22 @@ mistakes, before the model runs for request-level ones, and without leaving anyt
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hydra.errors import MissingConfigException
 
 import sparsekv.factory
 from sparsekv import LLM, SamplingParams
+from sparsekv.kvcache.base import format_bytes
 from sparsekv.plugins import registry
 
 CPU = ["device=cpu"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +217,53 @@ def test_bad_prompt_in_a_batch_queues_nothing_and_the_engine_still_works(llm, mo
         llm.generate([[5, 6, 7], list(range(3, 500)) * 10], GREEDY)
     assert not llm.engine.scheduler.has_unfinished()
     assert len(llm.generate([[5, 6, 7]], GREEDY)[0].token_ids) == 3
+
+
+# ---- the CLI: values beyond the machine fail in one line (exit 2) before the weights load
+
+def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               SPARSEKV_DISABLE_PLUGIN_AUTOLOAD="1")
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run([sys.executable, "-m", "sparsekv", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["offload=cpu", "offload.host_pool_gib=500000"], ["host_pool_gib=500000", "available host memory",
+                                                       "leave it unset"]),
+    (["offload=cpu", "offload.host_pool_gib=-1"], ["host_pool_gib=-1", "> 0"]),
+    (["offload.gpu_memory_utilization=5"], ["gpu_memory_utilization=5", "<= 1"]),
+    (["offload.num_kv_blocks=-3"], ["num_kv_blocks=-3", ">= 1"]),
+    (["offload.num_kv_blocks=0"], ["num_kv_blocks=0", ">= 1"]),
+    (["offload.num_kv_blocks=1000000000"], ["num_kv_blocks=1000000000", "GiB", "leave it unset"]),
+    (["scheduler.max_model_len=100000000000"], ["max_model_len=100000000000", "GiB", "lower scheduler.max_model_len"]),
+    (["output_dir=FILE/out"], ["output_dir=", "not a directory", "writable directory"]),
+], ids=["host-pool-beyond-ram", "host-pool-negative", "gpu-util-above-1", "kv-blocks-negative", "kv-blocks-zero",
+        "kv-blocks-beyond-ram", "max-model-len-beyond-ram", "output-dir-unwritable"])
+def test_cli_rejects_values_beyond_the_machine(tmp_path, args, needles):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    args = [arg.replace("FILE", str(blocker)) for arg in args]
+    result = run_cli(["device=cpu", *args], tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error_lines) == 1, result.stderr
+    for needle in needles:
+        assert needle in error_lines[0]
+
+
+def test_failed_run_writes_its_error_into_the_run_log(tmp_path):
+    result = run_cli(["device=cpu", "offload=cpu", "offload.host_pool_gib=500000"], tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    logs = list(tmp_path.glob("outputs/*/*/*.log"))
+    assert len(logs) == 1, list(tmp_path.rglob("*"))
+    text = logs[0].read_text()
+    assert "host_pool_gib=500000" in text and "leave it unset" in text
+    assert result.stderr.count("host_pool_gib=500000") == 1  # the terminal still shows the error once
+
+
+def test_small_figures_are_shown_in_mib():
+    assert format_bytes(3 << 20) == "3.00 MiB"
+    assert format_bytes(3 << 30) == "3.00 GiB"
