@@ -260,7 +260,7 @@ class CudaGraphRunner(DecodeGraphRunner):
     def __init__(self, model, kv_store, device: torch.device, batch_sizes: list[int], max_model_len: int,
                  emulate: bool = False):
         super().__init__(model, kv_store, device, batch_sizes, emulate)
-        self.scratch_slot = getattr(kv_store, "scratch_slot", None)
+        self.scratch_slot = kv_store.scratch_slot
         if self.scratch_slot is None:
             raise ValueError(f"graph.mode=cudagraph needs the device-resident paged KV cache (offload=none); "
                              f"{type(kv_store).__name__} has no scratch slot for padded batch rows: use "

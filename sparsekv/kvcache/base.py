@@ -17,6 +17,18 @@ class KVStore(ABC):
     # Can decode step N+1 be launched before step N's tokens are read (scheduler.async_decode)? Only when a step is
     # plain kernels on the compute stream, with no host state that needs step N's results (sparsekv/engine/overlap.py).
     overlapped_decode_safe: bool = False
+    chunk_tokens: int | None = None  # offload=cpu: tokens per prefill chunk the store computes at once
+    scratch_slot: int | None = None  # offload=none: a slot that padded rows of a captured batch write into
+
+    @property
+    def transfer_stats(self) -> dict[str, int]:
+        """Host<->device KV traffic so far (h2d/d2h bytes and blocks); empty for a store that moves none."""
+        return {}
+
+    def reserve(self, num_tokens: int) -> float:
+        """Allocate what `num_tokens` tokens of KV will need now rather than during the first prefill; returns the
+        seconds spent (0 for a store whose memory is allocated up front)."""
+        return 0.0
 
     def begin_step(self, context: Context) -> None:
         """Called before the model runs a step (offload: start the decode pipeline)."""

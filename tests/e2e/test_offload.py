@@ -77,7 +77,7 @@ def test_prompt_larger_than_host_pool_fails_before_compute(qwen3_ckpt, monkeypat
     llm = LLM(str(qwen3_ckpt), overrides=CPU + ["offload=cpu", "offload.block_size=16",
                                                  "offload.host_pool_gib=0.0001"])
     monkeypatch.setattr(llm.engine.runner, "run", lambda batch: pytest.fail("computed before the error"))
-    with pytest.raises(ValueError, match=r"needs \d+\.\d+ GiB of KV cache but only \d+\.\d+ GiB"):
+    with pytest.raises(ValueError, match=r"needs \d+\.\d+ [MG]iB of KV cache but only \d+\.\d+ [MG]iB"):
         llm.generate([random_prompt(1500)], GREEDY)
     assert not llm.engine.scheduler.has_unfinished()
 
