@@ -9,6 +9,7 @@ from pathlib import Path
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import MissingConfigException
+from omegaconf import DictConfig
 
 from sparsekv.config import ConfigError
 from sparsekv.errors import PolicyConfigError
@@ -75,7 +76,7 @@ def check_output_dir(output_dir: str | None) -> None:
         raise ConfigError(f"output_dir={output_dir} is not writable ({existing} denies writing); {fix}")
 
 
-def check_task_inputs(cfg) -> None:
+def check_task_inputs(cfg: DictConfig) -> None:
     """What a job's inputs need that the config schema cannot say, checked without the weights: the prompt of
     task=generate (tokenized with the model's tokenizer, which loads without them) against max_model_len, and the
     settings of task=bench and task=quality. Raises ValueError naming the value and the fix."""
@@ -93,7 +94,7 @@ def check_task_inputs(cfg) -> None:
         settings(cfg)
 
 
-def check_prompt(cfg) -> None:
+def check_prompt(cfg: DictConfig) -> None:
     """cfg.prompt is non-empty, tokenizable by the model's tokenizer and leaves room to generate."""
     from sparsekv.factory import CPU_DEFAULT_MAX_MODEL_LEN, resolve_device
     from sparsekv.models.loader import resolve_spec
