@@ -1,5 +1,6 @@
 """The CLI checks every job's config of a command line before Hydra starts the first job, so a wrong key or value
-in a sweep fails at once, in one line, instead of aborting (or failing) the sweep midway."""
+in a sweep fails at once, in one line, instead of aborting (or failing) the sweep midway. A single run's inputs
+(the prompt's length, the task's settings) are checked too, before any weights load."""
 from __future__ import annotations
 
 import itertools
@@ -8,6 +9,7 @@ from pathlib import Path
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import MissingConfigException
+from omegaconf import DictConfig
 
 from sparsekv.config import ConfigError
 from sparsekv.errors import PolicyConfigError
@@ -74,6 +76,48 @@ def check_output_dir(output_dir: str | None) -> None:
         raise ConfigError(f"output_dir={output_dir} is not writable ({existing} denies writing); {fix}")
 
 
+def check_task_inputs(cfg: DictConfig) -> None:
+    """What a job's inputs need that the config schema cannot say, checked without the weights: the prompt of
+    task=generate (tokenized with the model's tokenizer, which loads without them) against max_model_len, and the
+    settings of task=bench and task=quality. Raises ValueError naming the value and the fix."""
+    task = cfg.task.name
+    if task == "generate":
+        check_prompt(cfg)
+    elif task == "bench":
+        from sparsekv.models.loader import resolve_spec
+        from sparsekv.tasks.bench.task import bench_config
+
+        bench_config(cfg, resolve_spec(cfg.model))
+    elif task == "quality":
+        from sparsekv.tasks.quality import settings
+
+        settings(cfg)
+
+
+def check_prompt(cfg: DictConfig) -> None:
+    """cfg.prompt is non-empty, tokenizable by the model's tokenizer and leaves room to generate."""
+    from sparsekv.factory import CPU_DEFAULT_MAX_MODEL_LEN, resolve_device
+    from sparsekv.models.loader import resolve_spec
+    from sparsekv.tokenizer import load_tokenizer
+
+    prompt = cfg.prompt
+    if not prompt:
+        raise ValueError("prompt is empty: pass a non-empty prompt=\"...\"")
+    spec = resolve_spec(cfg.model)
+    tokenizer = load_tokenizer(cfg.model.path, spec.vocab_size)
+    if tokenizer is None:
+        raise ValueError(f"model {cfg.model.name} has no tokenizer: give a checkpoint directory with tokenizer "
+                         "files as model.path, or use the Python API with token-id lists")
+    num_tokens = len(tokenizer.encode(str(prompt)))
+    max_model_len = cfg.scheduler.max_model_len or spec.max_position_embeddings
+    if not cfg.scheduler.max_model_len and resolve_device(cfg).type == "cpu":
+        max_model_len = min(max_model_len, CPU_DEFAULT_MAX_MODEL_LEN)
+    if num_tokens >= max_model_len:
+        raise ValueError(f"prompt has {num_tokens} tokens but max_model_len is {max_model_len}, which leaves no "
+                         "room to generate: shorten the prompt, or raise scheduler.max_model_len (the model's "
+                         f"maximum is {spec.max_position_embeddings})")
+
+
 def preflight(argv: list[str]) -> str | None:
     """The first config error of the command line's job(s), or None (also when Hydra should decide alone)."""
     from sparsekv.llm import compose_config
@@ -88,8 +132,14 @@ def preflight(argv: list[str]) -> str | None:
         return None
     for job in job_list:
         try:
-            check_output_dir(compose_config(job).get("output_dir"))
+            cfg = compose_config(job)
+            check_output_dir(cfg.get("output_dir"))
         except (ConfigError, PolicyConfigError, MissingConfigException) as exc:
             message = str(exc).strip()
             return f"{message} (in the job {' '.join(job)})" if multirun and len(job_list) > 1 else message
+    if not multirun:  # a sweep's job with a bad input fails alone and is recorded (sparsekv.__main__)
+        try:
+            check_task_inputs(cfg)
+        except (ValueError, FileNotFoundError) as exc:
+            return str(exc).strip()
     return None

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -47,3 +47,44 @@ def run_identity(cfg: DictConfig, engine, name: str | None) -> dict[str, Any]:
         "device": str(engine.device),
         "dtype": str(engine.dtype).replace("torch.", ""),
     }
+
+
+@runtime_checkable
+class BudgetedSelection(Protocol):
+    """A block-selecting policy with a per-step budget, dense first layers and a short-sequence threshold (quest)."""
+    dense_layers: int
+    threshold_blocks: int
+
+    def budget_blocks(self, block_size: int) -> int: ...
+
+
+def policy_warnings(policy, layers: Sequence[int], block_size: int, context: int) -> list[str]:
+    """Why `policy` selects nothing or everything on this run's shape (evaluated `layers`, `block_size`-token
+    blocks, a `context`-token sequence), each a sentence with the setting to change; [] when its figures mean
+    something. The dense policy ("full") computes everything by design and gets none."""
+    from sparsekv.policies.full import FullAttentionPolicy
+
+    if isinstance(policy, FullAttentionPolicy):
+        return []
+    blocks = context // block_size  # full blocks: the candidates a selection chooses from
+    if blocks == 0:
+        return [f"block size {block_size} >= context {context}: no full block to select, the policy loads 0 "
+                "blocks and its figures measure nothing; use smaller blocks or a longer context"]
+    out = []
+    if isinstance(policy, BudgetedSelection):
+        if layers and min(layers) >= 0 and max(layers) < policy.dense_layers:
+            out.append(f"policy.dense_layers={policy.dense_layers} covers all {len(layers)} evaluated layers: every "
+                       "block loads (density 1); set policy.dense_layers lower or evaluate more layers")
+        if blocks <= policy.threshold_blocks:
+            out.append(f"policy.threshold_blocks={policy.threshold_blocks} >= the {blocks} blocks of the context: "
+                       "every block loads; lower policy.threshold_blocks or lengthen the context")
+        budget = policy.budget_blocks(block_size)
+        if blocks <= budget:
+            out.append(f"the budget of {budget} blocks covers all {blocks} blocks of the context: every block loads; "
+                       "lower policy.token_budget / policy.topk_blocks or lengthen the context")
+    return out
+
+
+def print_warnings(warnings: list[str]) -> None:
+    for warning in warnings:
+        print(f"warning: {warning}")

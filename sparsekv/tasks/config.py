@@ -76,7 +76,7 @@ class QualityTask:
     probe: bool = True  # second run with needle-indicator values -> needle_recall / needle_hit
     shuffle_blocks: bool = False  # permute the host block ids (policies must not assume block id = position)
     planted: bool = True  # evaluate on planted inputs
-    num_layers: int = bounded(2, ge=1)  # planted shapes
+    num_layers: int = bounded(4, ge=1)  # planted shapes (more than quest's 2 dense layers, so it selects)
     num_heads: int = bounded(8, ge=1)
     num_kv_heads: int = bounded(2, ge=1)
     head_dim: int = bounded(128, ge=1)
@@ -91,6 +91,7 @@ class QualityTask:
     model_context: Optional[int] = bounded(None, ge=2)  # prompt tokens of the captured haystack prompt (default: context)
     layers: Optional[List[int]] = bounded(None, ge=0)  # model layers to evaluate (default: all)
     label: Optional[str] = None  # row label in records (default: "<model> <policy>")
+    progress: bool = True  # a tqdm bar over the evaluated inputs, on stderr
 
 
 @dataclass

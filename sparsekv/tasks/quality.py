@@ -19,16 +19,18 @@ the primary phase's means (decode if evaluated, else prefill): recall, density, 
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
+from tqdm import tqdm
 
 from sparsekv.config import ResidentOffloadConfig
 from sparsekv.plugins import registry
 
-from sparsekv.tasks.common import enum_value
+from sparsekv.tasks.common import enum_value, policy_warnings, print_warnings
 
 from sparsekv import quality as ql
 
@@ -191,8 +193,13 @@ def run(cfg: DictConfig) -> dict:
     if not inputs:
         raise ValueError("nothing to evaluate: task.planted=false and no model inputs (set model.path or "
                          "task.model_inputs=true)")
-    reports = [ql.evaluate(policy, x, phases=s["phases"], num_gpu_blocks=s["num_gpu_blocks"],
-                           shuffle_blocks=q.shuffle_blocks, probe=q.probe) for x in inputs]
+    warnings = list(dict.fromkeys(w for x in inputs for w in policy_warnings(
+        policy, range(x.num_layers), s["block_size"], x.context)))  # the harness numbers the layers 0..L-1
+    print_warnings(warnings)
+    reports = []
+    for x in tqdm(inputs, desc="quality", unit="input", disable=not q.progress, file=sys.stderr):
+        reports.append(ql.evaluate(policy, x, phases=s["phases"], num_gpu_blocks=s["num_gpu_blocks"],
+                                   shuffle_blocks=q.shuffle_blocks, probe=q.probe))
     flat = ql.rows(reports)
     summary = ql.summarize(flat)
     primary = next((p for p in ("decode", "prefill", "resident") if p in summary and "skipped" not in summary[p]),
@@ -214,6 +221,7 @@ def run(cfg: DictConfig) -> dict:
         **(summary[primary] if primary else {}),
         "summary": summary,
         "rows": flat,
+        "warnings": warnings,  # the policy selects nothing or everything on this run's shape (tasks.common)
         "wall_seconds": time.perf_counter() - start,
     }
     print(f"quality {name}: policy={cfg.policy.name} on {device}, {figures['dtype']}, block {s['block_size']}, "
@@ -224,6 +232,7 @@ def run(cfg: DictConfig) -> dict:
             print(f"  {phase}: skipped ({means['skipped']})")
         else:
             print(f"  {phase} mean: " + ", ".join(f"{k} {'-' if v is None else f'{v:.4g}'}" for k, v in means.items()))
+    print_warnings(warnings)
     path = write_record(cfg, "quality", figures)
     print(f"record: {path}")
     return figures

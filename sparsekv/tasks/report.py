@@ -11,7 +11,7 @@ with an `hf_baseline` entry (task.baseline=true, sparsekv.tasks.bench.baseline) 
 Written to task.out_dir (default: the scanned directory):
   report.csv   every row, the columns of ID_COLUMNS (report_records), then every numeric figure (nested dicts
                flattened with dots: floors.h2d_gbps, kv_transfer.decode_per_step.h2d_bytes, ...)
-  report.md    a Markdown table of the main figures, failed rows with their error, the plots, notes
+  report.md    a Markdown table of the main figures, failed rows with their error, policy warnings, the plots, notes
   *.png        decode ms/token vs context (with the PCIe floor where recorded), prefill tok/s vs context,
                GPU peak memory vs context (bench records only, when the sweep holds any), quality vs density
                (when records carry a top-level `density` and a quality figure: recall, needle_hit,
@@ -113,6 +113,9 @@ def build_report(directory: str | Path, out_dir: str | Path | None = None, plots
             markdown_table(rows), ""]
     if png_paths:
         text += ["## Plots", ""] + [f"![{p.stem}]({p.relative_to(out).as_posix()})" for p in png_paths] + [""]
+    warned = [f"{r['job']} ({r['name'] or r['policy']}): {r['warnings']}" for r in rows if r.get("warnings")]
+    if warned:  # the policy selected nothing or everything: such a row's density and timings measure no selection
+        text += ["## Warnings", ""] + [f"- {w}" for w in warned] + [""]
     all_notes = plot_notes + notes
     if all_notes:
         text += ["## Notes", ""] + [f"- {n}" for n in all_notes] + [""]

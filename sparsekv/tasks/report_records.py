@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 # identifying columns, in order; every numeric figure follows them in report.csv
-ID_COLUMNS = ["job", "record", "status", "error", "system", "task", "name", "model", "policy", "policy_args",
+ID_COLUMNS = ["job", "record", "status", "error", "warnings", "system", "task", "name", "model", "policy", "policy_args",
               "offload", "num_gpu_blocks", "block_size", "context", "batch", "device", "dtype"]
 # figure keys already shown as identifying columns
-_ID_FIGURES = {"context", "batch_size", "status", "error", "name", "model", "policy", "offload", "device", "dtype",
+_ID_FIGURES = {"context", "batch_size", "status", "error", "warnings", "name", "model", "policy", "offload", "device", "dtype",
                "system", "placement"}
 SYSTEM_ORDER = {"sparsekv": 0, "hf": 1, "hf-offloaded": 2}
 DENSITY_KEYS = ("density",)
@@ -78,7 +78,8 @@ def flatten_record(record: dict, job: str = ".", record_name: str = "") -> list[
                    _int_or_none(_first(_dig(config, "task.batch_size"), _dig(config, "bench.batch_size"))) if bench_like else None,
                    1 if task == "generate" else None)
     row: dict[str, Any] = {
-        "job": job, "record": record_name, "status": status, "error": record.get("error"), "system": "sparsekv",
+        "job": job, "record": record_name, "status": status, "error": record.get("error"),
+        "warnings": "; ".join(str(w) for w in record.get("warnings") or []) or None, "system": "sparsekv",
         "task": task, "name": record.get("name") if isinstance(record.get("name"), str) else None,
         "model": _first(record.get("model"), _dig(config, "model.name")),
         "policy": _first(record.get("policy"), _dig(config, "policy.name")),
@@ -99,7 +100,7 @@ def flatten_record(record: dict, job: str = ".", record_name: str = "") -> list[
         if not isinstance(figures, dict):
             continue
         hf = {**{k: row[k] for k in ID_COLUMNS}, "system": system, "status": figures.get("status") or "ok",
-              "error": figures.get("error"), "policy": None, "policy_args": None, "num_gpu_blocks": None,
+              "error": figures.get("error"), "warnings": None, "policy": None, "policy_args": None, "num_gpu_blocks": None,
               "block_size": None,
               "offload": "cpu" if figures.get("placement") == "offloaded" else "none",
               "name": f"{row['model']} {system}",

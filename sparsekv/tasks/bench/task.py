@@ -30,7 +30,7 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
-from sparsekv.tasks.common import enum_value, run_identity
+from sparsekv.tasks.common import enum_value, policy_warnings, print_warnings, run_identity
 
 from sparsekv.tasks.bench.summary import print_table, summarize
 
@@ -183,6 +183,8 @@ def run(cfg: DictConfig) -> dict:
 
     prompts = random_prompts(batch, context, spec.vocab_size, cfg.seed)
     policy = engine.policy
+    warnings = policy_warnings(policy, range(spec.num_hidden_layers), int(cfg.offload.block_size), context)
+    print_warnings(warnings)
     if hasattr(policy, "reset_density"):  # the timed run's density only, not the warm-up's
         policy.reset_density()
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
@@ -223,6 +225,7 @@ def run(cfg: DictConfig) -> dict:
         "decode_tok_s_mean": stats.decode_tok_s,
         # a policy that records densities: share of the causally visible attention it computed (its own unit)
         "policy_density": getattr(policy, "mean_density", None),
+        "warnings": warnings,  # the policy selects nothing or everything on this run's shape (tasks.common)
     }
 
     # ---- work and floors
@@ -297,6 +300,7 @@ def run(cfg: DictConfig) -> dict:
         figures["hf_baseline"] = baseline_figures(cfg, prompts)
 
     print_table(figures)
+    print_warnings(warnings)
     path = write_record(cfg, "bench", figures)
     print(f"record: {path}")
     return figures
