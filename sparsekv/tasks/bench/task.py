@@ -81,10 +81,8 @@ def _numeric_delta(after: dict | None, before: dict | None) -> dict | None:
 
 
 def _transfer_snapshot(engine) -> dict | None:
-    stats = getattr(engine.kv_store, "transfer_stats", None)
-    if callable(stats):
-        stats = stats()
-    return dict(stats) if isinstance(stats, dict) else None
+    stats = engine.kv_store.transfer_stats  # empty for a store that moves no KV
+    return dict(stats) if stats else None
 
 
 class _Progress:
@@ -123,7 +121,7 @@ def warmup_length(cfg: DictConfig, engine) -> int:
     """Long enough that the timed run meets no kernel shape for the first time (Triton compiles per shape class):
     offloaded, a full prefill chunk plus full ring groups of earlier blocks and a decode over host blocks."""
     store = engine.kv_store
-    if getattr(store, "chunk_tokens", None) is None:
+    if store.chunk_tokens is None:
         # resident: a chunk that attends to an earlier chunk's keys compiles kernels of its own
         return max(int(cfg.task.warmup_tokens),
                    2 * int(cfg.scheduler.max_num_batched_tokens) + int(cfg.offload.block_size))
@@ -178,15 +176,13 @@ def run(cfg: DictConfig) -> dict:
         warmup_seconds = time.perf_counter() - start
     engine.stats = RunStats()
     # offload=cpu: pin the host blocks this run needs before timing (first-use pinning is reported apart)
-    host_pool_reserve_seconds = engine.kv_store.reserve(batch * (context + steps + 1)) if hasattr(
-        engine.kv_store, "reserve") else None
+    host_pool_reserve_seconds = engine.kv_store.reserve(batch * (context + steps + 1))
 
     prompts = random_prompts(batch, context, spec.vocab_size, cfg.seed)
     policy = engine.policy
     warnings = policy_warnings(policy, range(spec.num_hidden_layers), int(cfg.offload.block_size), context)
     print_warnings(warnings)
-    if hasattr(policy, "reset_density"):  # the timed run's density only, not the warm-up's
-        policy.reset_density()
+    policy.reset_density()  # the timed run's density only, not the warm-up's
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     start_transfers = _transfer_snapshot(engine)
     progress = _Progress(batch * context, steps, bool(task.progress), start_transfers)
@@ -224,7 +220,7 @@ def run(cfg: DictConfig) -> dict:
         "decode_tok_s": batch / decode_median_s if decode_median_s else None,  # all sequences, median step
         "decode_tok_s_mean": stats.decode_tok_s,
         # a policy that records densities: share of the causally visible attention it computed (its own unit)
-        "policy_density": getattr(policy, "mean_density", None),
+        "policy_density": policy.mean_density,
         "warnings": warnings,  # the policy selects nothing or everything on this run's shape (tasks.common)
     }
 
