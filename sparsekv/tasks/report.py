@@ -93,16 +93,17 @@ def build_report(directory: str | Path, out_dir: str | Path | None = None, plots
     """Scan `directory` for records, write report.csv, report.md and the PNGs into out_dir (default: directory).
     Returns {"csv": path, "markdown": path, "plots": [paths], "rows": n, "failed": n, "notes": [...]}."""
     directory = Path(directory).expanduser()
-    if not directory.is_dir():
-        raise FileNotFoundError(f"task.dir={directory} is not a directory; pass a sweep or run directory "
-                                "(outputs/multirun/<date>/<time>)")
+    from_csv = directory.is_file() and directory.suffix == ".csv"
+    if not (directory.is_dir() or from_csv):
+        raise FileNotFoundError(f"task.dir={directory} is neither a directory nor a report.csv; pass a sweep or run "
+                                "directory (outputs/multirun/<date>/<time>) or a report's CSV")
     rows, notes = load_rows(directory)
     if not rows:
         raise ValueError(f"task.dir={directory}: no sparsekv records (*.json with a `config` key) below it; "
                          "pass the directory of a run or sweep")
-    out = Path(out_dir).expanduser() if out_dir else directory
+    out = Path(out_dir).expanduser() if out_dir else (directory.parent if from_csv else directory)
     out.mkdir(parents=True, exist_ok=True)
-    csv_path = write_csv(rows, out / "report.csv")
+    csv_path = write_csv(rows, out / "report.csv") if not (from_csv and out / "report.csv" == directory) else directory
     png_paths, plot_notes = draw_plots(rows, out) if plots else ([], ["plots skipped (report.plots=false, or --no-plots)"])
     failed = [r for r in rows if r["status"] != "ok"]
     n_records = len({(r["job"], r["record"]) for r in rows})

@@ -2,6 +2,7 @@
 per HF system of a bench record's hf_baseline), and the classification of their columns."""
 from __future__ import annotations
 
+import csv
 import json
 import re
 from pathlib import Path
@@ -117,9 +118,29 @@ def _job_sort_key(job: str) -> list:
     return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in Path(job).parts]
 
 
+def load_csv_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a report.csv this module wrote (numbers back to numbers, empty cells to None): a committed
+    report rebuilds from its CSV alone."""
+    def value(text: str) -> Any:
+        if text == "":
+            return None
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+        return {"True": True, "False": False}.get(text, text)
+
+    with path.open(newline="") as handle:
+        return [{key: value(text) for key, text in row.items()} for row in csv.DictReader(handle)]
+
+
 def load_rows(directory: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """(rows of every record below `directory`, notes about files that were skipped)."""
+    """(rows of every record below `directory`, or of a report.csv when `directory` is one; notes about files that
+    were skipped)."""
     directory = Path(directory)
+    if directory.is_file() and directory.suffix == ".csv":
+        return load_csv_rows(directory), []
     rows, notes = [], []
     for path in sorted(directory.rglob("*.json")):
         if any(part.startswith(".") for part in path.relative_to(directory).parts[:-1]):

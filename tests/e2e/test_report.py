@@ -232,6 +232,10 @@ def test_plots_from_synthetic_sweep(tmp_path):
     assert "| hf |" in md and "Notes" not in md
     assert "needle_hit" in md.splitlines()[4] and "summary.prefill.recall" not in md  # top-level quality only
     assert rows[-1]["summary.prefill.density"] == "0.9"  # ... while the CSV keeps every figure
+    # the committed form: the CSV alone rebuilds the same Markdown tables and the same plots
+    again = build_report(tmp_path / "report" / "report.csv", tmp_path / "again")
+    assert {p.name for p in again["plots"]} == names
+    assert md.splitlines()[1:] == (tmp_path / "again" / "report.md").read_text().splitlines()[1:]
 
 
 # ------------------------------------------------------------------------------------------ failed-job wrapper
