@@ -19,7 +19,7 @@ import torch
 from sparsekv import LLM, SamplingParams
 from tests.conftest import hf_greedy_gaps, make_checkpoint, random_prompt
 
-CPU_LAYOUTS = 14
+CPU_LAYOUTS = 16
 GPU_LAYOUTS = 200
 NEAR_TIE = 1e-4
 # the checkpoints make_checkpoint builds: 3 layers, 2 kv heads of 16 dims, float32 K and V
@@ -48,24 +48,25 @@ def draw_layout(index: int, device: str) -> Layout:
     checkpoint = rng.choice(GPU_CHECKPOINTS if gpu else CPU_CHECKPOINTS)
     block_size = rng.choice([16, 32, 64] if gpu else [16, 32])
     max_tokens = rng.randint(8, 40) if gpu else rng.randint(4, 10)
-    lengths = rng.sample(range(1, 150 if gpu else 48), rng.randint(1, 4))  # distinct lengths
+    preempt = rng.random() < 0.4  # a KV pool too small for every sequence at once
+    lengths = rng.sample(range(1, 150 if gpu else 48), rng.randint(2 if preempt else 1, 4))  # distinct lengths
     prompts = tuple((n, rng.randrange(1000)) for n in lengths)
     offload = rng.choice(["none", "cpu"])
     graph = rng.choice(["eager", "segmented", "cudagraph", "auto"] if gpu else ["eager", "auto"])
     overrides = [f"device={device}", "dtype=float32", f"offload={offload}", f"offload.block_size={block_size}",
                  f"graph={graph}", f"scheduler.async_decode={str(rng.random() < 0.5).lower()}",
-                 f"scheduler.max_num_seqs={rng.choice([1, 2, 3, 16])}"]
+                 f"scheduler.max_num_seqs={16 if preempt else rng.choice([1, 2, 3, 16])}"]
     if offload == "cpu":
         overrides += [f"offload.num_gpu_blocks={rng.randint(1, 6)}",
                       f"offload.prefill_chunk_size={block_size * rng.randint(1, 4)}",
                       f"offload.prefill_mode={rng.choice(['chunked', 'layerwise'])}"]
     else:
         overrides.append(f"scheduler.max_num_batched_tokens={rng.choice([7, 16, 33, 64, 8192])}")
-    # preemption: a pool that holds the longest sequence but not every sequence at once
+    # preemption: the smallest pool that holds the longest sequence and, where it can, admits every prompt, so that
+    # sequences run short of blocks while they decode (else they queue for admission)
     need = [-(-(n + max_tokens) // block_size) for n, _ in prompts]
-    blocks = None
-    if rng.random() < 0.35 and sum(need) - 1 > max(need):
-        blocks = rng.randint(max(need), sum(need) - 1)
+    admit = max(max(need), sum(-(-n // block_size) for n, _ in prompts))
+    blocks = (admit if admit < sum(need) else max(need)) if preempt and sum(need) > max(need) else None
     if offload == "none" and blocks is not None:
         overrides.append(f"offload.num_kv_blocks={blocks}")
     elif offload == "cpu":
@@ -106,6 +107,9 @@ def check_layout(layout: Layout, path: Path, device: str, record_property) -> No
     prompts = [random_prompt(n, seed=s) for n, s in layout.prompts]
     expected = [hf_greedy_gaps(path, p, layout.max_tokens, device=device) for p in prompts]
     llm = LLM(str(path), overrides=list(layout.overrides))
+    preempted = []
+    preempt = llm.engine.scheduler.preempt
+    llm.engine.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=layout.max_tokens, ignore_eos=True))
     failures = []
     for i, (out, (tokens, gaps)) in enumerate(zip(outputs, expected)):
@@ -123,7 +127,22 @@ def check_layout(layout: Layout, path: Path, device: str, record_property) -> No
             warnings.warn(f"near-tie mismatch, not a failure: {note}", stacklevel=1)
         else:
             failures.append(f"{detail}; HF top-2 gaps up to it {[f'{g:.1e}' for g in gaps[:step + 1]]}")
+    record_property("preemptions", len(preempted))
     assert not failures, f"{layout.describe(path)}\n  " + "\n  ".join(failures)
+
+
+def test_cpu_layouts_cover_every_axis():
+    """The fast subset still draws each offload mode, prefill mode, graph mode, async setting, multi-prompt
+    batches and a pool small enough to preempt under each offload mode."""
+    drawn = [draw_layout(i, "cpu") for i in range(CPU_LAYOUTS)]
+    keys = {o for layout in drawn for o in layout.overrides}
+    for value in ["offload=none", "offload=cpu", "offload.prefill_mode=chunked", "offload.prefill_mode=layerwise",
+                  "graph=eager", "graph=auto", "scheduler.async_decode=true", "scheduler.async_decode=false"]:
+        assert value in keys, value
+    assert any(len(layout.prompts) > 1 for layout in drawn)
+    assert any(o.startswith("offload.num_kv_blocks=") for o in keys)
+    assert any(o.startswith("offload.host_pool_gib=") and o != "offload.host_pool_gib=0.050000000000" for o in keys)
+    assert {layout.checkpoint for layout in drawn} == set(CPU_CHECKPOINTS)
 
 
 @pytest.mark.parametrize("index", range(CPU_LAYOUTS))
