@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random Hugging Face checkpoints written with transformers, no downloads."""
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -126,6 +127,37 @@ def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> tuple[list[
         out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=0)
     return out[0, len(prompt):].tolist(), logits
+
+
+@functools.lru_cache(maxsize=8)
+def hf_model(path: str, device: str = "cpu"):
+    """An HF transformers model in float32, loaded once per (checkpoint, device)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+
+
+def hf_greedy_gaps(path: Path, prompt: list[int], max_new_tokens: int, device: str = "cpu"
+                   ) -> tuple[list[int], list[float]]:
+    """HF transformers' greedy continuation in float32 (argmax of the raw logits, eos not suppressed, as with
+    ignore_eos) and, per generated token, the gap between its top-2 logits: a gap near 0 is a near-tie that
+    rounding differences may flip."""
+    import inspect
+
+    model = hf_model(str(path), device)
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    ids = torch.tensor([prompt], device=device)
+    tokens, gaps, past = [], [], None
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            out = model(ids, use_cache=True, **{cache_kw: past})
+            past = out.past_key_values
+            logits = out.logits[0, -1].float()  # [V]
+            top = torch.topk(logits, 2).values
+            token = int(logits.argmax())
+            tokens.append(token), gaps.append(float(top[0] - top[1]))
+            ids = torch.tensor([[token]], device=device)
+    return tokens, gaps
 
 
 def random_prompt(length: int, vocab: int = 128, seed: int = 0) -> list[int]:
