@@ -19,7 +19,7 @@ class GenerationProgress:
     (at most `max_decode_steps`; fewer when every sequence stops early). Counts start at the engine's figures when
     the callback is made, so one engine may serve several runs."""
 
-    def __init__(self, engine: Any, prompt_tokens: int, max_decode_steps: int, enabled: bool = True):
+    def __init__(self, engine: Any, prompt_tokens: int | None, max_decode_steps: int, enabled: bool = True):
         self.enabled = enabled
         self.prompt_base, self.decode_base = engine.stats.prompt_tokens, engine.stats.decode_steps
         self.prefill = bar(prompt_tokens, "prefill", "tok", enabled)

@@ -226,6 +226,11 @@ BAD_INPUT = [
     row("cli-policy-range", cli("device=cpu", "policy=quest", "policy.token_budget=-1"), "quest", "token_budget", "-1"),
     row("cli-sweep-one-bad-job", cli("-m", "device=cpu", "sampling.top_p=0.5,7"), "top_p", "7"),
     row("cli-empty-prompt", cli("device=cpu", "prompt=''"), "empty"),
+    row("cli-unquoted-apostrophe", cli("device=cpu", "prompt=It's"), "prompt=It's", "Hydra quotes",
+        "prompt=\"'It\\'s a test, ok'\""),
+    row("cli-unclosed-bracket", cli("device=cpu", "task=needle", "task.contexts=[64,128"), "task.contexts=[64,128",
+        "close every bracket"),
+    row("cli-unquoted-comma", cli("device=cpu", "prompt=a,b"), "prompt=a,b", "quote the value"),
     row("cli-prompt-beyond-max-model-len", cli("device=cpu", "scheduler.max_model_len=16"), "max_model_len", "16"),
     # ---- the CLI: values beyond the machine fail before the weights load
     row("cli-host-pool-beyond-ram", cli("device=cpu", "offload=cpu", "offload.host_pool_gib=500000"),
