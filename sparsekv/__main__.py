@@ -17,7 +17,7 @@ from sparsekv.config import ConfigError, config_dir
 from sparsekv.config_check import check_config
 from sparsekv.errors import PolicyConfigError
 from sparsekv.plugins import get_plugin_manager
-from sparsekv.preflight import preflight
+from sparsekv.preflight import preflight, split_argv
 from sparsekv.tasks import get_task
 
 get_plugin_manager()  # plugins register their configs before Hydra composes
@@ -118,9 +118,27 @@ def hydra_main(cfg: DictConfig) -> None:
         release_memory()
 
 
+def override_syntax_error(argv: list[str]) -> str | None:
+    """A command-line override Hydra cannot parse (an unquoted apostrophe, an unclosed bracket), as one line naming
+    it and the quoting that works; Hydra alone would exit 1 with a lexer message."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    split = split_argv(argv)
+    for override in split[0] if split is not None else []:
+        try:
+            OverridesParser.create().parse_overrides([override])
+        except OverrideParseException as exc:
+            reason = str(exc).splitlines()[0]
+            return (f"cannot parse the override {override!r} ({reason}): close every bracket and quote, and put a "
+                    "string with spaces, commas or apostrophes in Hydra quotes inside shell quotes, e.g. "
+                    "prompt=\"'It\\'s a test, ok'\"")
+    return None
+
+
 def main() -> None:
     """The `sparsekv` command: the whole sweep's configs are checked, then Hydra runs the job(s)."""
-    error = preflight(sys.argv[1:])
+    error = override_syntax_error(sys.argv[1:]) or preflight(sys.argv[1:])
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT_CODE)

@@ -13,6 +13,7 @@ from sparsekv.config import bounded
 class GenerateTask:
     """Generate from `prompt` with `sampling`, print the text and the run's figures."""
     name: str = "generate"
+    progress: bool = True  # tqdm bars over prefill and decode on stderr (runs longer than a moment)
 
 
 @dataclass
@@ -106,6 +107,7 @@ class NeedleTask:
     seed: int = bounded(0, ge=0)
     max_tokens: int = bounded(12, ge=1)
     batch_size: int = bounded(4, ge=1)  # prompts generated together
+    progress: bool = True  # a tqdm bar over the samples on stderr (runs longer than a moment)
     label: Optional[str] = None  # row label in records (default: "<model> <offload> <policy>")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from sparsekv.llm import LLM, default_sampling_params
+from sparsekv.progress import GenerationProgress
 from sparsekv.tasks.common import write_record
 
 
@@ -11,7 +12,12 @@ def run(cfg: DictConfig) -> dict:
     params = default_sampling_params(cfg)
     llm = LLM.from_config(cfg)
     engine = llm.engine
-    out = llm.generate([cfg.prompt], params)[0]
+    progress = GenerationProgress(engine, len(engine.tokenize(cfg.prompt)), params.max_tokens,
+                                  enabled=bool(cfg.task.progress))
+    try:
+        out = llm.generate([cfg.prompt], params, progress=progress)[0]
+    finally:
+        progress.close()
     stats = engine.stats
     figures = {
         "prompt_tokens": len(out.prompt_token_ids),

@@ -157,6 +157,7 @@ def run(cfg: DictConfig) -> dict:
     from sparsekv.factory import resolve_device
     from sparsekv.llm import LLM
     from sparsekv.models.loader import resolve_spec
+    from sparsekv.progress import bar
     from sparsekv.sampling_params import SamplingParams
     from sparsekv.tasks.common import write_record
     from sparsekv.tokenizer import load_tokenizer
@@ -195,12 +196,14 @@ def run(cfg: DictConfig) -> dict:
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=int(nd.max_tokens))
     start = time.perf_counter()
-    for first in range(0, len(samples), nd.batch_size):
-        batch = samples[first:first + nd.batch_size]
-        outputs = llm.generate([s["_ids"] for s in batch], params)
-        for sample, out in zip(batch, outputs):
-            sample["output"] = out.text
-            sample["correct"] = score(out.text, sample["value"])
+    with bar(len(samples), "needle", "sample", bool(nd.progress)) as items:
+        for first in range(0, len(samples), nd.batch_size):
+            batch = samples[first:first + nd.batch_size]
+            outputs = llm.generate([s["_ids"] for s in batch], params)
+            for sample, out in zip(batch, outputs):
+                sample["output"] = out.text
+                sample["correct"] = score(out.text, sample["value"])
+            items.update(len(batch))
     generate_seconds = time.perf_counter() - start
     for sample in samples:
         del sample["_ids"]
