@@ -15,6 +15,7 @@ from sparsekv.config_check import check_config, explain_composition_error
 from sparsekv.engine.llm_engine import LLMEngine, RequestOutput
 from sparsekv.factory import build_engine
 from sparsekv.plugins import get_plugin_manager
+from sparsekv.progress import GenerationProgress
 from sparsekv.sampling_params import SamplingParams
 
 
@@ -61,6 +62,8 @@ def _override_value(value: str) -> str:
 class LLM:
     def __init__(self, model: str | None = None, overrides: list[str] | None = None,
                  config: DictConfig | None = None):
+        if isinstance(overrides, str):
+            raise TypeError(f"overrides must be a list of 'key=value' strings, e.g. [{overrides!r}]; got a str")
         if config is not None:
             self.config = check_config(config)
         else:
@@ -86,7 +89,15 @@ class LLM:
                 raise TypeError(f"sampling_params must be SamplingParams or a list of them, not {type(p).__name__}")
         if sampling_params is None:
             sampling_params = default_sampling_params(self.config)
-        return self.engine.generate(prompts, sampling_params, progress)
+        if callable(progress):
+            return self.engine.generate(prompts, sampling_params, progress)
+        # a bar on stderr after 2 s (prefilled prompt tokens, then decode steps); progress=False keeps it off
+        steps = max(p.max_tokens for p in (sampling_params if isinstance(sampling_params, list) else [sampling_params]))
+        bars = GenerationProgress(self.engine, None, steps, enabled=progress is not False)
+        try:
+            return self.engine.generate(prompts, sampling_params, bars)
+        finally:
+            bars.close()
 
 
 def default_sampling_params(cfg: DictConfig) -> SamplingParams:

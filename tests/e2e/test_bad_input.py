@@ -303,8 +303,7 @@ BAD_INPUT = [
     row("api-policy-range", api(PolicyConfigError, engine("tiny", "policy=quest", "policy.token_budget=-1"),
                                 guard=False), "quest", "token_budget"),
     row("api-overrides-as-a-string", api((TypeError, ValueError), lambda s: LLM("tiny", overrides="device=cpu"),
-                                         guard=False), "overrides", "list",
-        xfail="LLM(overrides='k=v') iterates the string's characters (sparsekv/llm.py)"),
+                                         guard=False), "overrides", "list"),
     # ---- the Python API: generate(...)
     row("api-prompt-beyond-max-model-len", api(ValueError, gen([[5] * 5000])), "5000", "4096", "max_model_len"),
     row("api-text-prompt-beyond-max-model-len", api(ValueError, gen("x" * 4999)), "5000", "max_model_len"),
