@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, open_dict
 
-from sparsekv.tasks.common import enum_value, run_identity
+from sparsekv.tasks.common import enum_value, policy_warnings, print_warnings, run_identity
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
@@ -194,12 +194,15 @@ def run(cfg: DictConfig) -> dict:
             cfg.scheduler.max_model_len = needed
     llm = LLM.from_config(cfg)
     engine = llm.engine
+    warnings = policy_warnings(engine.policy, range(spec.num_hidden_layers), int(cfg.offload.block_size),
+                               min(int(c) for c in nd.contexts))
+    print_warnings(warnings)
     params = SamplingParams(temperature=0.0, max_tokens=int(nd.max_tokens))
     start = time.perf_counter()
     with bar(len(samples), "needle", "sample", bool(nd.progress)) as items:
         for first in range(0, len(samples), nd.batch_size):
             batch = samples[first:first + nd.batch_size]
-            outputs = llm.generate([s["_ids"] for s in batch], params)
+            outputs = llm.generate([s["_ids"] for s in batch], params, progress=False)  # one bar: samples
             for sample, out in zip(batch, outputs):
                 sample["output"] = out.text
                 sample["correct"] = score(out.text, sample["value"])
@@ -229,6 +232,7 @@ def run(cfg: DictConfig) -> dict:
         "accuracy_by_depth": {f"{d:g}": accuracy([s for s in samples if s["depth"] == d]) for d in depths},
         "cells": cells,
         "samples": samples,
+        "warnings": warnings,
         "haystack_seconds": build_seconds,
         "generate_seconds": generate_seconds,
         "prefill_tok_s": stats.prefill_tok_s,

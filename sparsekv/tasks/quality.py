@@ -101,7 +101,7 @@ def capture_qkv(llm, token_ids: list[int], layers: list[int] | None = None
 
     handles = [m.register_forward_pre_hook(hook) for m in modules]
     try:
-        llm.generate([token_ids], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        llm.generate([token_ids], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), progress=False)
     finally:
         for handle in handles:
             handle.remove()
