@@ -345,7 +345,7 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", tie=True, tokenizer=False)
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", tie=True)  # with a tokenizer: the CLI checks its prompt first
 
 
 @pytest.fixture

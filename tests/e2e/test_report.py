@@ -97,7 +97,7 @@ def test_report_cli_defaults_to_the_sweep_dir(sweep, tmp_path, capsys):
     assert f"csv: {sweep / 'report.csv'}" in printed and f"markdown: {sweep / 'report.md'}" in printed
     assert (sweep / "report.csv").is_file()
     assert cli([str(tmp_path / "missing")]) == 2
-    assert "is not a directory" in capsys.readouterr().err
+    assert "is neither a directory nor a report.csv" in capsys.readouterr().err
     with pytest.raises(ValueError, match="task=report needs task.dir"):
         get_task("report")(compose_config(["task=report"]))
 
