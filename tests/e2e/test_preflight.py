@@ -2,12 +2,12 @@
 one line before Hydra starts, and LLM.generate rejects a batch with a bad prompt before any prefill."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 from sparsekv.sampling_params import SamplingParams
+from tests.e2e.test_cli import run_main_in_process
 
 
 @pytest.fixture
@@ -24,20 +24,8 @@ def no_weights(monkeypatch):
 
 
 def run_main(args: list[str], tmp_path: Path, monkeypatch, capsys) -> tuple[object, str]:
-    import hydra._internal.utils as hydra_utils
-
-    from sparsekv.__main__ import main
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(hydra_utils, "is_under_debugger", lambda: False)
-    monkeypatch.setattr(sys, "argv", ["sparsekv", *args, "hydra/job_logging=none", "hydra/hydra_logging=none",
-                                      f"hydra.run.dir={tmp_path / 'run'}"])
-    code = 0
-    try:
-        main()
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
+    code, _, err = run_main_in_process(args, tmp_path, monkeypatch, capsys)
+    return code, err
 
 
 @pytest.mark.parametrize("args, message", [
