@@ -19,7 +19,7 @@ Per-layer graphs (2 x num_layers per batch size) rather than one graph per segme
 a graph bakes in the addresses of its weights, so sharing one graph across layers would mean copying each
 layer's weights into static buffers before every replay - twice the HBM traffic of the weight reads that
 bound decode (Qwen3-4B: ~220 MB per layer, ~75 us per layer at 3 TB/s, ~2.7 ms per step). Per-layer graphs cost
-only graph objects and the tiny activations of decode. scripts/bench_cuda_graph.py times both.
+only graph objects and the tiny activations of decode. tools/bench_cuda_graph.py times both.
 """
 from __future__ import annotations
 

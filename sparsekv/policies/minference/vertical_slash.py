@@ -56,7 +56,7 @@ __all__ = [
 LOG2E = 1.4426950408889634
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M must be a multiple of BLOCK_N. 16-bit D=128 picked by
-# scripts/tune_vertical_slash.py on H100, Triton 3.6, 8K queries x 128K keys, H=32, KVH=8, default budgets: 64x32
+# tools/tune_vertical_slash.py on H100, Triton 3.6, 8K queries x 128K keys, H=32, KVH=8, default budgets: 64x32
 # (4 warps, 2 stages) beat 64x64 by 6-11% on a band and on a scattered selection in two runs; 128-row tiles, 8 warps
 # and 3 stages were slower.
 GPU_CONFIG_16BIT = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (64, 32, 4, 2)}

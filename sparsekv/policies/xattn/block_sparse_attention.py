@@ -20,7 +20,7 @@ Triton kernel, one program per (BLOCK_M query rows inside one query block, head)
      skipped.
 Each key tile is the dense kernel's step (attention._attn_block_step: the same tiles, fused exp2 scaling and TMA
 loads of K/V where they run). Phase 1 walks the blocks one of two ways (LoopConfig.mode; the lead A/Bs them with
-scripts/tune_xattn.py):
+tools/tune_xattn.py):
   runs:  the listed blocks as runs of consecutive blocks (block_lists.block_runs, built on the device), walked by
          one flat loop whose key advances by BLOCK_N and jumps to the next run's start at a run's end (the run table
          is read only there). The key chain needs no load inside a run, so Triton's pipeliner keeps K/V
@@ -32,7 +32,7 @@ scripts/tune_xattn.py):
          were one tile ahead, not two (the kernel before runs: 1.2x the dense kernel per tile on an H100), so this
          loop gets 2 * num_stages - 1 stages (5: K/V two tiles ahead in 3 buffers, the list entry four ahead);
   auto:  per query block, runs where they average at least run_min_tiles tiles, else lists.
-Checked by compiling for sm_90 with Triton 3.6 without a GPU (scripts/inspect_bsa_pipeline.py): K/V buffers, no
+Checked by compiling for sm_90 with Triton 3.6 without a GPU (a finished investigation, in git history): K/V buffers, no
 wgmma serialization, loop bodies within 25 SASS instructions of the dense kernel's 489. BLOCK_M and BLOCK_N divide
 block_size; head dims outside attention.SUPPORTED_HEAD_DIMS, or a block_size without a power-of-two divisor >= 16,
 run the reference.
