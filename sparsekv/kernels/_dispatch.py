@@ -121,6 +121,13 @@ def pdl_supported(device: torch.device) -> bool:
     return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def exact_fp32_options(dtype: torch.dtype) -> dict:
+    """Launch keyword arguments that make a kernel's tl.dot exact for float32 inputs (IEEE, not Triton's TF32
+    default): dtype=float32 is the correctness mode, compared token for token with HF transformers. 16-bit launches
+    get nothing, so their compiled kernels are unchanged."""
+    return {"default_dot_input_precision": "ieee"} if dtype == torch.float32 else {}
+
+
 def pdl_launch_options(pdl: bool) -> dict:
     """Launch keyword arguments for a kernel with a ``USE_PDL: tl.constexpr`` parameter: USE_PDL and, with
     ``pdl`` (KernelChoice.pdl, or :func:`pdl_supported`), Triton's ``launch_pdl``."""

@@ -12,7 +12,8 @@ import math
 import torch
 from typing import TYPE_CHECKING
 
-from ._dispatch import INTERPRET, alloc_output, attention_backend, cdiv, default_kernels, jit, tl
+from ._dispatch import (INTERPRET, alloc_output, attention_backend, cdiv, default_kernels, exact_fp32_options, jit,
+                        tl)
 
 if TYPE_CHECKING:
     from .backend import KernelChoice
@@ -257,7 +258,7 @@ def _launch_flash_fwd(q, k, v, o, lse, scale: float, causal: bool, config: tuple
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
         Sq, Sk, scale * LOG2E,
         GROUP=H // KVH, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=causal,
-        FUSED_SCALE=scale > 0, USE_TMA=tma, num_warps=warps, num_stages=stages,
+        FUSED_SCALE=scale > 0, USE_TMA=tma, num_warps=warps, num_stages=stages, **exact_fp32_options(q.dtype),
     )
 
 

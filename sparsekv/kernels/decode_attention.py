@@ -21,7 +21,8 @@ import functools
 from typing import TYPE_CHECKING
 
 import torch
-from ._dispatch import INTERPRET, alloc_output, cdiv, choose_splits, default_kernels, jit, next_power_of_2, tl
+from ._dispatch import (INTERPRET, alloc_output, cdiv, choose_splits, default_kernels, exact_fp32_options, jit,
+                        next_power_of_2, tl)
 from .attention import (
     SUPPORTED_HEAD_DIMS, _empty_result, check_qkv, flash_attn_with_lse, online_softmax_step,
 )
@@ -165,7 +166,7 @@ def _launch(q, k, v, out, out_strides, lse, lse_strides, scale: float, causal: b
         q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out_strides, *lse_strides,
         Sq, Sk, q if length is None else length, scale * LOG2E, split_len, GROUP=H // KVH, BLOCK_R=block_r,
         HEAD_DIM=D, BLOCK_N=block_n, IS_CAUSAL=bool(causal), DIRECT=direct, SK_ON_DEVICE=length is not None,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **exact_fp32_options(q.dtype))
 
 
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from ._dispatch import (
-    INTERPRET, alloc_output, cdiv, choose_splits, default_kernels, jit, next_power_of_2, pdl_launch_options, pdl_wait,
-    tl,
+    INTERPRET, alloc_output, cdiv, choose_splits, default_kernels, exact_fp32_options, jit, next_power_of_2,
+    pdl_launch_options, pdl_wait, tl,
 )
 from .attention import SUPPORTED_HEAD_DIMS, flash_attn_with_lse_reference
 
@@ -340,7 +340,7 @@ def paged_decode_attention(
     pdl = pdl_launch_options(kernels.pdl)
     common = dict(GROUP=group, BLOCK_G=max(MIN_GROUP_ROWS, next_power_of_2(group)), HEAD_DIM=D,
                   PAGE_SIZE=page_size, BLOCK_N=block_n, BLOCK_H=next_power_of_2(group), CHUNK=REDUCE_CHUNK,
-                  num_warps=NUM_WARPS, num_stages=stages, **pdl)
+                  num_warps=NUM_WARPS, num_stages=stages, **pdl, **exact_fp32_options(q.dtype))
     args = (q, k_cache, v_cache, block_tables, context_lens)
     strides = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride())
     out_strides = (*o.stride(), *lse.stride())
