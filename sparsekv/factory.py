@@ -51,8 +51,7 @@ def kv_block_bytes(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
 def num_device_kv_blocks(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                          max_model_len: int) -> int:
     """Room for max_num_seqs sequences of max_model_len tokens, capped by the memory left after the weights on CUDA
-    (gpu_memory_utilization) and by CPU_KV_POOL_CAP on CPU; an error when one sequence exceeds half of
-    MemAvailable."""
+    (gpu_memory_utilization) and by CPU_KV_POOL_CAP on CPU."""
     offload = cfg.offload
     if offload.num_kv_blocks:
         return int(offload.num_kv_blocks)
@@ -67,23 +66,13 @@ def num_device_kv_blocks(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, d
         ) * dtype.itemsize + (1 << 30)
         budget = total * offload.gpu_memory_utilization - used - activations
         return max(1, min(wanted, int(budget // block_bytes)))
-    available = available_host_memory()
-    if not available:  # MemAvailable unknown: the request's size, unchecked
-        return wanted
-    if int(available * CPU_KV_FRACTION // block_bytes) < per_seq:
-        raise ValueError(cpu_kv_error(max_model_len, per_seq * block_bytes, available))
+    # CPU: check_kv_memory has made sure one full-length sequence fits, before the weights loaded
     cap = max(per_seq, int(CPU_KV_POOL_CAP // block_bytes))
     if wanted > cap:
         log.info("device=cpu: the KV cache holds %d blocks (%s): full-length (%d-token) sequences at once: %d, "
                  "not scheduler.max_num_seqs=%d; set offload.num_kv_blocks for more", cap,
                  format_bytes(cap * block_bytes), max_model_len, cap // per_seq, cfg.scheduler.max_num_seqs)
     return min(wanted, cap)
-
-
-def cpu_kv_error(max_model_len: int, need: int, available: int) -> str:
-    return (f"scheduler.max_model_len={max_model_len} needs {format_bytes(need)} of KV cache for one sequence but "
-            f"only {format_bytes(available * CPU_KV_FRACTION)} (half of the {format_bytes(available)} of available "
-            "host memory) can hold the KV cache; lower scheduler.max_model_len")
 
 
 def check_kv_memory(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
@@ -117,7 +106,10 @@ def check_kv_memory(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device
         return
     per_seq_bytes = -(-max_model_len // offload.block_size) * block_bytes
     if device.type == "cpu" and per_seq_bytes > available * CPU_KV_FRACTION:
-        raise ValueError(cpu_kv_error(max_model_len, per_seq_bytes, available))
+        raise ValueError(f"scheduler.max_model_len={max_model_len} needs {format_bytes(per_seq_bytes)} of KV cache "
+                         f"for one sequence but only {format_bytes(available * CPU_KV_FRACTION)} (half of the "
+                         f"{format_bytes(available)} of available host memory) can hold the KV cache; lower "
+                         "scheduler.max_model_len")
     if device.type == "cuda" and per_seq_bytes > limit:
         raise ValueError(f"scheduler.max_model_len={max_model_len} needs {format_bytes(per_seq_bytes)} of KV cache "
                          f"for one sequence but only {format_bytes(limit)} of {where} is there; lower "
