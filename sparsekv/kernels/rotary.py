@@ -69,6 +69,24 @@ def apply_rotary_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Te
 
 
 # ---------------------------------------------------------------------------------------------- kernel
+# 2*pi split in three float32 parts for Cody-Waite reduction: 6.28125 + 1.935307e-3 + 1.025313e-11
+TWO_PI_HI = tl.constexpr(6.28125)
+TWO_PI_MID = tl.constexpr(0.0019353071693331003)
+TWO_PI_LO = tl.constexpr(1.0253131677018246e-11)
+INV_TWO_PI = tl.constexpr(0.15915494309189535)
+
+
+@jit
+def _reduce_angle(x):
+    """x - k * 2*pi with k = round(x / 2*pi), in [-pi, pi]: tl.cos/tl.sin lower to the GPU's approximate
+    sin/cos, accurate near 0 but off by ~1e-5 at a few hundred radians (and worse at long-context positions),
+    where torch's cos/sin are exact to an ulp. Three fused multiply-adds keep the reduction exact enough."""
+    k = tl.floor(x * INV_TWO_PI + 0.5)
+    r = tl.fma(-k, TWO_PI_HI, x)
+    r = tl.fma(-k, TWO_PI_MID, r)
+    return tl.fma(-k, TWO_PI_LO, r)
+
+
 @jit
 def _norm_rope_tile(
     X, OUT, W, row, head0, num_heads, stride_xn, stride_xh, stride_on, stride_oh,
@@ -124,6 +142,7 @@ def _rotary_kernel(
     # computed before the wait, under the previous kernel's tail
     pos = tl.load(POS + row * stride_pos).to(tl.float32)
     freqs = pos * tl.load(INV_FREQ + offs_d, mask=d_ok, other=0.0).to(tl.float32)  # [BLOCK_HALF]
+    freqs = _reduce_angle(freqs)
     cos = (tl.cos(freqs) * scaling).to(act).to(tl.float32)  # cast to the activation dtype like the reference
     sin = (tl.sin(freqs) * scaling).to(act).to(tl.float32)
     pdl_wait(USE_PDL)

@@ -305,6 +305,23 @@ def test_bf16_kernels_match_references_on_gpu():
 
 
 @gpu
+def test_float32_rotary_is_exact_at_large_angles_on_gpu():
+    """float32 cos/sin agree with torch's to float32 rounding at angles up to 1e6 radians (positions of a 1M-token
+    context): the GPU's approximate sin/cos, unreduced, are off by ~1e-5 already at a few hundred radians, which
+    flips greedy tokens against HF in float32."""
+    g = _gen(9)
+    t = 512
+    q, k = _randn(t, 4, 128, g=g), _randn(t, 2, 128, g=g)
+    positions = torch.cat([torch.arange(0, 256), torch.randint(256, 1_000_000, (t - 256,), generator=g)]).to(DEV)
+    inv_freq, _ = _inv_freq(128)
+    out = apply_rotary(q, k, positions, inv_freq, 1.0)
+    ref = apply_rotary_reference(q, k, positions, inv_freq, 1.0)
+    for o, r in zip(out, ref):
+        assert (o - r).abs().max().item() < 2e-5 * r.abs().max().item()
+        _check(o, r, tol=2e-6)
+
+
+@gpu
 def test_kernels_replay_inside_a_cuda_graph():
     """Capture-safe: captured once, replayed on new inputs written into the same buffers, equal to eager."""
     g = _gen(8)
