@@ -15,7 +15,7 @@ class RulerSettings:
     tasks: tuple[str, ...]
     lengths: tuple[int, ...]  # ascending, distinct
     chat_template: bool
-    tokenizer: Tokenizer
+    tokenizer: Any  # the checkpoint's transformers tokenizer (what the generators take)
     max_model_len: int  # what the engine will allow (scheduler.max_model_len, or its default)
     spec: Any  # the model's ModelSpec
 
@@ -79,9 +79,11 @@ def ruler_settings(cfg: DictConfig) -> RulerSettings:
     tasks, lengths, wanted_template = check_ruler_config(cfg.task)
     spec = resolve_spec(cfg.model)
     tokenizer = load_tokenizer(cfg.model.path, spec.vocab_size)
-    if tokenizer is None:
-        raise ValueError(f"task=ruler needs a tokenizer to write its prompts and read the answers: model "
-                         f"{cfg.model.name} has none (give a checkpoint directory with tokenizer files as model.path)")
+    if not isinstance(tokenizer, HFTokenizer):  # the generators size prompts in the checkpoint's own tokens
+        raise ValueError(f"task=ruler needs the checkpoint's tokenizer to write its prompts and read the answers: "
+                         f"model {cfg.model.name} has {'none' if tokenizer is None else 'only a byte tokenizer'} "
+                         "(give a checkpoint directory with tokenizer files as model.path, e.g. model=hf "
+                         "model.path=/ckpt)")
     template = has_chat_template(tokenizer)
     if wanted_template and not template:
         raise ValueError(f"task.chat_template=true but the tokenizer of model {cfg.model.name} has no chat "
@@ -95,5 +97,5 @@ def ruler_settings(cfg: DictConfig) -> RulerSettings:
         raise ValueError(f"task.lengths has {too_long[0]} but {where}, which leaves no room for the answer: raise "
                          f"scheduler.max_model_len (to at least {too_long[-1]} + the answer's tokens) or drop the "
                          "length")
-    return RulerSettings(tasks, lengths, template if wanted_template is None else wanted_template, tokenizer,
+    return RulerSettings(tasks, lengths, template if wanted_template is None else wanted_template, tokenizer.inner,
                          max_model_len, spec)

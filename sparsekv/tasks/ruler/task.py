@@ -44,10 +44,13 @@ def build_samples(cfg: DictConfig, settings: RulerSettings) -> dict[tuple[str, i
     cells = {}
     for length in settings.lengths:
         for name in settings.tasks:
-            cells[(name, length)] = [
-                make_sample(name, settings.tokenizer, length, sample_seed(int(task.seed), name, length, i),
-                            chat_template=settings.chat_template, with_needles=bool(task.with_needles))
-                for i in range(int(task.samples))]
+            try:
+                cells[(name, length)] = [
+                    make_sample(name, settings.tokenizer, length, sample_seed(int(task.seed), name, length, i),
+                                chat_template=settings.chat_template, with_needles=bool(task.with_needles))
+                    for i in range(int(task.samples))]
+            except ValueError as exc:
+                raise ValueError(f"task.lengths has {length}: {exc}") from exc
     needed = max(len(s.prompt_ids) + s.max_new_tokens for group in cells.values() for s in group)
     if needed > settings.max_model_len:
         worst = max((s for group in cells.values() for s in group), key=lambda s: len(s.prompt_ids) + s.max_new_tokens)
