@@ -66,6 +66,22 @@ def test_dense_policy_reports_density_one(qwen3_ckpt, tmp_path):
     assert {c["density_source"] for c in figures["cells"]} == {"dense"}
 
 
+def test_cell_density_sources():
+    from sparsekv.policies.full import FullAttentionPolicy
+    from sparsekv.policies.quest.policy import QuestPolicy
+    from sparsekv.tasks.ruler.density import cell_density
+
+    # 3 layers, the first dense; a 64-token prompt and 3 generated tokens: 2 decode steps over 4 full blocks of 16,
+    # the sparse layers keep the budget's 2 blocks -> (1 * 4 + 2 * 2) / (3 * 4) per step
+    quest = QuestPolicy(token_budget=32, dense_layers=1)
+    assert cell_density(quest, 16, 3, [(64, 3)]) == (pytest.approx(8 / 12), "budget")
+    assert cell_density(quest, 16, 3, [(64, 1)]) == (None, None)  # no decode step: nothing selected
+    assert cell_density(QuestPolicy(token_budget=32, threshold_blocks=4), 16, 3, [(64, 3)])[0] == 1.0
+    assert cell_density(FullAttentionPolicy(), 16, 3, [(64, 3)]) == (1.0, "dense")
+    quest.record_density(3, 4)  # a policy's own counts win
+    assert cell_density(quest, 16, 3, [(64, 3)]) == (0.75, "measured")
+
+
 @pytest.mark.parametrize("responder,expected", [("perfect", 1.0), ("wrong", 0.0)])
 def test_scores_of_a_fake_responder(qwen3_ckpt, tmp_path, monkeypatch, responder, expected):
     """Generation replaced by a responder that states every answer (or none): the suite's sampling, scoring and
