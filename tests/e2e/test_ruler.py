@@ -66,6 +66,34 @@ def test_dense_policy_reports_density_one(qwen3_ckpt, tmp_path):
     assert {c["density_source"] for c in figures["cells"]} == {"dense"}
 
 
+def test_task_names_accept_all_lists_and_comma_strings():
+    from sparsekv.tasks.ruler.generators import TASKS
+    from sparsekv.tasks.ruler.settings import task_names
+
+    assert task_names("all") == TASKS
+    assert task_names("common_words, niah_single") == ("common_words", "niah_single")
+    assert task_names(["niah_single", "niah_single"]) == ("niah_single",)
+    with pytest.raises(ValueError, match="valid tasks: niah_single"):
+        task_names("niah_single,nope")
+
+
+def test_chat_template_auto_follows_the_tokenizer(qwen3_ckpt, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from sparsekv.tasks.ruler.settings import ruler_settings
+
+    chat = shutil.copytree(qwen3_ckpt, tmp_path / "chat")
+    tokenizer = AutoTokenizer.from_pretrained(str(chat))
+    tokenizer.chat_template = "{% for m in messages %}<s>{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(str(chat))
+    settings = (lambda ckpt, *extra: ruler_settings(compose_config(ruler_args(ckpt, "task.lengths=[256]", *extra))))
+    assert settings(chat).chat_template is True
+    assert settings(chat, "task.chat_template=false").chat_template is False
+    assert settings(qwen3_ckpt).chat_template is False
+
+
 def test_cell_density_sources():
     from sparsekv.policies.full import FullAttentionPolicy
     from sparsekv.policies.quest.policy import QuestPolicy
