@@ -66,6 +66,18 @@ def test_dense_policy_reports_density_one(qwen3_ckpt, tmp_path):
     assert {c["density_source"] for c in figures["cells"]} == {"dense"}
 
 
+def test_prompt_and_answer_beyond_max_model_len_fail_before_the_weights(qwen3_ckpt, tmp_path, monkeypatch):
+    import sparsekv.factory
+
+    monkeypatch.setattr(sparsekv.factory, "build_model", lambda *a, **k: pytest.fail("the weights were built"))
+    # a 500-token common_words prompt fits 501 positions, its 5-word answer does not
+    cfg = compose_config(ruler_args(qwen3_ckpt, "task.tasks=common_words", "task.lengths=[500]",
+                                    "scheduler.max_model_len=501", f"output_dir={tmp_path}"))
+    with pytest.raises(ValueError, match=r"common_words prompt of length .* more than scheduler.max_model_len=501: "
+                                         r"set scheduler.max_model_len to \d+"):
+        get_task("ruler")(cfg)
+
+
 def test_task_names_accept_all_lists_and_comma_strings():
     from sparsekv.tasks.ruler.generators import TASKS
     from sparsekv.tasks.ruler.settings import task_names

@@ -16,7 +16,7 @@ class RulerSettings:
     lengths: tuple[int, ...]  # ascending, distinct
     chat_template: bool
     tokenizer: Any  # the checkpoint's transformers tokenizer (what the generators take)
-    max_model_len: int  # what the engine will allow (scheduler.max_model_len, or its default)
+    max_model_len: int  # scheduler.max_model_len, or unset the model's max_position_embeddings
     spec: Any  # the model's ModelSpec
 
 
@@ -88,14 +88,16 @@ def ruler_settings(cfg: DictConfig) -> RulerSettings:
     if wanted_template and not template:
         raise ValueError(f"task.chat_template=true but the tokenizer of model {cfg.model.name} has no chat "
                          "template; use task.chat_template=auto or false")
-    max_model_len = check_scheduler_config(cfg, spec, resolve_device(cfg))
+    check_scheduler_config(cfg, spec, resolve_device(cfg))
+    max_model_len = int(cfg.scheduler.max_model_len or spec.max_position_embeddings)
     too_long = [length for length in lengths if length >= max_model_len]
+    if too_long and cfg.scheduler.max_model_len:
+        raise ValueError(f"task.lengths has {too_long[0]} but scheduler.max_model_len={max_model_len}, which leaves no "
+                         f"room for the answer: raise scheduler.max_model_len (to at least {too_long[-1]} + the "
+                         "answer's tokens) or drop the length")
     if too_long:
-        where = (f"scheduler.max_model_len={max_model_len}" if cfg.scheduler.max_model_len else
-                 f"max_model_len is {max_model_len} (scheduler.max_model_len unset: the default for this model "
-                 "and device)")
-        raise ValueError(f"task.lengths has {too_long[0]} but {where}, which leaves no room for the answer: raise "
-                         f"scheduler.max_model_len (to at least {too_long[-1]} + the answer's tokens) or drop the "
-                         "length")
+        raise ValueError(f"task.lengths has {too_long[0]} but model {cfg.model.name} has {max_model_len} positions "
+                         "(max_position_embeddings), which leaves no room for the answer: drop the length, or set "
+                         "scheduler.max_model_len above it (positions past the trained range give unreliable answers)")
     return RulerSettings(tasks, lengths, template if wanted_template is None else wanted_template, tokenizer.inner,
                          max_model_len, spec)

@@ -54,18 +54,24 @@ def build_samples(cfg: DictConfig, settings: RulerSettings) -> dict[tuple[str, i
     needed = max(len(s.prompt_ids) + s.max_new_tokens for group in cells.values() for s in group)
     if needed > settings.max_model_len:
         worst = max((s for group in cells.values() for s in group), key=lambda s: len(s.prompt_ids) + s.max_new_tokens)
+        limit = (f"scheduler.max_model_len={settings.max_model_len}" if cfg.scheduler.max_model_len else
+                 f"the model's {settings.max_model_len} positions (max_position_embeddings)")
         raise ValueError(f"the {worst.task} prompt of length {worst.context_tokens} has {len(worst.prompt_ids)} tokens "
-                         f"and may generate {worst.max_new_tokens}, more than max_model_len={settings.max_model_len}: "
-                         f"raise scheduler.max_model_len to {needed} or drop the length from task.lengths")
+                         f"and may generate {worst.max_new_tokens}, more than {limit}: set scheduler.max_model_len to "
+                         f"{needed} or drop the length from task.lengths")
     return cells
 
 
-def engine_config(cfg: DictConfig) -> DictConfig:
-    """A copy of `cfg` whose scheduler runs task.batch_size sequences together."""
+def engine_config(cfg: DictConfig, samples: dict[tuple[str, int], list]) -> DictConfig:
+    """A copy of `cfg` whose scheduler runs task.batch_size sequences together and, unless scheduler.max_model_len
+    is set, holds the longest prompt and its answer (the KV pool is sized to that, not to the model's maximum)."""
     cfg = copy.deepcopy(cfg)
     with open_dict(cfg):
         if cfg.scheduler.max_num_seqs < cfg.task.batch_size:
             cfg.scheduler.max_num_seqs = int(cfg.task.batch_size)
+        if not cfg.scheduler.max_model_len:
+            cfg.scheduler.max_model_len = max(len(s.prompt_ids) + s.max_new_tokens
+                                               for group in samples.values() for s in group)
     return cfg
 
 
@@ -136,7 +142,7 @@ def run(cfg: DictConfig) -> dict:
     start = time.perf_counter()
     samples = build_samples(cfg, settings)
     build_seconds = time.perf_counter() - start
-    cfg = engine_config(cfg)
+    cfg = engine_config(cfg, samples)
     task = cfg.task
     start = time.perf_counter()
     llm = LLM.from_config(cfg)
