@@ -31,8 +31,11 @@ from sparsekv.tasks.ruler.settings import RulerSettings, ruler_settings
 from sparsekv.tasks.ruler.table import print_table
 
 
+EVAL_SEEDS = 10 ** 9  # sample seeds stay below this: tools/train_probe.py trains the probe on seeds at or above it
+
+
 def sample_seed(seed: int, task: str, length: int, index: int) -> int:
-    return random.Random(f"ruler-{seed}-{task}-{length}-{index}").randrange(1 << 31)
+    return random.Random(f"ruler-{seed}-{task}-{length}-{index}").randrange(EVAL_SEEDS)
 
 
 def build_samples(cfg: DictConfig, settings: RulerSettings) -> dict[tuple[str, int], list]:
