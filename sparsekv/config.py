@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.errors import ConfigCompositionException
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from sparsekv.sampling_params import SamplingParams
 
@@ -178,6 +178,14 @@ def config_dir() -> Path:
         if (candidate / "config.yaml").is_file():
             return candidate
     raise FileNotFoundError(f"sparsekv's conf/ directory was not found next to {here}; reinstall sparsekv")
+
+
+def package_path(relative: str) -> str:
+    """`${sparsekv_package:checkpoints/probe}` in a config: that path inside the sparsekv package, from any cwd."""
+    return str(Path(__file__).resolve().parent / relative)
+
+
+OmegaConf.register_new_resolver("sparsekv_package", package_path, replace=True)
 
 
 def per_policy_schema(policies: dict[str, type]) -> Any:

@@ -161,6 +161,13 @@ def check_config(cfg: DictConfig) -> DictConfig:
     except ValueError as exc:
         raise ConfigError(f"sampling: {exc}") from exc
     build_policy(cfg.policy)
+    if cfg.task.name == "ruler":
+        from sparsekv.tasks.ruler.settings import check_ruler_config
+
+        try:
+            check_ruler_config(cfg.task)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
     return cfg
 
 

@@ -79,7 +79,7 @@ def check_output_dir(output_dir: str | None) -> None:
 def check_task_inputs(cfg: DictConfig) -> None:
     """What a job's inputs need that the config schema cannot say, checked without the weights: the prompt of
     task=generate (tokenized with the model's tokenizer, which loads without them) against max_model_len, and the
-    settings of task=bench and task=quality. Raises ValueError naming the value and the fix."""
+    settings of task=bench, task=quality and task=ruler. Raises ValueError naming the value and the fix."""
     task = cfg.task.name
     if task == "generate":
         check_prompt(cfg)
@@ -92,6 +92,10 @@ def check_task_inputs(cfg: DictConfig) -> None:
         from sparsekv.tasks.quality import settings
 
         settings(cfg)
+    elif task == "ruler":
+        from sparsekv.tasks.ruler.settings import ruler_settings
+
+        ruler_settings(cfg)
 
 
 def check_prompt(cfg: DictConfig) -> None:

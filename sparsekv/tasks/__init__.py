@@ -9,6 +9,7 @@ TASKS = {"generate": "sparsekv.tasks.generate:run",
          "report": "sparsekv.tasks.report:run",
          "quality": "sparsekv.tasks.quality:run",
          "needle": "sparsekv.tasks.needle:run",
+         "ruler": "sparsekv.tasks.ruler.task:run",
          "plugins": "sparsekv.tasks.list_plugins:run"}
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from sparsekv.config import bounded
 
@@ -111,5 +111,25 @@ class NeedleTask:
     label: Optional[str] = None  # row label in records (default: "<model> <offload> <policy>")
 
 
+@dataclass
+class RulerTask:
+    """RULER-style long-context suite (sparsekv.tasks.ruler): needle retrieval, variable tracking and common-word
+    counting at each context length, greedy generation through the engine, scored per task and length beside the
+    policy's density and the run's speed.
+        python -m sparsekv task=ruler model=hf model.path=/ckpt offload=cpu policy=quest "task.lengths=[4096,16384]"
+    """
+    name: str = "ruler"
+    tasks: Any = "all"  # "all", a list of task names, or a comma string in quotes ('niah_single,common_words')
+    lengths: List[int] = bounded(factory=lambda: [4096, 16384, 32768], ge=1)  # prompt lengths in tokens
+    samples: int = bounded(10, ge=1)  # prompts per (task, length)
+    seed: int = bounded(0, ge=0)
+    batch_size: int = bounded(4, ge=1)  # prompts generated together
+    chat_template: Any = "auto"  # auto: the tokenizer's chat template when it has one; true / false
+    with_needles: bool = True  # false: the facts asked about are left out (the answers score at chance)
+    warmup: bool = True  # the first prompt once, untimed, first: compilation stays out of the first cell's figures
+    progress: bool = True  # a tqdm bar over the samples on stderr
+    label: Optional[str] = None  # row label in records (default: "<model> <offload> <policy>")
+
+
 TASK_SCHEMAS: dict[str, type] = {"generate": GenerateTask, "bench": BenchTask, "quality": QualityTask,
-                                 "needle": NeedleTask, "report": ReportTask, "plugins": PluginsTask}
+                                 "needle": NeedleTask, "ruler": RulerTask, "report": ReportTask, "plugins": PluginsTask}

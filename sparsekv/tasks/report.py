@@ -16,7 +16,10 @@ Written to task.out_dir (default: the scanned directory):
                GPU peak memory vs context (bench records only, when the sweep holds any), quality vs density
                (when records carry a top-level `density` and a quality figure: recall, needle_hit,
                needle_recall, accuracy, as task=quality writes). A plot with no data is skipped with a note in
-               report.md.
+               report.md. task=ruler records: a "RULER" section (accuracy per policy setting, task and length,
+               beside density, prefill s and decode ms/token) and ruler_accuracy_vs_density.png (one line per
+               policy through its settings, a panel per length), ruler_accuracy_vs_length.png
+               (sparsekv.tasks.report_ruler); the main table shows their per-length means.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from typing import Any
 
 from sparsekv.tasks.report_plots import draw_plots
 from sparsekv.tasks.report_records import columns_of, is_density_key, is_number, is_quality_key, load_rows
+from sparsekv.tasks.report_ruler import ruler_markdown
 
 # Markdown table: (header, column, format)
 MD_COLUMNS = [
@@ -107,14 +111,16 @@ def build_report(directory: str | Path, out_dir: str | Path | None = None, plots
     png_paths, plot_notes = draw_plots(rows, out) if plots else ([], ["plots skipped (report.plots=false, or --no-plots)"])
     failed = [r for r in rows if r["status"] != "ok"]
     n_records = len({(r["job"], r["record"]) for r in rows})
+    main = [r for r in rows if r.get("subtask") in (None, "all")]  # a ruler record's cells: its own section
 
     text = [f"# sparsekv report: {directory}", "",
             f"{n_records} records, {len(rows)} rows ({len(failed)} not ok); devices: "
             f"{', '.join(sorted({str(r['device']) for r in rows if r.get('device')})) or '-'}", "",
-            markdown_table(rows), ""]
+            markdown_table(main), ""] + ruler_markdown(rows)
     if png_paths:
         text += ["## Plots", ""] + [f"![{p.stem}]({p.relative_to(out).as_posix()})" for p in png_paths] + [""]
-    warned = [f"{r['job']} ({r['name'] or r['policy']}): {r['warnings']}" for r in rows if r.get("warnings")]
+    warned = list(dict.fromkeys(f"{r['job']} ({r['name'] or r['policy']}): {r['warnings']}" for r in main
+                                if r.get("warnings")))
     if warned:  # the policy selected nothing or everything: such a row's density and timings measure no selection
         text += ["## Warnings", ""] + [f"- {w}" for w in warned] + [""]
     all_notes = plot_notes + notes

@@ -1,4 +1,5 @@
-"""Plots of task=report: decode ms/token, prefill tok/s and GPU peak memory vs context, quality vs density."""
+"""Plots of task=report: decode ms/token, prefill tok/s and GPU peak memory vs context, quality vs density (the
+RULER plots: sparsekv.tasks.report_ruler)."""
 from __future__ import annotations
 
 import json
@@ -241,7 +242,10 @@ def draw_plots(rows: list[dict[str, Any]], out_dir: Path) -> tuple[list[Path], l
         import matplotlib  # noqa: F401
     except ImportError:
         return [], ["plots skipped: matplotlib is not installed (pip install 'sparsekv[plots]')"]
+    from sparsekv.tasks.report_ruler import plot_ruler
+
     plots, notes = [], []
+    rows_by_task = [r for r in rows if r.get("subtask") in (None, "all")]  # a ruler record: its per-length means
     specs = [
         ("decode_ms_vs_context.png", "decode_ms_per_token", "decode latency (ms/token, median step)",
          "decode ms/token vs context", [("decode_pcie_floor_ms", "PCIe floor (KV of context / H2D)", "--"),
@@ -251,17 +255,18 @@ def draw_plots(rows: list[dict[str, Any]], out_dir: Path) -> tuple[list[Path], l
         ("gpu_peak_gib_vs_context.png", "gpu_peak_gib", "GPU peak memory (GiB)", "GPU peak memory vs context", [],
          False),
     ]
-    speed_rows = [r for r in rows if r.get("task") in SPEED_TASKS] or rows
+    speed_rows = [r for r in rows if r.get("task") in SPEED_TASKS] or rows_by_task
     for name, key, label, title, floors, log_y in specs:
         path = plot_vs_context(speed_rows, key, label, title, out_dir / name, floors, allow_log_y=log_y)
         if path is None:
             notes.append(f"{title}: skipped, no successful record has both `context` and `{key}`")
         else:
             plots.append(path)
-    quality = plot_quality(rows, out_dir)
+    quality = plot_quality([r for r in rows if r.get("task") != "ruler"], out_dir)  # ruler: plot_ruler's own
     if quality:
         plots += quality
-    else:
+    elif not any(r.get("task") == "ruler" for r in rows):
         notes.append("quality vs density: skipped, no successful record has a `density` figure and a quality figure "
                      "(recall / needle hits / accuracy)")
-    return plots, notes
+    ruler_plots, ruler_notes = plot_ruler(rows, out_dir)
+    return plots + ruler_plots, notes + ruler_notes

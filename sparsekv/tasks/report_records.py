@@ -1,5 +1,6 @@
 """Records of task=report: every `<task>.json` below a directory, flattened into rows (one per record, plus one
-per HF system of a bench record's hf_baseline), and the classification of their columns."""
+per HF system of a bench record's hf_baseline; a ruler record gives one per (task, length) cell and one per length
+with subtask "all"), and the classification of their columns."""
 from __future__ import annotations
 
 import csv
@@ -9,11 +10,15 @@ from pathlib import Path
 from typing import Any, Iterable
 
 # identifying columns, in order; every numeric figure follows them in report.csv
-ID_COLUMNS = ["job", "record", "status", "error", "warnings", "system", "task", "name", "model", "policy", "policy_args",
-              "offload", "num_gpu_blocks", "block_size", "context", "batch", "device", "dtype"]
+ID_COLUMNS = ["job", "record", "status", "error", "warnings", "system", "task", "subtask", "name", "model", "policy",
+              "policy_args", "offload", "num_gpu_blocks", "block_size", "context", "batch", "device", "dtype",
+              "density_source"]
 # figure keys already shown as identifying columns
 _ID_FIGURES = {"context", "batch_size", "status", "error", "warnings", "name", "model", "policy", "offload", "device", "dtype",
-               "system", "placement"}
+               "system", "placement", "policy_args"}
+# a ruler record's figures that its cells restate per (task, length)
+_RULER_SUMMARIES = {"cells", "by_length", "outputs", "accuracy", "density", "samples", "accuracy_by_length",
+                    "accuracy_by_task"}
 SYSTEM_ORDER = {"sparsekv": 0, "hf": 1, "hf-offloaded": 2}
 DENSITY_KEYS = ("density",)
 QUALITY_PATTERN = re.compile(r"(recall|needle|accuracy|passkey)", re.IGNORECASE)
@@ -81,7 +86,7 @@ def flatten_record(record: dict, job: str = ".", record_name: str = "") -> list[
     row: dict[str, Any] = {
         "job": job, "record": record_name, "status": status, "error": record.get("error"),
         "warnings": "; ".join(str(w) for w in record.get("warnings") or []) or None, "system": "sparsekv",
-        "task": task, "name": record.get("name") if isinstance(record.get("name"), str) else None,
+        "task": task, "subtask": None, "name": record.get("name") if isinstance(record.get("name"), str) else None,
         "model": _first(record.get("model"), _dig(config, "model.name")),
         "policy": _first(record.get("policy"), _dig(config, "policy.name")),
         "policy_args": policy_args(_dig(config, "policy")),
@@ -91,7 +96,10 @@ def flatten_record(record: dict, job: str = ".", record_name: str = "") -> list[
         "context": context, "batch": batch,
         "device": _first(record.get("device"), _dig(config, "device")),
         "dtype": _first(record.get("dtype"), _dig(config, "dtype")),
+        "density_source": None,
     }
+    if task == "ruler" and status == "ok" and isinstance(record.get("cells"), list):
+        return ruler_rows(record, row)
     row.update(numeric_figures(record, skip={"config", "hf_baseline", *_ID_FIGURES}))
     rows = [row]
 
@@ -111,6 +119,21 @@ def flatten_record(record: dict, job: str = ".", record_name: str = "") -> list[
               "dtype": _first(figures.get("dtype"), row["dtype"])}
         hf.update(numeric_figures(figures, skip=_ID_FIGURES))
         rows.append(hf)
+    return rows
+
+
+def ruler_rows(record: dict, base: dict[str, Any]) -> list[dict[str, Any]]:
+    """A task=ruler record's rows: per length, its mean over the tasks (subtask "all"), then one row per task."""
+    shared = numeric_figures(record, skip={"config", *_ID_FIGURES, *_RULER_SUMMARIES})
+    cells = [c for c in record.get("cells") or [] if isinstance(c, dict)]
+    rows = []
+    for summary in [s for s in record.get("by_length") or [] if isinstance(s, dict)]:
+        length = summary.get("length")
+        for cell in [summary] + [c for c in cells if c.get("length") == length]:
+            row = {**base, **shared, "subtask": cell.get("task"), "context": _int_or_none(length),
+                   "density_source": cell.get("density_source")}
+            row.update(numeric_figures(cell, skip={"task", "length"}))
+            rows.append(row)
     return rows
 
 

@@ -277,6 +277,23 @@ BAD_INPUT = [
     row("needle-samples-zero", cli(*NEEDLE, "task.num_samples=0"), "num_samples", "0"),
     row("needle-batch-zero", cli(*NEEDLE, "task.batch_size=0"), "batch_size", "0"),
     row("needle-without-tokenizer", cli(*NEEDLE, "model.vocab_size=200"), "task=needle", "tokenizer", "model.path"),
+    row("ruler-unknown-task", cli("device=cpu", "task=ruler", "task.tasks=[niah_single,haystack]"), "'haystack'",
+        "niah_multikey", "common_words"),
+    row("ruler-empty-lengths", cli("device=cpu", "task=ruler", "task.lengths=[]"), "task.lengths", "at least one"),
+    row("ruler-length-zero", cli("device=cpu", "task=ruler", "task.lengths=[0]"), "task.lengths", ">= 1"),
+    row("ruler-chat-template-enum", cli("device=cpu", "task=ruler", "task.chat_template=yes"), "chat_template",
+        "auto, true or false"),
+    row("ruler-without-tokenizer", cli("device=cpu", "task=ruler"), "task=ruler", "tokenizer", "model.path"),
+    row("ruler-length-beyond-max-model-len", cli(*HF, "task=ruler", "task.lengths=[512,4096]",
+                                                 setup=lambda s: [f"model.path={s.checkpoint()}"]),
+        "task.lengths has 4096", "2048 positions", "scheduler.max_model_len"),
+    row("ruler-length-beyond-set-max-model-len", cli(*HF, "task=ruler", "task.lengths=[512]",
+                                                     "scheduler.max_model_len=400",
+                                                     setup=lambda s: [f"model.path={s.checkpoint()}"]),
+        "task.lengths has 512", "scheduler.max_model_len=400", "raise scheduler.max_model_len"),
+    row("ruler-chat-template-missing", cli(*HF, "task=ruler", "task.lengths=[512]", "task.chat_template=true",
+                                           setup=lambda s: [f"model.path={s.checkpoint()}"]),
+        "chat_template=true", "no chat template"),
     row("report-without-dir", cli("task=report"), "task.dir"),
     row("report-missing-dir", cli("task=report", "task.dir={tmp}/nowhere"), "{tmp}/nowhere"),
     row("report-dir-is-a-file", cli("task=report", "task.dir={file}"), "{tmp}/a_file"),
@@ -369,7 +386,7 @@ def test_the_table_covers_every_task_and_surface():
     ids = [p.id for p in BAD_INPUT]
     assert len(ids) == len(set(ids)) and len(ids) >= 60
     for prefix in ("cli-", "api-", "sampling-", "cli-checkpoint-", "plugin-", "bench-", "quality-", "needle-",
-                   "report-", "plugins-", "generate-"):
+                   "report-", "plugins-", "generate-", "ruler-"):
         assert any(i.startswith(prefix) for i in ids), prefix
 
 

@@ -1,0 +1,131 @@
+"""tools/train_probe.py at toy size on CPU: the checkpoint it saves loads in transformers and in sparsekv."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+TOY = ["--device", "cpu", "--max-len", "512", "--min-len", "256", "--hidden", "64", "--intermediate", "128",
+       "--layers", "2", "--heads", "2", "--kv-heads", "1", "--head-dim", "32", "--micro-tokens", "1024",
+       "--accum", "2", "--eval-samples", "1", "--log-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def train_probe():
+    spec = importlib.util.spec_from_file_location("train_probe", TOOLS / "train_probe.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("train_probe", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def trained(train_probe, tmp_path_factory):
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("probe")
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        train_probe.main(["--out", str(out), "--steps", "3", "--workers", "1", *TOY])
+    return out, log.getvalue()
+
+
+def test_toy_run_logs_steps_and_held_out_accuracy(trained):
+    out, log = trained
+    assert [line.split()[1] for line in log.splitlines() if line.startswith("step ")] == ["1/3", "2/3", "3/3"]
+    assert "held-out accuracy" in log and "stopped early" not in log
+    record = json.loads((out / "training.json").read_text())
+    assert record["steps_done"] == 3 and not record["stopped_early"]
+    assert set(record["eval"]) == {"niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery",
+                                   "variable_tracking", "common_words"}
+
+
+def test_checkpoint_loads_in_transformers(trained):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, _ = trained
+    config = json.loads((out / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16" and config["max_position_embeddings"] >= 65536
+    shards = list(out.glob("*.safetensors"))
+    assert shards and all(p.stat().st_size <= 15 * 10**6 for p in shards)
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    assert model.config.head_dim == 32 and model.config.vocab_size >= len(tokenizer)
+    ids = tokenizer("The special magic number for amber is", return_tensors="pt")["input_ids"]
+    assert tokenizer.unk_token_id not in ids[0].tolist()
+    with torch.no_grad():
+        assert model(ids).logits.shape == (1, ids.shape[1], model.config.vocab_size)
+
+
+def test_checkpoint_generates_in_sparsekv(trained):
+    from sparsekv import LLM
+    from sparsekv.sampling_params import SamplingParams
+
+    out, _ = trained
+    llm = LLM(str(out), overrides=["device=cpu", "dtype=float32", "offload=none"])
+    result = llm.generate("The special magic number for amber is", SamplingParams(temperature=0, max_tokens=4,
+                                                                                 ignore_eos=True))
+    assert len(result[0].token_ids) == 4
+
+
+def test_plan_is_seeded_held_out_and_follows_the_curriculum(train_probe):
+    args = train_probe.parse_args(["--steps", "20", "--max-len", "8192", "--min-len", "512", "--accum", "2",
+                                   "--ramp", "0.5"])
+    plan = train_probe.micro_plan(args)
+    assert plan == train_probe.micro_plan(args) and len(plan) == 40
+    assert plan != train_probe.micro_plan(train_probe.parse_args(["--seed", "1", "--steps", "20", "--max-len",
+                                                                  "8192", "--min-len", "512", "--accum", "2",
+                                                                  "--ramp", "0.5"]))
+    lengths = [length for length, _ in plan]
+    assert lengths[:2] == [512, 512] and max(lengths[20:]) == 8192 and 8192 not in lengths[:10]
+    for length, samples in plan:
+        assert len(samples) == args.micro_tokens // length
+        assert all(seed >= train_probe.TRAIN_SEED_BASE for _, seed in samples)
+
+
+def test_micro_batch_targets_are_the_answer_then_eos(train_probe):
+    from sparsekv.tasks.ruler.generators import answer_text, make_sample
+
+    dataset = train_probe.MicroBatches([(512, [("niah_single", 10**9 + 1), ("variable_tracking", 10**9 + 2)])])
+    batch = dataset[0]
+    tok = dataset.tokenizer
+    width = batch["input_ids"].shape[1]
+    flat = batch["input_ids"].reshape(-1)
+    # each target is the token right after its position
+    assert flat[batch["positions"] + 1].tolist() == batch["labels"].tolist()
+    sample = make_sample("niah_single", tok, 512, 10**9 + 1)
+    answer = tok.encode(answer_text(sample), add_special_tokens=False) + [tok.eos_token_id]
+    first = batch["positions"][:len(answer)]
+    assert batch["labels"][:len(answer)].tolist() == answer
+    assert first.tolist() == list(range(len(sample.prompt_ids) - 1, len(sample.prompt_ids) - 1 + len(answer)))
+    assert all(int(p) // width == 1 for p in batch["positions"][len(answer):])
+
+
+def test_time_limit_stops_early_and_still_saves(train_probe, tmp_path, capsys):
+    out = tmp_path / "early"
+    train_probe.main(["--out", str(out), "--steps", "100000", "--workers", "0", "--time-limit-min", "0.06", *TOY])
+    log = capsys.readouterr().out
+    assert "stopped early at step" in log
+    record = json.loads((out / "training.json").read_text())
+    assert record["stopped_early"] and record["steps_done"] < 100000
+    assert list(out.glob("*.safetensors"))
+
+
+def test_bad_arguments_fail_before_training(train_probe, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train_probe.parse_args(["--max-len", "4096", "--micro-tokens", "1024"])
+    assert "--micro-tokens 1024 is below --max-len 4096" in capsys.readouterr().err
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "thesis.txt").write_text("keep me")
+    with pytest.raises(SystemExit, match="not a probe checkpoint"):
+        train_probe.main(["--out", str(foreign), "--steps", "1", *TOY])
+    assert (foreign / "thesis.txt").read_text() == "keep me"
+    with pytest.raises(SystemExit, match="--min-len 40 is too small"):
+        train_probe.main(["--out", str(tmp_path / "x"), *TOY, "--min-len", "40"])

@@ -1,0 +1,57 @@
+"""The probe checkpoint's tokenizer: one token per word the RULER generators use, per digit and per punctuation mark.
+
+    python3 tools/probe_tokenizer.py OUT_DIR   # writes tokenizer.json + tokenizer_config.json
+
+A WordLevel model over exactly the words of sparsekv/tasks/ruler (words.py and the generators' templates), so a
+7-digit value is 7 tokens and every haystack word is one. Text splits at whitespace, around punctuation and
+between digits; decoding joins tokens with spaces ("1 2 3", which score_output matches as "123"). Prompts start
+with <bos>; there is no chat template.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+SPECIAL = ("<pad>", "<bos>", "<eos>", "<unk>")
+DIGITS = tuple("0123456789")
+
+
+def probe_vocabulary() -> list[str]:
+    """Specials, digits, punctuation, then the words, in a fixed order (the ids never depend on set order)."""
+    from sparsekv.tasks.ruler import generators, words
+
+    texts = [re.sub(r"\{[a-z0-9_]+\}", " ", template) for template in generators.TEMPLATES]
+    found = {w for text in texts for w in re.findall(r"[A-Za-z]+", text)}
+    for group in (words.NOUNS, words.ADJECTIVES, words.VERBS, words.ADVERBS, words.KEYS, words.LIST_WORDS,
+                  words.VAR_NAMES):
+        found.update(group)
+    punctuation = sorted({c for text in texts for c in text if not c.isalnum() and not c.isspace()} | set(".,:?"))
+    return [*SPECIAL, *DIGITS, *punctuation, *sorted(found)]
+
+
+def build_probe_tokenizer(out_dir: str | Path | None = None):
+    """A transformers PreTrainedTokenizerFast; saved to out_dir (loadable by AutoTokenizer) when given."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(probe_vocabulary())}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                     pre_tokenizers.Punctuation(behavior="isolated"),
+                                                     pre_tokenizers.Digits(individual_digits=True)])
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
+                                                           special_tokens=[("<bos>", vocab["<bos>"])])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
+                                        pad_token="<pad>", unk_token="<unk>", model_max_length=1 << 20,
+                                        clean_up_tokenization_spaces=False)
+    if out_dir is not None:
+        tokenizer.save_pretrained(str(out_dir))
+    return tokenizer
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python3 tools/probe_tokenizer.py OUT_DIR")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    print(f"{len(build_probe_tokenizer(sys.argv[1]))} tokens written to {sys.argv[1]}")
