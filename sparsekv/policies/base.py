@@ -113,15 +113,18 @@ class SparsePolicy:
         partials = DecodePartials(q, ctx.softmax_scale, max_sets=1 + reader.num_groups(len(blocks)))
         k_tail, v_tail, tail_length = reader.tail
         partials.add(k_tail, v_tail, length=tail_length)
-        for group in reader.groups(blocks):
-            partials.add(group.k, group.v)
+        for group, scales in reader.scaled_groups(blocks):  # fp8 host blocks: dequantized by the kernel, on load
+            partials.add(group.k, group.v, scales=scales)
         return partials.finish()[0]
 
 
 class DecodeReader(KVReader):
     """A decode step's reader also holds the sequence's unfinished block: (k, v [n, KVH, D], length [1] on the
-    device or None); see OffloadKVStore.decode_tail."""
+    device or None); see OffloadKVStore.decode_tail. scaled_groups() is groups() with each group's fp8 scales
+    (K and V [n, KVH] float32; None for model-dtype blocks); see sparsekv.kvcache.reader.RingReader."""
     tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+    def scaled_groups(self, blocks, group_size: int | None = None): ...
 
 
 def _ratio(counts) -> float | None:
