@@ -65,3 +65,29 @@ def test_fp8_greedy_decode_stays_close(qwen3_ckpt, backend, request):
         same += sum(a == b for a, b in zip(want, got))
         total += len(want)
     assert same >= 0.75 * total
+
+
+def test_bench_counts_fp8_bytes(tmp_path, monkeypatch):
+    """task=bench with fp8 host KV: bytes per token, the PCIe floor and the bytes loaded per decode step are about
+    half of bf16's (one byte per element plus a float32 scale per block and KV head)."""
+    from sparsekv.tasks.bench import floors
+    from tests.e2e.test_bench import run_bench
+
+    ceilings = {"gpu_name": "fake", "matmul_dtype": "bfloat16", "matmul_tflops": 100.0, "hbm_gbps": 1000.0,
+                "h2d_gbps": 0.05, "d2h_gbps": 0.05, "h2d_pageable_gbps": None}
+    monkeypatch.setattr(floors, "measure_floors", lambda *a, **k: dict(ceilings))
+    records = {}
+    for host_dtype in ("auto", "float8_e4m3fn"):
+        out = tmp_path / host_dtype
+        out.mkdir()
+        _, records[host_dtype] = run_bench(out, "device=cpu", "dtype=bfloat16", "offload=cpu", "offload.block_size=16",
+                                           "offload.prefill_chunk_size=64", f"offload.host_dtype={host_dtype}",
+                                           "task.context=160", "task.decode_steps=3", "task.warmup=false")
+    bf16, fp8 = records["auto"], records["float8_e4m3fn"]
+    assert bf16["host_dtype"] == "auto" and fp8["host_dtype"] == "float8_e4m3fn"
+    head_dim = 16  # the tiny model's
+    ratio = (1 + 4 / (16 * head_dim)) / 2  # fp8 + scales over bf16, per element
+    assert fp8["kv_bytes_per_token"] == pytest.approx(bf16["kv_bytes_per_token"] * ratio, abs=1)
+    assert fp8["decode_pcie_floor_ms"] == pytest.approx(bf16["decode_pcie_floor_ms"] * ratio, rel=1e-3)
+    loaded = (fp8["decode_h2d_bytes_per_step"], bf16["decode_h2d_bytes_per_step"])
+    assert loaded[1] > 0 and loaded[0] == pytest.approx(loaded[1] * ratio)
