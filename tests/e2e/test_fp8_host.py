@@ -91,3 +91,27 @@ def test_bench_counts_fp8_bytes(tmp_path, monkeypatch):
     assert fp8["decode_pcie_floor_ms"] == pytest.approx(bf16["decode_pcie_floor_ms"] * ratio, rel=1e-3)
     loaded = (fp8["decode_h2d_bytes_per_step"], bf16["decode_h2d_bytes_per_step"])
     assert loaded[1] > 0 and loaded[0] == pytest.approx(loaded[1] * ratio)
+
+
+def test_quality_reports_the_fp8_host_error(tmp_path, capsys):
+    """task=quality with offload.host_dtype=float8_e4m3fn: the offloaded phases read fp8 host blocks and report
+    host_kv_rel_error, the output against the same policy with model-dtype host blocks: nonzero where host blocks
+    are read (decode; the last prefill chunk reads its prefix too), fp8-sized, and none for the resident phase."""
+    import json
+
+    from sparsekv.llm import compose_config
+    from sparsekv.tasks import get_task
+
+    cfg = compose_config(["task=quality", "device=cpu", "task.context=384", "offload=cpu", "offload.block_size=32",
+                          "offload.prefill_chunk_size=128", "offload.host_dtype=float8_e4m3fn", "task.num_layers=1",
+                          "task.num_heads=4", "task.head_dim=16", "task.depths=[0.5]", "task.progress=false",
+                          f"output_dir={tmp_path}"])
+    get_task(cfg.task.name)(cfg)
+    record = json.loads((tmp_path / "quality.json").read_text())
+    assert record["host_dtype"] == "float8_e4m3fn"
+    for phase in ("decode", "prefill"):
+        error = record["summary"][phase]["host_kv_rel_error"]
+        assert 0 < error < 0.15
+        assert record["summary"][phase]["rel_error"] == pytest.approx(error, rel=0.5)  # full: fp8 is the error
+    assert record["summary"]["resident"].get("host_kv_rel_error") is None  # no host blocks there
+    assert "kv_err" in capsys.readouterr().out
