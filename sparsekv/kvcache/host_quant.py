@@ -17,7 +17,7 @@ import torch
 
 from sparsekv.config import HostDType
 from sparsekv.kernels.block_gather import gather_host_blocks, slab_word_offsets
-from sparsekv.kernels.fp8_kv import FP8_DTYPE, dequantize_blocks, quantize_block
+from sparsekv.kernels.fp8_kv import FP8_DTYPE, dequantize_blocks, quantize_kv_block
 from sparsekv.kvcache.host_pool import HostPool
 
 SCALE_DTYPE = torch.float32
@@ -86,16 +86,13 @@ class Fp8Ring:
         n = k.shape[0]
         host_k, host_v = self.host.block(layer, cpu_block)
         host_ks, host_vs = self._host_scales(layer, cpu_block, 1)
-        copies = []
-        for x, dst, dst_scale in ((k, host_k, host_ks[0]), (v, host_v, host_vs[0])):
-            x8 = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)  # [n, KVH, D]
-            scale = torch.empty(x.shape[1], dtype=SCALE_DTYPE, device=x.device)  # [KVH]
-            quantize_block(x, x8, scale)
-            if d2h is not None:
-                x8.record_stream(d2h)
-                scale.record_stream(d2h)
-            copies += [(dst[:n], x8), (dst_scale, scale)]
-        return copies
+        staged = torch.empty((2, *k.shape), dtype=FP8_DTYPE, device=k.device)  # [2, n, KVH, D]
+        scales = torch.empty((2, k.shape[1]), dtype=SCALE_DTYPE, device=k.device)  # [2, KVH]
+        quantize_kv_block(k, v, staged, scales)
+        if d2h is not None:  # the allocator must not hand them out again before the D2H copies ran
+            staged.record_stream(d2h)
+            scales.record_stream(d2h)
+        return [(host_k[:n], staged[0]), (host_v[:n], staged[1]), (host_ks[0], scales[0]), (host_vs[0], scales[1])]
 
     # ---- in: the scales travel with their blocks
     def copy_scales(self, layer: int, first_block: int, count: int, first_slot: int) -> None:

@@ -9,7 +9,8 @@ import torch
 from sparsekv.kernels import flash_attn_with_lse_reference
 from sparsekv.kernels.backend import KernelChoice
 from sparsekv.kernels.decode_attention import DecodePartials
-from sparsekv.kernels.fp8_kv import FP8_DTYPE, FP8_MAX, dequantize_blocks, dequantize_blocks_reference, quantize_block
+from sparsekv.kernels.fp8_kv import (FP8_DTYPE, FP8_MAX, dequantize_blocks, dequantize_blocks_reference, quantize_block,
+                                    quantize_kv_block)
 from tests.kernels.test_kernels import DEV, _check_attn
 
 # e4m3 keeps 3 mantissa bits: round to nearest is within half an ulp, 2^-4 of the value, for normal values; values
@@ -64,6 +65,29 @@ def test_partial_block_writes_its_rows_only():
     quantize_block(x, out, scale)
     _within_fp8(x, out[:5], scale)
     assert out[5:].float().eq(0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 20, 64])
+def test_quantize_kernel_matches_reference(triton_kernels, n, dtype):
+    """K and V of one block in one launch, from strided views of a wider buffer (the prefill buffer's rows): the
+    same scales as the reference, the same fp8 values up to a tie rounded the other way (one fp8 step: 2^-3 of the
+    value, or a subnormal step), and an all-zero head stays zero."""
+    torch.manual_seed(n)
+    buffer = torch.randn(2, 80, 3, 32, device=DEV).to(dtype)
+    buffer[1, :, 2] *= 500.0
+    buffer[0, :, 1] = 0
+    k, v = buffer[0, 5:5 + n], buffer[1, 5:5 + n]  # [n, KVH, D] views
+    out = torch.empty(2, n, 3, 32, dtype=FP8_DTYPE, device=DEV)
+    scales = torch.full((2, 3), float("nan"), device=DEV)
+    quantize_kv_block(k, v, out, scales, kernels=triton_kernels)
+    want_out = torch.empty_like(out)
+    want_scales = torch.empty_like(scales)
+    quantize_kv_block(k, v, want_out, want_scales, kernels=KernelChoice.torch_reference())
+    torch.testing.assert_close(scales, want_scales, rtol=1e-6, atol=0)
+    assert scales[0, 1] == 0 and out[0, :, 1].float().eq(0).all()
+    got, want = out.float(), want_out.float()
+    assert torch.all((got - want).abs() <= 2 ** -3 * want.abs() + 2 ** -9)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
