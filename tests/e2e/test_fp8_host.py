@@ -18,9 +18,10 @@ LAYOUT = ["offload=cpu", "offload.host_pool_gib=0.05", "offload.block_size=16", 
           "offload.prefill_chunk_size=16"]
 
 
-def _generate(ckpt, host_dtype: str, prompt: list[int], extra=()) -> tuple[LLM, list[int], list[torch.Tensor]]:
-    """Greedy tokens of one prompt and the logits each step sampled from."""
-    llm = LLM(str(ckpt), overrides=CPU + LAYOUT + [f"offload.host_dtype={host_dtype}", *extra])
+def _generate(ckpt, host_dtype: str, prompt: list[int],
+              run: list[str] = CPU) -> tuple[LLM, list[int], list[torch.Tensor]]:
+    """Greedy tokens of one prompt (`run`: device, dtype, policy) and the logits each step sampled from."""
+    llm = LLM(str(ckpt), overrides=[*run, *LAYOUT, f"offload.host_dtype={host_dtype}"])
     sampler, logits = llm.engine.runner.sampler, []
     sample = sampler.sample
 
@@ -115,3 +116,37 @@ def test_quality_reports_the_fp8_host_error(tmp_path, capsys):
         assert record["summary"][phase]["rel_error"] == pytest.approx(error, rel=0.5)  # full: fp8 is the error
     assert record["summary"]["resident"].get("host_kv_rel_error") is None  # no host blocks there
     assert "kv_err" in capsys.readouterr().out
+
+
+def test_quest_metadata_comes_from_unquantized_keys(qwen3_ckpt):
+    """Quest's per-block key bounds are taken before the block is quantized: layer 0's keys depend on the tokens
+    alone, so its bounds with fp8 host KV equal those with model-dtype host KV bit for bit (bounds of dequantized
+    keys would be off by fp8 rounding)."""
+    bounds = {}
+    for host_dtype in ("auto", "float8_e4m3fn"):
+        llm = LLM(str(qwen3_ckpt), overrides=CPU + LAYOUT + [f"offload.host_dtype={host_dtype}", "policy=quest",
+                                                            "policy.dense_layers=0", "policy.topk_blocks=2"])
+        llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        policy = llm.engine.policy
+        blocks = len(PROMPTS[0]) // 16
+        bounds[host_dtype] = (policy._kmax.data[0, :blocks].clone(), policy._kmin.data[0, :blocks].clone())
+    assert torch.equal(bounds["auto"][0], bounds["float8_e4m3fn"][0])
+    assert torch.equal(bounds["auto"][1], bounds["float8_e4m3fn"][1])
+    assert not torch.equal(bounds["auto"][0], bounds["auto"][1])  # real bounds, not an untouched table
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", [["policy=full"], ["policy=quest", "policy.dense_layers=0", "policy.topk_blocks=2"]])
+def test_gpu_fp8_decode_stays_close(qwen3_ckpt, policy):
+    """On CUDA in bf16 with captured decode steps (graph=auto): fp8 blocks and their scales reach the ring through
+    the copy engines (full) and the gather kernel (quest's device-side selection), the decode kernel dequantizes
+    them on load, and the logits stay as close to bf16 host KV as on CPU."""
+    cuda = ["device=cuda", "dtype=bfloat16", *policy]
+    for prompt in PROMPTS:
+        _, want, want_logits = _generate(qwen3_ckpt, "auto", prompt, cuda)
+        llm, got, got_logits = _generate(qwen3_ckpt, "float8_e4m3fn", prompt, cuda)
+        assert llm.engine.kv_store.engine.kv_slots.dtype == FP8_DTYPE
+        diverged = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), len(want))
+        for a, b in zip(want_logits[:diverged + 1], got_logits[:diverged + 1]):
+            assert (a.float() - b.float()).norm() / a.float().norm() < 0.15
+        assert sum(a == b for a, b in zip(want, got)) >= 0.5 * len(want)
