@@ -15,13 +15,13 @@ policy (MInference) overrides compute_chunked_prefill / compute_chunked_decode a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Iterator, Sequence
 
 import torch
 
 from sparsekv.kernels import flash_attn_with_lse, merge_attention_outputs
 from sparsekv.kernels.decode_attention import DecodePartials
-from sparsekv.policies.context import KVLayout, KVReader, PolicyContext, Selection, check_selection
+from sparsekv.policies.context import KVGroup, KVLayout, KVReader, PolicyContext, Selection, check_selection
 
 
 @dataclass
@@ -124,7 +124,8 @@ class DecodeReader(KVReader):
     (K and V [n, KVH] float32; None for model-dtype blocks); see sparsekv.kvcache.reader.RingReader."""
     tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
-    def scaled_groups(self, blocks, group_size: int | None = None): ...
+    def scaled_groups(self, blocks: Sequence[int] | torch.Tensor, group_size: int | None = None
+                      ) -> Iterator[tuple[KVGroup, tuple[torch.Tensor, torch.Tensor] | None]]: ...
 
 
 def _ratio(counts) -> float | None:
