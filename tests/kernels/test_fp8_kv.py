@@ -126,26 +126,28 @@ def _fp8_blocks(nb: int, bs: int, kvh: int, d: int, seed: int):
     return out
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("nb,bs,splits", [(1, 64, 1), (3, 16, 4), (4, 48, 3)])
-def test_decode_kernel_dequantizes_on_load(triton_kernels, nb, bs, splits):
+def test_decode_kernel_dequantizes_on_load(triton_kernels, nb, bs, splits, dtype):
     """DecodePartials.add(k8, v8, scales=...) (the split kernel reading fp8 and scales) equals attention over the
-    explicitly dequantized K/V, merged with a model-dtype key set as in a decode step (ring groups, then the tail)."""
+    explicitly dequantized K/V, merged with a model-dtype key set as in a decode step (ring groups, then the tail).
+    bf16 runs on a GPU only (the interpreter's tl.dot takes bf16 operands as raw bits)."""
     h, kvh, d = 8, 2, 32
     (k8, ks), (v8, vs) = _fp8_blocks(nb, bs, kvh, d, seed=nb * bs)
-    q = torch.randn(1, h, d, device=DEV)
-    tail_k, tail_v = torch.randn(2, 5, kvh, d, device=DEV)
+    q = torch.randn(1, h, d, device=DEV).to(dtype)
+    tail_k, tail_v = torch.randn(2, 5, kvh, d, device=DEV).to(dtype)
     scale = d ** -0.5
     partials = DecodePartials(q, scale, max_sets=2, splits_per_set=splits, kernels=triton_kernels)
     partials.add(k8, v8, scales=(ks, vs))
     partials.add(tail_k, tail_v)
     k = (k8.float().unflatten(0, (nb, bs)) * ks[:, None, :, None]).flatten(0, 1)
     v = (v8.float().unflatten(0, (nb, bs)) * vs[:, None, :, None]).flatten(0, 1)
-    want = flash_attn_with_lse_reference(q, torch.cat([k, tail_k]), torch.cat([v, tail_v]), scale)
-    _check_attn(partials.finish(), want, torch.float32)
+    want = flash_attn_with_lse_reference(q, torch.cat([k.to(dtype), tail_k]), torch.cat([v.to(dtype), tail_v]), scale)
+    _check_attn(partials.finish(), want, dtype)
     reference = DecodePartials(q, scale, max_sets=2, kernels=KernelChoice.torch_reference())
     reference.add(k8, v8, scales=(ks, vs))
     reference.add(tail_k, tail_v)
-    _check_attn(reference.finish(), want, torch.float32)
+    _check_attn(reference.finish(), want, dtype)
 
 
 def test_decode_scales_are_checked():
