@@ -22,6 +22,11 @@ class Device(str, enum.Enum):
     cuda = "cuda"
 
 
+class HostDType(str, enum.Enum):
+    auto = "auto"  # the model's dtype (bit-exact)
+    float8_e4m3fn = "float8_e4m3fn"  # fp8 with a float32 scale per (block, KV head): half the host bytes and PCIe
+
+
 class DType(str, enum.Enum):
     auto = "auto"
     float32 = "float32"
@@ -116,6 +121,7 @@ class HostOffloadConfig:
     prefill_chunk_size: Optional[int] = bounded(8192, ge=1)
     host_pool_gib: Optional[float] = bounded(None, gt=0)  # host KV limit; null: 90% of MemAvailable less 4 GiB
     prefill_mode: PrefillMode = PrefillMode.chunked  # layerwise: the whole prompt per layer, then offload
+    host_dtype: HostDType = HostDType.auto  # KV in host memory (and over PCIe): the model dtype or fp8 + scales
 
 
 OFFLOAD_SCHEMAS: dict[str, type] = {"none": ResidentOffloadConfig, "cpu": HostOffloadConfig}

@@ -13,6 +13,7 @@ from sparsekv.engine.llm_engine import LLMEngine
 from sparsekv.kernels._dispatch import activate_kernels
 from sparsekv.kernels.backend import resolve_kernels
 from sparsekv.kvcache.base import available_host_memory, format_bytes
+from sparsekv.kvcache.host_quant import host_block_bytes, resolve_host_dtype
 from sparsekv.kvcache.offload_store import HOST_HEADROOM, OffloadKVStore
 from sparsekv.kvcache.paged import PagedKVStore
 from sparsekv.models.loader import build_model, model_class, resolve_spec
@@ -82,6 +83,8 @@ def check_kv_memory(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device
     block_bytes = kv_block_bytes(cfg, spec, dtype)
     available = available_host_memory()
     if offload.mode == OffloadMode.cpu:
+        block_bytes = host_block_bytes(spec.num_hidden_layers, offload.block_size, spec.num_key_value_heads,
+                                       spec.head_dim, resolve_host_dtype(offload.host_dtype, dtype, device))
         if not available:
             return
         if offload.host_pool_gib is not None and offload.host_pool_gib * GIB > available:
@@ -177,7 +180,8 @@ def build_kv_store(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device:
     return OffloadKVStore(spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, offload.block_size,
                           offload.num_gpu_blocks, chunk, cfg.scheduler.max_num_seqs, offload.host_pool_gib, dtype,
                           device, prefill_policy, decode_policy, initial_prefill_buffer,
-                          check_selections=check_selections)
+                          check_selections=check_selections,
+                          host_dtype=resolve_host_dtype(offload.host_dtype, dtype, device))
 
 
 def build_engine(cfg: DictConfig) -> LLMEngine:

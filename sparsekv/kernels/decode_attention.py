@@ -59,8 +59,10 @@ def _decode_split_kernel(
     stride_opm, stride_oph, stride_ops, stride_opd,
     stride_lpm, stride_lph, stride_lps,
     Sq, Sk, SK_PTR, qk_scale, split_len,
+    KS, VS, stride_sb, scale_block,
     GROUP: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, DIRECT: tl.constexpr, SK_ON_DEVICE: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     row_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -91,7 +93,15 @@ def _decode_split_kernel(
         t_ok = tok < end
         k = tl.load(k_ptrs, mask=t_ok[:, None], other=0.0)  # [BLOCK_N, D]
         v = tl.load(v_ptrs, mask=t_ok[:, None], other=0.0)  # [BLOCK_N, D]
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_R, BLOCK_N], log2 units
+        if SCALED:  # fp8 K/V, one scale per (block of scale_block keys, kv head): dequantized here, on load
+            blk = (tok // scale_block).to(tl.int64) * stride_sb + kv_head
+            k_scale = tl.load(KS + blk, mask=t_ok, other=0.0)  # [BLOCK_N]
+            v_scale = tl.load(VS + blk, mask=t_ok, other=0.0)
+            k = k.to(q.dtype)  # exact: fp8 fits in q's dtype; the scale goes on the scores
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            s = tl.dot(q, tl.trans(k)) * (k_scale * qk_scale)[None, :]
+        else:
+            s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_R, BLOCK_N], log2 units
         if IS_CAUSAL:
             s = tl.where(t_ok[None, :] & (tok[None, :] <= last_key[:, None]), s, float("-inf"))
         else:
@@ -155,18 +165,22 @@ def _launch_plan(sq: int, heads: int, kv_heads: int, seqlen_k: int, head_dim: in
 
 
 def _launch(q, k, v, out, out_strides, lse, lse_strides, scale: float, causal: bool, plan, direct: bool,
-            length: torch.Tensor | None = None) -> None:
+            length: torch.Tensor | None = None,
+            scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Phase 1 over k/v with launch_plan's `plan`: out/lse are the final o/lse (direct) or split partials, with
     the (m, h, s, d) / (m, h, s) strides the kernel indexes them by. `length` (a device integer tensor, first
-    element used) makes only the first `length` keys of k/v valid, read on the device."""
+    element used) makes only the first `length` keys of k/v valid, read on the device. `scales` (k_scale, v_scale
+    [nb, KVH] float32, same strides): k/v are fp8 blocks of Sk / nb keys, dequantized on load."""
     block_n, block_r, row_tiles, num_splits, split_len = plan
     Sq, H, D = q.shape
     Sk, KVH, _ = k.shape
     _decode_split_kernel[(row_tiles, KVH, num_splits)](
         q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out_strides, *lse_strides,
-        Sq, Sk, q if length is None else length, scale * LOG2E, split_len, GROUP=H // KVH, BLOCK_R=block_r,
-        HEAD_DIM=D, BLOCK_N=block_n, IS_CAUSAL=bool(causal), DIRECT=direct, SK_ON_DEVICE=length is not None,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **exact_fp32_options(q.dtype))
+        Sq, Sk, q if length is None else length, scale * LOG2E, split_len,
+        *((q, q, 0, 1) if scales is None else (*scales, scales[0].stride(0), Sk // scales[0].shape[0])),
+        GROUP=H // KVH, BLOCK_R=block_r, HEAD_DIM=D, BLOCK_N=block_n, IS_CAUSAL=bool(causal), DIRECT=direct,
+        SK_ON_DEVICE=length is not None, SCALED=scales is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        **exact_fp32_options(q.dtype))
 
 
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
@@ -225,20 +239,28 @@ class DecodePartials:
         else:
             self.out: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def add(self, k: torch.Tensor, v: torch.Tensor, causal: bool = False, length: torch.Tensor | None = None) -> None:
+    def add(self, k: torch.Tensor, v: torch.Tensor, causal: bool = False, length: torch.Tensor | None = None,
+            scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Attend q to k/v [Sk, KVH, D] (bottom-right causal if asked) and keep the result for finish().
         `length` ([1] integer tensor on q's device, 1 <= length <= Sk): only the first `length` keys count, read
-        by the kernel on the device (a captured decode step replays with a new length every token)."""
+        by the kernel on the device (a captured decode step replays with a new length every token).
+        `scales` (k_scale, v_scale [nb, KVH] float32): k/v are fp8 (sparsekv.kernels.fp8_kv), nb blocks of Sk / nb
+        keys, key j of head h worth k[j, h] * k_scale[j // (Sk / nb), h]; dequantized on load."""
         if k.shape[0] == 0:
             return
+        if scales is not None:
+            _check_scales(self.q, k, v, scales, length)
         if not self.triton:
+            if scales is not None:  # the reference dequantizes explicitly
+                k, v = (_dequantize(x, s, self.q.dtype) for x, s in zip((k, v), scales))
             if length is not None:  # the reference path: a host sync is fine here
                 n = int(length.reshape(-1)[0])
                 k, v = k[:n], v[:n]
             part = flash_attn_with_lse(self.q, k, v, self.scale, causal, kernels=self.kernels)
             self.out = part if self.out is None else merge_attention_outputs(*self.out, *part, kernels=self.kernels)
             return
-        check_qkv(self.q, k, v)
+        if scales is None:
+            check_qkv(self.q, k, v)
         q = self.q
         Sq, H, D = q.shape
         plan = launch_plan(Sq, H, k.shape[1], k.shape[0], D, q.element_size(), q.device,
@@ -249,7 +271,7 @@ class DecodePartials:
         o_part = self.o_part[:, :, first:first + num_splits]
         lse_part = self.lse_part[:, :, first:first + num_splits]
         _launch(q, k, v, o_part, o_part.stride(), lse_part, lse_part.stride(), self.scale, causal, plan, direct=False,
-                length=length)
+                length=length, scales=scales)
         self.count = first + num_splits
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,6 +291,33 @@ class DecodePartials:
 
     def _release(self) -> None:
         _WORKSPACES[self.key] = (self.o_part, self.lse_part)
+
+
+def _check_scales(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor],
+                  length: torch.Tensor | None) -> None:
+    """check_qkv's checks for fp8 k/v with their scales."""
+    k_scale, v_scale = scales
+    if k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"expected q [Sq, H, D], k/v [Sk, KVH, D] with H a multiple of KVH; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (q.device == k.device == v.device == k_scale.device == v_scale.device):
+        raise ValueError(f"DecodePartials.add: q, k, v and scales on different devices: {q.device}, {k.device}, "
+                         f"{k_scale.device}")
+    nb = k_scale.shape[0] if k_scale.dim() == 2 else 0
+    if k.dtype != torch.float8_e4m3fn or v.dtype != k.dtype or length is not None:
+        raise ValueError(f"DecodePartials.add: scales need float8_e4m3fn k/v and no length; got {k.dtype}, {v.dtype}")
+    if (k_scale.shape != (nb, k.shape[1]) or v_scale.shape != k_scale.shape or v_scale.stride() != k_scale.stride()
+            or k_scale.dtype != torch.float32 or v_scale.dtype != torch.float32 or k_scale.stride(1) != 1
+            or nb == 0 or k.shape[0] % nb):
+        raise ValueError(f"DecodePartials.add: expected k_scale/v_scale [nb, {k.shape[1]}] float32 (same strides, "
+                         f"unit last stride) with nb dividing Sk={k.shape[0]}; got {tuple(k_scale.shape)} "
+                         f"{k_scale.dtype} and {tuple(v_scale.shape)} {v_scale.dtype}")
+
+
+def _dequantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 x [nb * bs, KVH, D] with scale [nb, KVH] -> dtype (the reference of the kernel's dequantize-on-load)."""
+    nb = scale.shape[0]
+    return (x.float().unflatten(0, (nb, -1)) * scale[:, None, :, None]).flatten(0, 1).to(dtype)
 
 
 # DecodePartials' split buffers, reused call after call (a decode step makes one per layer and sequence): keyed by

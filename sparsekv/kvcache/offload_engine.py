@@ -30,6 +30,7 @@ import torch
 
 from sparsekv.kernels.block_gather import gather_host_blocks, slab_word_offsets
 from sparsekv.kvcache.host_pool import HostPool
+from sparsekv.kvcache.host_quant import FP8_DTYPE, Fp8Ring
 
 
 class RingCapture(Protocol):
@@ -73,13 +74,16 @@ class _Streams:
 
 class OffloadEngine:
     def __init__(self, host: HostPool, num_gpu_blocks: int, prefill_tokens: int, max_num_seqs: int,
-                 device: torch.device):
+                 device: torch.device, model_dtype: torch.dtype | None = None):
         self.host = host
         self.device = device
         self.block_size = host.block_size
         self.num_slots = num_gpu_blocks
         L, bs, kvh, d, dtype = host.num_layers, host.block_size, host.num_kv_heads, host.head_dim, host.dtype
+        # fp8 host blocks (sparsekv.kvcache.host_quant): the ring holds them as they are, with their scales
+        self.fp8 = Fp8Ring(host, num_gpu_blocks, model_dtype, device) if dtype == FP8_DTYPE else None
         self.kv_slots = torch.empty((2, num_gpu_blocks, bs, kvh, d), dtype=dtype, device=device)
+        dtype = model_dtype or dtype  # the prefill and decode buffers hold the model's K/V
         self.k_slots, self.v_slots = self.kv_slots[0], self.kv_slots[1]  # [num_gpu_blocks, bs, KVH, D] each
         self.prefill_k = torch.empty((L, prefill_tokens, kvh, d), dtype=dtype, device=device)
         self.prefill_v = torch.empty_like(self.prefill_k)
@@ -88,7 +92,8 @@ class OffloadEngine:
         self._decode_kv_rows = (self.decode_k.view(-1, kvh, d), self.decode_v.view(-1, kvh, d))  # [max_seqs*L*bs, ...]
         self.streams = _Streams(device, num_gpu_blocks, L)
         self.next_slot = 0
-        self.block_bytes = bs * kvh * d * dtype.itemsize  # one of K or V, one layer
+        # one of K or V, one layer, as stored on the host (fp8: with its scales)
+        self.block_bytes = bs * kvh * d * host.dtype.itemsize + (self.fp8.scale_bytes if self.fp8 else 0)
         self.transfer_stats = {"h2d_bytes": 0, "d2h_bytes": 0, "h2d_blocks": 0, "d2h_blocks": 0}
         self._slab_offsets: torch.Tensor | None = None  # [2, num_slabs] int64 on the device, for the gather
         self.capture: RingCapture | None = None  # set while a decode step is captured (start_capture)
@@ -132,6 +137,8 @@ class OffloadEngine:
             group = block_ids[start:start + self.num_slots]
             first = self._allocate_slots(len(group))
             gather_host_blocks(self.kv_slots, (self.host.k_slabs, self.host.v_slabs), offsets, group, layer, first)
+            if self.fp8 is not None:
+                self.fp8.gather_scales(layer, group, first)
             self._count_loads(len(group))
             yield first, group
 
@@ -211,6 +218,8 @@ class OffloadEngine:
             slots = slice(first_slot + start, first_slot + end)
             self.k_slots[slots].copy_(host_k, non_blocking=True)
             self.v_slots[slots].copy_(host_v, non_blocking=True)
+            if self.fp8 is not None:
+                self.fp8.copy_scales(layer, blocks[start], end - start, first_slot + start)
             start = end
 
     def wait_slots(self, first: int, count: int) -> None:
@@ -303,16 +312,20 @@ class OffloadEngine:
         n = k.shape[0]
         host_k, host_v = self.host.block(layer, cpu_block)
         s = self.streams
+        copies = [(host_k[:n], k), (host_v[:n], v)]  # (host destination, device source)
+        if self.fp8 is not None:
+            copies = self.fp8.quantize_for_offload(layer, cpu_block, k, v, s.d2h if s.cuda else None)
+            self._mark_written(layer)  # the copies below wait for the quantization too
         if s.cuda:
             with torch.cuda.stream(s.d2h):
                 s.d2h.wait_event(s.layer_written[layer])
-                host_k[:n].copy_(k, non_blocking=True)
-                host_v[:n].copy_(v, non_blocking=True)
+                for dst, src in copies:
+                    dst.copy_(src, non_blocking=True)
                 s.layer_offloaded[layer].record(s.d2h)
             s.offloads[layer] += 1
         else:
-            host_k[:n].copy_(k)
-            host_v[:n].copy_(v)
+            for dst, src in copies:
+                dst.copy_(src)
         self.transfer_stats["d2h_bytes"] += 2 * n * self.block_bytes // self.block_size
         self.transfer_stats["d2h_blocks"] += 1
 

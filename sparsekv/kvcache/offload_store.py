@@ -11,6 +11,7 @@ from sparsekv.engine.context import Context
 from sparsekv.engine.sequence import Sequence
 from sparsekv.kvcache.base import KVStore, available_host_memory
 from sparsekv.kvcache.host_pool import GIB, HostPool
+from sparsekv.kvcache.host_quant import host_block_bytes
 from sparsekv.kvcache.offload_engine import OffloadEngine, RingCapture
 from sparsekv.kvcache.reader import RingReader
 from sparsekv.policies.context import KVLayout, PolicyContext
@@ -29,16 +30,18 @@ class OffloadKVStore(KVStore):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_gpu_blocks: int,
                  prefill_tokens: int, max_num_seqs: int, host_pool_gib: float | None, dtype: torch.dtype,
                  device: torch.device, prefill_policy, decode_policy, initial_prefill_buffer: int,
-                 check_selections: bool = False):
+                 check_selections: bool = False, host_dtype: torch.dtype | None = None):
         self.block_size = block_size
         self.chunk_tokens = prefill_tokens
         self.prefill_token_budget = prefill_tokens
         self.chunk_alignment = block_size
-        self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        host_dtype = host_dtype or dtype  # fp8 (offload.host_dtype): scales beside the blocks, host_quant.py
+        self.bytes_per_block = host_block_bytes(num_layers, block_size, num_kv_heads, head_dim, host_dtype)
         self.num_blocks = host_pool_blocks(host_pool_gib, self.bytes_per_block)
-        self.host = HostPool(num_layers, max(1, self.num_blocks), block_size, num_kv_heads, head_dim, dtype,
+        self.host = HostPool(num_layers, max(1, self.num_blocks), block_size, num_kv_heads, head_dim, host_dtype,
                              pin_memory=device.type == "cuda")
-        self.engine = self.engine_class(self.host, num_gpu_blocks, initial_prefill_buffer, max_num_seqs, device)
+        self.engine = self.engine_class(self.host, num_gpu_blocks, initial_prefill_buffer, max_num_seqs, device,
+                                        model_dtype=dtype)
         # the policies whose metadata hooks see every offloaded block
         self.policies = [prefill_policy] if prefill_policy is decode_policy else [prefill_policy, decode_policy]
         self.layout = KVLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,

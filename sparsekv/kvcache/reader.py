@@ -1,6 +1,7 @@
 """RingReader: the KVReader a policy gets, host blocks of one layer read through the OffloadEngine's GPU ring."""
 from __future__ import annotations
 
+import contextlib
 from typing import Iterator, Sequence
 
 import torch
@@ -8,11 +9,15 @@ import torch
 from sparsekv.kvcache.offload_engine import OffloadEngine
 from sparsekv.policies.context import KVGroup
 
+Scales = tuple[torch.Tensor, torch.Tensor]  # K and V scales [n_blocks, KVH] float32 of fp8 ring slots
+
 
 class RingReader:
     """groups() yields KVGroups in the order of `blocks`; each is loaded (copy engines for a host list, the gather
     kernel for a device tensor) and waited for before it is yielded, the next one loads meanwhile, and its slots are
-    released for reloading when the caller advances (or stops)."""
+    released for reloading when the caller advances (or stops). With fp8 host blocks (offload.host_dtype) groups()
+    yields them dequantized to the model dtype; scaled_groups() yields the fp8 slots and their scales, for kernels
+    that dequantize on load."""
     __slots__ = ("engine", "layer", "tail", "check_selections")
 
     def __init__(self, engine: OffloadEngine, layer: int, tail=None, check_selections: bool = False):
@@ -30,6 +35,17 @@ class RingReader:
         return self.engine.num_block_groups(num_blocks, group_size)
 
     def groups(self, blocks: Sequence[int] | torch.Tensor, group_size: int | None = None) -> Iterator[KVGroup]:
+        with contextlib.closing(self._groups(blocks, group_size, scaled=False)) as loaded:
+            for group, _ in loaded:
+                yield group
+
+    def scaled_groups(self, blocks: Sequence[int] | torch.Tensor,
+                      group_size: int | None = None) -> Iterator[tuple[KVGroup, Scales | None]]:
+        """Like groups(), each group with its scales: fp8 host blocks come as fp8 K/V with their [n, KVH] K and V
+        scales, model-dtype ones with None."""
+        return self._groups(blocks, group_size, scaled=True)
+
+    def _groups(self, blocks, group_size: int | None, scaled: bool) -> Iterator[tuple[KVGroup, Scales | None]]:
         engine = self.engine
         if group_size is not None and not 1 <= group_size <= engine.num_slots:
             raise ValueError(f"group_size={group_size}: must be between 1 and the ring's {engine.num_slots} slots")
@@ -37,9 +53,19 @@ class RingReader:
             loaded = engine.gather_block_groups(self.layer, blocks)
         else:
             loaded = engine.stream_block_groups(self.layer, list(blocks), group_size)
+        fp8 = engine.fp8
         for first, ids in loaded:
-            k, v = engine.get_kv_for_slots(first, len(ids))  # [n * block_size, KVH, D] each
+            count = len(ids)
+            if fp8 is None:
+                k, v = engine.get_kv_for_slots(first, count)  # [n * block_size, KVH, D] each
+                scales = None
+            elif scaled:
+                k, v = engine.get_kv_for_slots(first, count)  # fp8
+                scales = fp8.scales_for_slots(first, count)
+            else:
+                k, v = fp8.dequantized_slots(engine.k_slots, engine.v_slots, first, count)
+                scales = None
             try:
-                yield KVGroup(ids, k, v)
+                yield KVGroup(ids, k, v), scales
             finally:  # the caller's kernels on these slots are enqueued: later loads wait for them
-                engine.record_slots_compute_done(first, len(ids))
+                engine.record_slots_compute_done(first, count)

@@ -15,13 +15,13 @@ policy (MInference) overrides compute_chunked_prefill / compute_chunked_decode a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Iterator, Sequence
 
 import torch
 
 from sparsekv.kernels import flash_attn_with_lse, merge_attention_outputs
 from sparsekv.kernels.decode_attention import DecodePartials
-from sparsekv.policies.context import KVLayout, KVReader, PolicyContext, Selection, check_selection
+from sparsekv.policies.context import KVGroup, KVLayout, KVReader, PolicyContext, Selection, check_selection
 
 
 @dataclass
@@ -113,15 +113,19 @@ class SparsePolicy:
         partials = DecodePartials(q, ctx.softmax_scale, max_sets=1 + reader.num_groups(len(blocks)))
         k_tail, v_tail, tail_length = reader.tail
         partials.add(k_tail, v_tail, length=tail_length)
-        for group in reader.groups(blocks):
-            partials.add(group.k, group.v)
+        for group, scales in reader.scaled_groups(blocks):  # fp8 host blocks: dequantized by the kernel, on load
+            partials.add(group.k, group.v, scales=scales)
         return partials.finish()[0]
 
 
 class DecodeReader(KVReader):
     """A decode step's reader also holds the sequence's unfinished block: (k, v [n, KVH, D], length [1] on the
-    device or None); see OffloadKVStore.decode_tail."""
+    device or None); see OffloadKVStore.decode_tail. scaled_groups() is groups() with each group's fp8 scales
+    (K and V [n, KVH] float32; None for model-dtype blocks); see sparsekv.kvcache.reader.RingReader."""
     tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+    def scaled_groups(self, blocks: Sequence[int] | torch.Tensor, group_size: int | None = None
+                      ) -> Iterator[tuple[KVGroup, tuple[torch.Tensor, torch.Tensor] | None]]: ...
 
 
 def _ratio(counts) -> float | None:

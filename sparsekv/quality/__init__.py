@@ -27,4 +27,5 @@ from sparsekv.quality.harness import (PhaseRun, RecordingOffloadEngine, Recordin
 from sparsekv.quality.metrics import (PHASES, block_mass, dense_attention, evaluate, needle_probe_values,
                                       needle_scores, oracle_blocks, phase_metrics, recall_of, relative_error)
 from sparsekv.quality.planted import AttentionInputs, Layout, layout, needle_block_indices, planted_inputs
-from sparsekv.quality.sweep import TABLE_COLUMNS, format_table, planted_grid, rows, summarize, sweep, sweep_field
+from sparsekv.quality.sweep import (SUMMARY_KEYS, TABLE_COLUMNS, format_table, planted_grid, rows, summarize, sweep,
+                                   sweep_field)

@@ -98,10 +98,12 @@ def _sync(device: torch.device) -> None:
 
 def run_offloaded(policy: SparsePolicy, inputs: AttentionInputs, values: torch.Tensor | None = None, *,
                   phases: Iterable[str] = ("decode", "prefill"), num_gpu_blocks: int = 4,
-                  shuffle_blocks: bool = False, check_selections: bool = False) -> dict[str, PhaseRun]:
+                  shuffle_blocks: bool = False, check_selections: bool = False,
+                  host_dtype: torch.dtype | None = None) -> dict[str, PhaseRun]:
     """Prefill the prompt chunk by chunk, then decode to the last token, through OffloadKVStore.begin_step/attend
     with the inputs' per-layer Q/K/V standing in for the model. `values` replaces inputs.v (the needle probe).
-    Returns the runs of the requested phases the policy supports: the last chunk (prefill), the last token (decode)."""
+    Returns the runs of the requested phases the policy supports: the last chunk (prefill), the last token (decode).
+    `host_dtype` (default: the inputs' dtype) is the host blocks' dtype (offload.host_dtype: fp8)."""
     from sparsekv.engine.sequence import Sequence
     from sparsekv.plugins import registry
     from sparsekv.sampling_params import SamplingParams
@@ -121,7 +123,7 @@ def run_offloaded(policy: SparsePolicy, inputs: AttentionInputs, values: torch.T
         host_pool_gib=(max(table) + 2) * bytes_per_block / GIB, dtype=inputs.dtype, device=device,
         prefill_policy=policy if policy.supports_prefill else full,
         decode_policy=policy if policy.supports_decode else full, initial_prefill_buffer=chunk,
-        check_selections=check_selections)
+        check_selections=check_selections, host_dtype=host_dtype)
     engine = store.engine
     seq = Sequence([0] * lay.prompt_len, SamplingParams(), bs)
     seq.block_table = table[: -(-lay.prompt_len // bs)]

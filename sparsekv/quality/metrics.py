@@ -206,9 +206,13 @@ def phase_metrics(phase: str, inputs: AttentionInputs, run: PhaseRun, probe: Pha
 
 
 def evaluate(policy: SparsePolicy, inputs: AttentionInputs, *, phases: Iterable[str] = PHASES,
-             num_gpu_blocks: int = 4, shuffle_blocks: bool = False, probe: bool = True) -> dict[str, Any]:
+             num_gpu_blocks: int = 4, shuffle_blocks: bool = False, probe: bool = True,
+             host_dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Run `policy` on `inputs` in each requested phase (decode, prefill, resident) and compare it with dense
-    attention. Returns {"policy", "inputs", <inputs.meta>, "phases": {phase: metrics or {"skipped": reason}}}."""
+    attention. Returns {"policy", "inputs", <inputs.meta>, "phases": {phase: metrics or {"skipped": reason}}}.
+    `host_dtype` other than the inputs' dtype (fp8, offload.host_dtype): the offloaded phases keep their host
+    blocks in it, and their metrics gain host_kv_rel_error, the relative error of the policy's output against the
+    same policy with host blocks in the inputs' dtype (the error of the host tier alone)."""
     phases = list(dict.fromkeys(phases))
     unknown = [p for p in phases if p not in PHASES]
     if unknown:
@@ -218,9 +222,12 @@ def evaluate(policy: SparsePolicy, inputs: AttentionInputs, *, phases: Iterable[
     offloaded = [p for p in phases if p != "resident"]
     runs: dict[str, PhaseRun] = {}
     probes: dict[str, PhaseRun] = {}
+    same_dtype: dict[str, PhaseRun] = {}  # fp8 host blocks: the same runs with model-dtype ones
     if offloaded:
         kwargs = dict(phases=offloaded, num_gpu_blocks=num_gpu_blocks, shuffle_blocks=shuffle_blocks)
-        runs.update(run_offloaded(policy, inputs, **kwargs))
+        runs.update(run_offloaded(policy, inputs, host_dtype=host_dtype, **kwargs))
+        if host_dtype not in (None, inputs.dtype):
+            same_dtype = run_offloaded(policy, inputs, **kwargs)
         if probe_values is not None:
             probes.update(run_offloaded(policy, inputs, probe_values, **kwargs))
     if "resident" in phases:
@@ -238,4 +245,8 @@ def evaluate(policy: SparsePolicy, inputs: AttentionInputs, *, phases: Iterable[
                                                   "(the engine pairs it with full attention)"}
             continue
         report["phases"][phase] = phase_metrics(phase, inputs, runs[phase], probes.get(phase), table, policy)
+        if host_dtype not in (None, inputs.dtype) and phase in same_dtype:
+            pairs = [relative_error(a, b) for a, b in zip(runs[phase].outputs, same_dtype[phase].outputs)]
+            num, den = sum(a for a, _ in pairs), sum(b for _, b in pairs)
+            report["phases"][phase]["host_kv_rel_error"] = math.sqrt(num / den) if den > 0 else 0.0
     return report

@@ -40,9 +40,10 @@ def planted_grid(depths: Iterable[float], seeds: Iterable[int], **kwargs) -> lis
     return [planted_inputs(needle_depths=[d], seed=s, **kwargs) for s in seeds for d in depths]
 
 
-def summarize(flat: list[dict[str, Any]], keys: Seq[str] = ("recall", "oracle_recall", "density", "rel_error",
-                                                                "needle_loaded", "needle_recall", "needle_hit")
-              ) -> dict[str, dict[str, float | None]]:
+SUMMARY_KEYS = ("recall", "oracle_recall", "density", "rel_error", "needle_loaded", "needle_recall", "needle_hit")
+
+
+def summarize(flat: list[dict[str, Any]], keys: Seq[str] = SUMMARY_KEYS) -> dict[str, dict[str, float | None]]:
     """Mean of each metric per phase over the rows (skipped phases ignored)."""
     out: dict[str, dict[str, float | None]] = {}
     for phase in dict.fromkeys(r["phase"] for r in flat):

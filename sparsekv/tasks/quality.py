@@ -176,6 +176,7 @@ def model_inputs(cfg: DictConfig, s: dict[str, Any], device: torch.device) -> li
 
 def run(cfg: DictConfig) -> dict:
     from sparsekv.factory import build_policy, resolve_device, resolve_dtype
+    from sparsekv.kvcache.host_quant import resolve_host_dtype
     from sparsekv.tasks.common import write_record
 
     q = cfg.task
@@ -196,12 +197,15 @@ def run(cfg: DictConfig) -> dict:
     warnings = list(dict.fromkeys(w for x in inputs for w in policy_warnings(
         policy, range(x.num_layers), s["block_size"], x.context)))  # the harness numbers the layers 0..L-1
     print_warnings(warnings)
+    # offload=cpu offload.host_dtype=float8_e4m3fn: fp8 host blocks, and their error against model-dtype ones
+    host_dtype = resolve_host_dtype(cfg.offload.get("host_dtype", "auto"), dtype, device)
+    fp8 = host_dtype != dtype
     reports = []
     for x in tqdm(inputs, desc="quality", unit="input", disable=not q.progress, file=sys.stderr):
         reports.append(ql.evaluate(policy, x, phases=s["phases"], num_gpu_blocks=s["num_gpu_blocks"],
-                                   shuffle_blocks=q.shuffle_blocks, probe=q.probe))
+                                   shuffle_blocks=q.shuffle_blocks, probe=q.probe, host_dtype=host_dtype))
     flat = ql.rows(reports)
-    summary = ql.summarize(flat)
+    summary = ql.summarize(flat, keys=(*ql.SUMMARY_KEYS, "host_kv_rel_error") if fp8 else ql.SUMMARY_KEYS)
     primary = next((p for p in ("decode", "prefill", "resident") if p in summary and "skipped" not in summary[p]),
                    None)
     name = q.label or f"{cfg.model.name} {cfg.policy.name}"
@@ -212,6 +216,7 @@ def run(cfg: DictConfig) -> dict:
         "offload": enum_value(cfg.offload.mode),
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
+        "host_dtype": str(host_dtype).replace("torch.", ""),
         "block_size": s["block_size"],
         "prefill_chunk": s["prefill_chunk"],
         "num_gpu_blocks": s["num_gpu_blocks"],
@@ -226,7 +231,8 @@ def run(cfg: DictConfig) -> dict:
     }
     print(f"quality {name}: policy={cfg.policy.name} on {device}, {figures['dtype']}, block {s['block_size']}, "
           f"chunk {s['prefill_chunk']}, {s['num_gpu_blocks']} GPU slots, phases {', '.join(s['phases'])}")
-    print(ql.format_table(flat))
+    columns = ql.TABLE_COLUMNS[:-1] + [("kv_err", "host_kv_rel_error", ".2e")] * fp8 + ql.TABLE_COLUMNS[-1:]
+    print(ql.format_table(flat, columns))
     for phase, means in summary.items():
         if "skipped" in means:
             print(f"  {phase}: skipped ({means['skipped']})")

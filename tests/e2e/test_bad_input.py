@@ -247,6 +247,11 @@ BAD_INPUT = [
         "writable directory"),
     row("cli-offload-ring-zero", cli("device=cpu", "offload=cpu", "offload.num_gpu_blocks=0"), "num_gpu_blocks", ">= 1"),
     row("cli-offload-block-size-zero", cli("device=cpu", "offload.block_size=0"), "block_size", ">= 1"),
+    row("cli-host-dtype-unknown", cli("device=cpu", "offload=cpu", "offload.host_dtype=fp4"), "host_dtype", "fp4",
+        "float8_e4m3fn"),
+    row("cli-host-dtype-fp8-without-support", cli("device=cpu", "offload=cpu", "offload.host_dtype=float8_e4m3fn",
+                                                  setup=lambda s: s.monkeypatch.delattr("torch.float8_e4m3fn") or []),
+        "host_dtype=float8_e4m3fn", "float8_e4m3fn", "offload.host_dtype=auto"),
     # ---- checkpoints
     row("cli-model-without-weights", cli("device=cpu", "model=qwen3_4b"), "model.path=", "model.load_format=dummy"),
     row("cli-hf-without-path", cli(*HF), "model.path"),

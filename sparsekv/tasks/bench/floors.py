@@ -33,6 +33,14 @@ def kv_bytes_per_token(spec, dtype_bytes: int | torch.dtype = 2) -> int:
     return int(spec.num_hidden_layers * 2 * spec.num_key_value_heads * spec.head_dim * _itemsize(dtype_bytes))
 
 
+def kv_element_bytes(dtype: torch.dtype, host_dtype: str = "auto", block_size: int = 1, head_dim: int = 1) -> float:
+    """Bytes of one K or V element as the KV cache stores it: the model dtype's, or with offload.host_dtype=
+    float8_e4m3fn one byte plus its share of the float32 scale of its (block, KV head)."""
+    if host_dtype == "float8_e4m3fn":  # also config.HostDType.float8_e4m3fn, a str enum
+        return 1 + 4 / (block_size * head_dim)
+    return dtype.itemsize
+
+
 def linear_params_per_token(spec) -> int:
     """Weights of the linear layers every token goes through (q, k, v, o, gate, up, down in every layer),
     without the embedding and the lm_head."""

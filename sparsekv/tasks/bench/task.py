@@ -208,7 +208,8 @@ def run(cfg: DictConfig) -> dict:
         "prompt_tokens": stats.prompt_tokens,
         "generated_tokens": sum(len(o.token_ids) for o in outputs),
         "decode_steps": stats.decode_steps,
-        "async_decode": engine.overlap is not None,  # decode steps overlapped the host's work (engine/overlap.py)
+        "async_decode": engine.overlap is not None,
+        "host_dtype": enum_value(cfg.offload.get("host_dtype", "auto")),  # offload=cpu: KV in host memory  # decode steps overlapped the host's work (engine/overlap.py)
         "build_seconds": build_seconds,
         "warmup_seconds": warmup_seconds,
         "host_pool_reserve_seconds": host_pool_reserve_seconds,
@@ -225,7 +226,8 @@ def run(cfg: DictConfig) -> dict:
     }
 
     # ---- work and floors
-    dtype_bytes = engine.dtype.itemsize
+    host_dtype = cfg.offload.get("host_dtype", "auto")  # fp8 host KV: count its bytes and scales
+    dtype_bytes = fl.kv_element_bytes(engine.dtype, host_dtype, int(cfg.offload.block_size), spec.head_dim)
     wbytes = fl.weight_bytes(engine.model, skip_untied_embedding=True)
     decode_context = context + steps // 2  # the KV length at the median decode step
     flops = fl.prefill_flops(spec, context, batch=batch)
