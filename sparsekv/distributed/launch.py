@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -110,6 +110,12 @@ class Ranks:
         if self.closed:
             raise RuntimeError("the tensor-parallel workers have exited; build a new engine")
         dist.broadcast_object_list([(name, self.engine_id, args)], src=0, group=self.commands)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(tp, *args) on every rank (fn importable by name, e.g. a module-level function); rank 0's result.
+        fn must not raise on a worker (that ends the worker): reduce a check's outcome to rank 0 and raise there."""
+        self.send("call", fn, args)
+        return fn(self.tp, *args)
 
     def new_engine(self) -> int:
         self.engine_id += 1

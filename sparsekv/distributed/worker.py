@@ -12,6 +12,7 @@ Commands (name, engine id, args):
     generate (token_lists, params) LLMEngine.run_requests
     add_request (number, token_ids, params) / step () / abort (number,) / drain () / reserve (num_tokens,)
     release ()                    drop the engine (its GPU memory) until the next build
+    call (fn, args)               fn(tp, *args), outside any engine (Ranks.call: collectives checked on every rank)
     exit ()
 An exception in a worker is printed with its traceback and ends the worker: rank 0 would otherwise wait in a
 collective forever (the launcher's watcher ends rank 0 with a message; torchrun ends the other ranks).
@@ -70,6 +71,9 @@ def serve(tp, commands) -> None:
         name, sent_id, args = box[0]
         if name == "exit":
             return
+        if name == "call":  # Ranks.call: a function on every rank, outside any engine
+            args[0](tp, *args[1])
+            continue
         if name in ("build", "release"):
             engine, requests = None, {}
             gc.collect()
