@@ -7,7 +7,7 @@ import os
 import torch
 from omegaconf import DictConfig
 
-from sparsekv.config import Device, DType, OffloadMode, PrefillMode
+from sparsekv.config import Device, DType, LoadFormat, OffloadMode, PrefillMode
 from sparsekv.config_check import build_policy  # noqa: F401 - re-exported: factory.build_policy
 from sparsekv.distributed.engine import DistributedEngine, TensorParallelSampler
 from sparsekv.distributed.launch import check_launch, driver_ranks, under_torchrun
@@ -185,7 +185,8 @@ def build_kv_store(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device:
     host_pool_gib = offload.host_pool_gib
     if tp.size > 1:  # each rank's slice of the host pool holds its KV heads
         block_bytes = kv_block_bytes(cfg, spec, dtype)
-        share = host_pool_gib * GIB / tp.size if host_pool_gib else (0.9 * available_host_memory() - HOST_HEADROOM) / tp.size
+        total = host_pool_gib * GIB if host_pool_gib else 0.9 * available_host_memory() - HOST_HEADROOM
+        share = total / tp.size
         blocks = tp.agree_min(max(0, int(share // block_bytes)), device)
         host_pool_gib = (blocks + 0.5) * block_bytes / GIB  # exactly `blocks` blocks (host_pool_blocks rounds down)
     return OffloadKVStore(spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, offload.block_size,
@@ -200,6 +201,9 @@ def check_parallel_config(cfg: DictConfig, spec: ModelSpec, cls: type, device: t
     if size == 1:
         return 1
     check_tensor_parallel(spec, size)
+    if LoadFormat(cfg.model.load_format) == LoadFormat.dummy_structured:
+        raise ValueError(f"parallel.tensor_parallel_size={size}: model.load_format=dummy_structured plants its "
+                         "structure in a whole model; use model.load_format=dummy or parallel.tensor_parallel_size=1")
     if getattr(cls, "supports_tensor_parallel", False) is not True:
         raise ValueError(f"parallel.tensor_parallel_size={size}: architecture {spec.architecture} "
                          f"({cls.__name__}) does not split over ranks; use parallel.tensor_parallel_size=1")

@@ -41,10 +41,6 @@ class DistributedEngine(LLMEngine):
         self._numbers: dict[int, int] = {}  # seq_id -> request number the workers know it by
         self._next_number = 0
 
-    @property
-    def tensor_parallel_size(self) -> int:
-        return self.ranks.tp.size
-
     def _send(self, name: str, *args) -> None:
         if self._quiet:
             return

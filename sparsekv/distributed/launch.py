@@ -122,21 +122,31 @@ class Ranks:
         return self.engine_id
 
     def close(self) -> None:
+        """Tell the workers to exit and wait for them. A worker stuck in a collective (rank 0 was interrupted
+        mid-step) cannot take the command: after a short wait it is killed, and rank 0 still exits."""
         import torch.distributed as dist
 
         if self.closed:
             return
         self.closed = True  # before the workers exit: the watcher takes their exit as the expected one
-        try:
-            dist.broadcast_object_list([("exit", self.engine_id, ())], src=0, group=self.commands)
-        except Exception:  # noqa: BLE001 - a worker already gone: nothing to tell
-            pass
+        told = threading.Event()
+
+        def tell() -> None:
+            try:
+                dist.broadcast_object_list([("exit", self.engine_id, ())], src=0, group=self.commands)
+                told.set()
+            except Exception:  # noqa: BLE001 - a worker already gone: nothing to tell
+                pass
+
+        thread = threading.Thread(target=tell, daemon=True)
+        thread.start()
+        thread.join(timeout=10)
         for process in self.processes:
             try:
-                process.wait(timeout=30)
+                process.wait(timeout=30 if told.is_set() else 1)
             except subprocess.TimeoutExpired:
                 process.kill()
-        if dist.is_initialized():
+        if told.is_set() and dist.is_initialized():
             dist.destroy_process_group()
 
 
