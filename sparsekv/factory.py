@@ -12,7 +12,7 @@ from sparsekv.config_check import build_policy  # noqa: F401 - re-exported: fact
 from sparsekv.distributed.engine import DistributedEngine, TensorParallelSampler
 from sparsekv.distributed.launch import check_launch, driver_ranks, under_torchrun
 from sparsekv.distributed.sharding import check_tensor_parallel, rank_spec
-from sparsekv.distributed.state import SINGLE, TensorParallel, building
+from sparsekv.distributed.state import SINGLE, TensorParallel, all_succeeded, building
 from sparsekv.distributed.worker import run_torchrun_worker
 from sparsekv.graphs.cuda_graph import attach_graph_runner, check_graph_config, graph_settings, resolve_graph_mode
 from sparsekv.engine.llm_engine import LLMEngine
@@ -211,25 +211,37 @@ def check_parallel_config(cfg: DictConfig, spec: ModelSpec, cls: type, device: t
     return size
 
 
-def build_engine(cfg: DictConfig, tp: TensorParallel | None = None) -> LLMEngine:
-    """Everything that can fail on bad input is checked before the weights are built (and, with
-    parallel.tensor_parallel_size > 1, before any worker starts). `tp`: a worker rank's place (distributed/worker.py);
-    rank 0 starts or reuses the workers here and drives them (distributed/engine.py)."""
-    models = registry().models
+def checked_config(cfg: DictConfig) -> tuple:
+    """Every check that needs no weights: (spec, model class, policy, device, dtype, tensor_parallel_size,
+    max_model_len, graph mode)."""
     spec = resolve_spec(cfg.model)
-    cls = model_class(spec, models)
+    cls = model_class(spec, registry().models)
     policy = build_policy(cfg.policy)
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
     tp_size = check_parallel_config(cfg, spec, cls, device)
-    shard_spec = rank_spec(spec, tp_size)  # what one rank computes and stores: the KV store is sized from it
     max_model_len = check_scheduler_config(cfg, spec, device)
     check_offload_config(cfg)
-    check_kv_memory(cfg, shard_spec, dtype, device, max_model_len)
+    check_kv_memory(cfg, rank_spec(spec, tp_size), dtype, device, max_model_len)
     graph_cfg = cfg.get("graph")
     check_graph_config(graph_cfg)
     decode_policy = policy if policy.supports_decode else registry().policies["full"]
     graph_mode = resolve_graph_mode(graph_settings(graph_cfg)[0], cfg.offload.mode, device, decode_policy)
+    return spec, cls, policy, device, dtype, tp_size, max_model_len, graph_mode
+
+
+def build_engine(cfg: DictConfig, tp: TensorParallel | None = None) -> LLMEngine:
+    """Everything that can fail on bad input is checked before the weights are built (and, with
+    parallel.tensor_parallel_size > 1, before any worker starts). `tp`: a worker rank's place (distributed/worker.py);
+    rank 0 starts or reuses the workers here and drives them (distributed/engine.py)."""
+    try:
+        spec, cls, policy, device, dtype, tp_size, max_model_len, graph_mode = checked_config(cfg)
+    except Exception as exc:
+        if tp is not None:  # a worker: rank 0 passed these checks and waits for this rank's outcome
+            all_succeeded(tp, exc)
+        raise
+    shard_spec = rank_spec(spec, tp_size)  # what one rank computes and stores: the KV store is sized from it
+    graph_cfg = cfg.get("graph")
     ranks = None
     if tp_size > 1 and tp is None:
         if under_torchrun() and int(os.environ["RANK"]) != 0:
@@ -244,10 +256,18 @@ def build_engine(cfg: DictConfig, tp: TensorParallel | None = None) -> LLMEngine
     torch.manual_seed(cfg.seed)
     kernels = resolve_kernels(device)  # every backend and fusion choice, once
     activate_kernels(device, kernels)  # what the KV store, the policies and plugins' kernel calls run
-    with building(tp):  # the model's layers take this rank's heads, columns and vocabulary rows
-        model = build_model(cfg.model, spec, cls, device, dtype, cfg.seed, kernels=kernels)
+    error = None
+    try:
+        with building(tp):  # the model's layers take this rank's heads, columns and vocabulary rows
+            model = build_model(cfg.model, spec, cls, device, dtype, cfg.seed, kernels=kernels)
+        tokenizer = load_tokenizer(cfg.model.path, spec.vocab_size)
+    except Exception as exc:
+        if tp.size == 1:
+            raise
+        error = exc
+    if tp.size > 1:
+        all_succeeded(tp, error)  # a checkpoint that loads on no rank fails on rank 0 with its own message
     kv_store = build_kv_store(cfg, shard_spec, dtype, device, max_model_len, policy, tp)
-    tokenizer = load_tokenizer(cfg.model.path, spec.vocab_size)
     log.info("built %s on %s (%s), offload=%s: %d KV blocks of %d tokens%s", spec.architecture, device, dtype,
              cfg.offload.mode.value, kv_store.num_blocks, cfg.offload.block_size,
              f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "")

@@ -18,6 +18,7 @@ class TensorParallel:
     size: int = 1
     group: Any = None  # torch.distributed process group of the model's collectives; None when size == 1
     local_rank: int = 0  # the CUDA device index of this rank
+    control: Any = None  # the gloo group of rank 0's commands (sparsekv/distributed/launch.py)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place (stream-ordered on CUDA: no host wait)."""
@@ -59,6 +60,28 @@ def _all_gather(out: torch.Tensor, x: torch.Tensor, group) -> None:
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name first
     gather(out, x, group=group)
+
+
+class BuildAborted(Exception):
+    """A worker's engine build stopped where a rank failed (rank 0 raises that rank's error)."""
+
+
+def all_succeeded(tp: TensorParallel, error: BaseException | None) -> None:
+    """A build stage's outcome on every rank, exchanged on the command group (no rank is left waiting in a
+    collective of the next stage). Rank 0 raises its own error, else a worker's; a worker raises BuildAborted."""
+    import torch.distributed as dist
+
+    outcomes: list[str | None] = [None] * tp.size
+    dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}", group=tp.control)
+    failed = [(rank, message) for rank, message in enumerate(outcomes) if message is not None]
+    if not failed:
+        return
+    if tp.rank != 0:
+        raise BuildAborted(failed[0][1])
+    if error is not None:
+        raise error
+    rank, message = failed[0]
+    raise RuntimeError(f"tensor-parallel rank {rank} failed to build its engine: {message}")
 
 
 SINGLE = TensorParallel()

@@ -14,7 +14,9 @@ Commands (name, engine id, args):
     release ()                    drop the engine (its GPU memory) until the next build
     call (fn, args)               fn(tp, *args), outside any engine (Ranks.call: collectives checked on every rank)
     exit ()
-An exception in a worker is printed with its traceback and ends the worker: rank 0 would otherwise wait in a
+A build that fails on any rank before its collectives (bad config on this machine, a checkpoint that does not
+load) is reported on the command group: rank 0 raises the error, the workers stay for the next command. Any other
+exception in a worker is printed with its traceback and ends the worker: rank 0 would otherwise wait in a
 collective forever (the launcher's watcher ends rank 0 with a message; torchrun ends the other ranks).
 """
 from __future__ import annotations
@@ -28,6 +30,8 @@ import traceback
 from typing import Any
 
 import torch
+
+from sparsekv.distributed.state import BuildAborted
 
 
 def _threads(size: int) -> None:
@@ -82,7 +86,10 @@ def serve(tp, commands) -> None:
             if name == "build":
                 from sparsekv.factory import build_engine
 
-                engine, engine_id = build_engine(args[0], tp=tp), sent_id
+                try:
+                    engine, engine_id = build_engine(args[0], tp=tp), sent_id
+                except BuildAborted:  # rank 0 raised the failure (its own, or this rank's)
+                    engine, engine_id = None, None
             continue
         if engine is None or sent_id != engine_id:
             raise RuntimeError(f"rank {tp.rank}: command {name} for engine {sent_id}, but this rank holds engine "

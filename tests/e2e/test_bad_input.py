@@ -225,6 +225,9 @@ BAD_INPUT = [
                                                                "model.num_attention_heads=6",
                                                                "model.num_key_value_heads=3")),
         "parallel.tensor_parallel_size=2", "3 KV heads"),
+    row("cli-tp-checkpoint-missing-tensor",  # fails on both ranks: rank 0 reports it, the worker stays
+        cli(*HF, "parallel.tensor_parallel_size=2", setup=drop_tensor("model.layers.1.mlp.up_proj.weight")),
+        "model.layers.1.mlp.up_proj.weight"),
     row("cli-graph-batch-sizes", cli("device=cpu", "graph.batch_sizes=[0,4]"), "batch_sizes", ">= 1"),
     row("cli-sampling-top-p", cli("device=cpu", "sampling.top_p=1.5"), "top_p", "1.5"),
     row("cli-sampling-temperature", cli("device=cpu", "sampling.temperature=-1"), "temperature", "-1"),
