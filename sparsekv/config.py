@@ -149,6 +149,14 @@ class GraphConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Tensor parallelism over the GPUs of one host (sparsekv/distributed): each rank holds 1/N of the attention
+    heads, KV heads and MLP columns (KV heads replicated when there are fewer than ranks) and a vocabulary slice.
+    N > 1 starts N - 1 worker processes (or runs under torchrun); device=cpu runs the ranks on gloo (tests)."""
+    tensor_parallel_size: int = bounded(1, ge=1)
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     offload: Any = MISSING  # ResidentOffloadConfig (offload=none) or HostOffloadConfig (offload=cpu)
@@ -157,6 +165,7 @@ class Config:
     task: Any = MISSING  # the selected task's settings (sparsekv.tasks.config)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)  # the default when none is passed
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # {policy name: {key: value}}: applied to `policy` only when that policy is selected, so one multirun can sweep
     # hyperparameters of several policies (sparsekv.config_check.apply_per_policy)
     per_policy: Any = None

@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from omegaconf import DictConfig
 
-from sparsekv.config import Device, DType, OffloadMode, PrefillMode
+from sparsekv.config import Device, DType, LoadFormat, OffloadMode, PrefillMode
 from sparsekv.config_check import build_policy  # noqa: F401 - re-exported: factory.build_policy
+from sparsekv.distributed.engine import DistributedEngine, TensorParallelSampler
+from sparsekv.distributed.launch import check_launch, driver_ranks, under_torchrun
+from sparsekv.distributed.sharding import check_tensor_parallel, rank_spec
+from sparsekv.distributed.state import SINGLE, TensorParallel, all_succeeded, building
+from sparsekv.distributed.worker import run_torchrun_worker
 from sparsekv.graphs.cuda_graph import attach_graph_runner, check_graph_config, graph_settings, resolve_graph_mode
 from sparsekv.engine.llm_engine import LLMEngine
 from sparsekv.kernels._dispatch import activate_kernels
@@ -164,49 +170,116 @@ def prefill_chunk_tokens(cfg: DictConfig, max_model_len: int) -> int:
 
 
 def build_kv_store(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                   max_model_len: int, policy):
+                   max_model_len: int, policy, tp: TensorParallel = SINGLE):
+    """`spec`: one rank's dimensions (rank_spec). With tensor parallelism every rank's store gets the same number
+    of blocks (the smallest any rank measured), so every rank schedules the same way."""
     full = registry().policies["full"]()
     prefill_policy = policy if policy.supports_prefill else full
     decode_policy = policy if policy.supports_decode else full
     check_selections = bool(cfg.get("check_selections", False))  # validate device selections too (a sync each)
     if cfg.offload.mode == OffloadMode.none:  # a selecting decode policy chooses among the resident blocks
-        num_blocks = num_device_kv_blocks(cfg, spec, dtype, device, max_model_len)
+        num_blocks = tp.agree_min(num_device_kv_blocks(cfg, spec, dtype, device, max_model_len), device)
         return PagedKVStore(spec.num_hidden_layers, num_blocks, cfg.offload.block_size, spec.num_key_value_heads,
                             spec.head_dim, dtype, device, prefill_policy, max_model_len, decode_policy=decode_policy,
                             check_selections=check_selections)
     offload = cfg.offload
     chunk = prefill_chunk_tokens(cfg, max_model_len)
     initial_prefill_buffer = min(chunk, cfg.scheduler.max_num_batched_tokens)
+    host_pool_gib = offload.host_pool_gib
+    if tp.size > 1:  # each rank's slice of the host pool holds its KV heads
+        block_bytes = kv_block_bytes(cfg, spec, dtype)
+        total = host_pool_gib * GIB if host_pool_gib else 0.9 * available_host_memory() - HOST_HEADROOM
+        share = total / tp.size
+        blocks = tp.agree_min(max(0, int(share // block_bytes)), device)
+        host_pool_gib = (blocks + 0.5) * block_bytes / GIB  # exactly `blocks` blocks (host_pool_blocks rounds down)
     return OffloadKVStore(spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, offload.block_size,
-                          offload.num_gpu_blocks, chunk, cfg.scheduler.max_num_seqs, offload.host_pool_gib, dtype,
+                          offload.num_gpu_blocks, chunk, cfg.scheduler.max_num_seqs, host_pool_gib, dtype,
                           device, prefill_policy, decode_policy, initial_prefill_buffer,
                           check_selections=check_selections,
                           host_dtype=resolve_host_dtype(offload.host_dtype, dtype, device))
 
 
-def build_engine(cfg: DictConfig) -> LLMEngine:
-    """Everything that can fail on bad input is checked before the weights are built."""
-    models = registry().models
+def check_parallel_config(cfg: DictConfig, spec: ModelSpec, cls: type, device: torch.device) -> int:
+    """parallel.tensor_parallel_size against the model and the machine; returns it."""
+    size = int(cfg.parallel.tensor_parallel_size) if cfg.get("parallel") is not None else 1
+    if size == 1:
+        return 1
+    check_tensor_parallel(spec, size)
+    if LoadFormat(cfg.model.load_format) == LoadFormat.dummy_structured:
+        raise ValueError(f"parallel.tensor_parallel_size={size}: model.load_format=dummy_structured plants its "
+                         "structure in a whole model; use model.load_format=dummy or parallel.tensor_parallel_size=1")
+    if getattr(cls, "supports_tensor_parallel", False) is not True:
+        raise ValueError(f"parallel.tensor_parallel_size={size}: architecture {spec.architecture} "
+                         f"({cls.__name__}) does not split over ranks; use parallel.tensor_parallel_size=1")
+    check_launch(size, device.type)
+    return size
+
+
+def checked_config(cfg: DictConfig) -> tuple:
+    """Every check that needs no weights: (spec, model class, policy, device, dtype, tensor_parallel_size,
+    max_model_len, graph mode)."""
     spec = resolve_spec(cfg.model)
-    cls = model_class(spec, models)
+    cls = model_class(spec, registry().models)
     policy = build_policy(cfg.policy)
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
+    tp_size = check_parallel_config(cfg, spec, cls, device)
     max_model_len = check_scheduler_config(cfg, spec, device)
     check_offload_config(cfg)
-    check_kv_memory(cfg, spec, dtype, device, max_model_len)
+    check_kv_memory(cfg, rank_spec(spec, tp_size), dtype, device, max_model_len)
     graph_cfg = cfg.get("graph")
     check_graph_config(graph_cfg)
     decode_policy = policy if policy.supports_decode else registry().policies["full"]
     graph_mode = resolve_graph_mode(graph_settings(graph_cfg)[0], cfg.offload.mode, device, decode_policy)
+    return spec, cls, policy, device, dtype, tp_size, max_model_len, graph_mode
+
+
+def build_engine(cfg: DictConfig, tp: TensorParallel | None = None) -> LLMEngine:
+    """Everything that can fail on bad input is checked before the weights are built (and, with
+    parallel.tensor_parallel_size > 1, before any worker starts). `tp`: a worker rank's place (distributed/worker.py);
+    rank 0 starts or reuses the workers here and drives them (distributed/engine.py)."""
+    try:
+        spec, cls, policy, device, dtype, tp_size, max_model_len, graph_mode = checked_config(cfg)
+    except Exception as exc:
+        if tp is not None:  # a worker: rank 0 passed these checks and waits for this rank's outcome
+            all_succeeded(tp, exc)
+        raise
+    shard_spec = rank_spec(spec, tp_size)  # what one rank computes and stores: the KV store is sized from it
+    graph_cfg = cfg.get("graph")
+    ranks = None
+    if tp_size > 1 and tp is None:
+        if under_torchrun() and int(os.environ["RANK"]) != 0:
+            run_torchrun_worker(tp_size, device.type)  # serves rank 0's engines, then ends the process
+        ranks = driver_ranks(tp_size, device.type)
+        engine_id = ranks.new_engine()
+        ranks.send("build", cfg)  # the workers build the same engine alongside (their collectives pair with ours)
+        tp = ranks.tp
+    tp = tp or SINGLE
+    if device.type == "cuda" and tp.size > 1:
+        device = torch.device("cuda", tp.local_rank)
     torch.manual_seed(cfg.seed)
     kernels = resolve_kernels(device)  # every backend and fusion choice, once
     activate_kernels(device, kernels)  # what the KV store, the policies and plugins' kernel calls run
-    model = build_model(cfg.model, spec, cls, device, dtype, cfg.seed, kernels=kernels)
-    kv_store = build_kv_store(cfg, spec, dtype, device, max_model_len, policy)
-    tokenizer = load_tokenizer(cfg.model.path, spec.vocab_size)
-    log.info("built %s on %s (%s), offload=%s: %d KV blocks of %d tokens", spec.architecture, device, dtype,
-             cfg.offload.mode.value, kv_store.num_blocks, cfg.offload.block_size)
-    engine = LLMEngine(cfg, spec, model, kv_store, tokenizer, device, dtype, max_model_len, policy)
+    error = None
+    try:
+        with building(tp):  # the model's layers take this rank's heads, columns and vocabulary rows
+            model = build_model(cfg.model, spec, cls, device, dtype, cfg.seed, kernels=kernels)
+        tokenizer = load_tokenizer(cfg.model.path, spec.vocab_size)
+    except Exception as exc:
+        if tp.size == 1:
+            raise
+        error = exc
+    if tp.size > 1:
+        all_succeeded(tp, error)  # a checkpoint that loads on no rank fails on rank 0 with its own message
+    kv_store = build_kv_store(cfg, shard_spec, dtype, device, max_model_len, policy, tp)
+    log.info("built %s on %s (%s), offload=%s: %d KV blocks of %d tokens%s", spec.architecture, device, dtype,
+             cfg.offload.mode.value, kv_store.num_blocks, cfg.offload.block_size,
+             f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "")
+    engine_cls = DistributedEngine if ranks is not None else LLMEngine
+    engine = engine_cls(cfg, spec, model, kv_store, tokenizer, device, dtype, max_model_len, policy)
+    if ranks is not None:
+        engine.attach(ranks, engine_id)
+    if tp.size > 1:
+        engine.runner.sampler = TensorParallelSampler(tp)
     attach_graph_runner(engine, graph_mode, graph_cfg)  # after the KV pools, before the first decode
     return engine

@@ -15,6 +15,8 @@
 #   quality         the sparse prefill presets' density, error and needle hits at 32K on planted inputs       ~6 min
 #   memory          GPU peak and host RSS of offloaded runs at 32K, 128K and 512K                             ~6 min
 #   capacity        the longest context the default host pool holds (prefill alone ~6 min)                    ~10 min
+#   tp              2 GPUs: TP=1 beside TP=2 per model of TP_MODELS (default "qwen3_8b llama3_8b", dummy weights):
+#                   resident decode at 4K, offloaded full decode at 128K, 32K resident prefill  ~8 min per model
 #   summary         $OUT/tables.md (tools/bench_table.py) and $OUT/records.tgz
 #
 # Each run goes to $OUT/records/<section>/<row>/: the task's record (bench.json or quality.json), run.json (the
@@ -185,12 +187,28 @@ print(min(${CAPACITY_CAP:-786432}, (pool_tokens - 16384) // 16384 * 16384))")
         task.context="$ctx" task.decode_steps=16
 }
 
+section_tp() {  # tensor parallelism over 2 GPUs; each TP=2 row is compared with the TP=1 row of the same shape
+    local steps="${DECODE_STEPS:-16}" model tp ref
+    for model in ${TP_MODELS:-qwen3_8b llama3_8b}; do
+        for tp in 1 2; do
+            local P=(model="$model" model.load_format=dummy parallel.tensor_parallel_size=$tp)
+            ref=""; [ "$tp" = 2 ] && ref="tp/$model-"
+            VS="${ref:+${ref}none-4k-tp1}" bench tp "$model-none-4k-tp$tp" "${P[@]}" offload=none graph=cudagraph \
+                task.context=4096 task.decode_steps="${DECODE_STEPS:-64}"
+            VS="${ref:+${ref}cpu-128k-tp1}" BENCH_TIMEOUT=300 bench tp "$model-cpu-128k-tp$tp" "${P[@]}" offload=cpu \
+                task.context=131072 task.decode_steps="$steps"
+            VS="${ref:+${ref}none-32k-prefill-tp1}" bench tp "$model-none-32k-prefill-tp$tp" "${P[@]}" offload=none \
+                task.context=32768 scheduler.max_num_batched_tokens=32768 task.decode_steps=4
+        done
+    done
+}
+
 section_summary() {
     python3 "$TOOLS/bench_table.py" "$RECORDS" 2>&1 | tee "$OUT/tables.md"
     tar czf "$OUT/records.tgz" -C "$OUT" records
 }
 
-SECTIONS="info tests decode offload quest prefill sparse_prefill quality memory capacity summary"
+SECTIONS="info tests decode offload quest prefill sparse_prefill quality memory capacity tp summary"
 [ $# -gt 0 ] || set -- info decode offload quest prefill sparse_prefill memory summary
 for SECTION in "$@"; do
     case " $SECTIONS " in

@@ -186,9 +186,20 @@ class LLMEngine:
             self.release(seq)
         return finished
 
+    def reserve(self, num_tokens: int) -> float:
+        """Allocate the KV memory of `num_tokens` tokens now (KVStore.reserve); returns the seconds spent."""
+        return self.kv_store.reserve(num_tokens)
+
     def generate(self, prompts: list[str | list[int]] | str,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  progress=None) -> list[RequestOutput]:
+        token_lists, params_list = self.prepare_requests(prompts, sampling_params)
+        return self.run_requests(token_lists, params_list, progress)
+
+    def prepare_requests(self, prompts: list[str | list[int]] | str,
+                         sampling_params: SamplingParams | list[SamplingParams] | None = None
+                         ) -> tuple[list[list[int]], list[SamplingParams]]:
+        """(token ids, params) of every prompt, each checked against the KV cache before any is queued."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
@@ -202,6 +213,10 @@ class LLMEngine:
         token_lists = [self.tokenize(p) for p in prompts]
         for token_ids in token_lists:  # every request is checked before any is queued
             self.check_fits(len(token_ids))
+        return token_lists, list(params_list)
+
+    def run_requests(self, token_lists: list[list[int]], params_list: list[SamplingParams],
+                     progress=None) -> list[RequestOutput]:
         seqs = [self.add_request(t, p) for t, p in zip(token_lists, params_list)]
         while self.scheduler.has_unfinished():
             self.step()

@@ -1,12 +1,16 @@
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sparsekv.kernels.activation import silu_and_mul, silu_and_mul_reference
+from sparsekv.distributed.sharding import Shard, vocab_rows
+from sparsekv.distributed.state import TensorParallel
 from sparsekv.kernels.backend import KernelChoice
 from sparsekv.kernels.gemv import MAX_M, silu_mul_linear, skinny_linear
 from sparsekv.kernels.linear_norm import linear_add_rms_norm
@@ -61,3 +65,78 @@ class Linear(nn.Linear):
                 norm.weight, norm.eps, gated=gated, pdl=self.pdl)
             return normed.view(residual.shape), new_residual.view(residual.shape)
         return norm(self.silu_mul_forward(x) if gated else self(x), residual)
+
+
+# ---- tensor parallelism (sparsekv/distributed): built only when tensor_parallel_size > 1
+@runtime_checkable
+class ShardedParameters(Protocol):
+    """A module whose parameters hold one rank's part of the checkpoint tensors (the loader reads only that part)."""
+
+    def checkpoint_shard(self, leaf: str, index: int) -> Shard | None:
+        """The part of packed shard `index` of parameter `leaf` ("weight", "bias") this rank holds; None when
+        the rank holds the whole tensor."""
+
+
+class ColumnParallelLinear(Linear):
+    """Output features split over the ranks: each rank holds its rows of every packed part (q | k | v, gate | up),
+    so the packed output stays a local [.., sum of parts] with the parts in the same order. No collective."""
+
+    def __init__(self, in_features: int, shards: list[Shard], bias: bool = True, *, kernels: KernelChoice):
+        super().__init__(in_features, sum(s.size for s in shards), bias=bias, kernels=kernels)
+        self.shards = shards
+
+    def checkpoint_shard(self, leaf: str, index: int) -> Shard | None:
+        return self.shards[index]  # weight rows and bias entries alike
+
+
+class RowParallelLinear(Linear):
+    """Input features split over the ranks (each holds columns [start, start + in_features) of the weight); the
+    partial products are summed over the ranks, then the (replicated) bias is added once."""
+
+    def __init__(self, shard: Shard, out_features: int, bias: bool = True, *, kernels: KernelChoice,
+                 tp: TensorParallel):
+        """`shard`: the input features this rank holds (the matching column-parallel layer's output rows)."""
+        super().__init__(shard.size, out_features, bias=bias, kernels=kernels)
+        self.shard, self.tp = dataclasses.replace(shard, dim=1), tp
+
+    def checkpoint_shard(self, leaf: str, index: int) -> Shard | None:
+        return self.shard if leaf == "weight" else None
+
+    def _reduced(self, out: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(out)
+        return out if self.bias is None else out + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [..., in_features (this rank's)] -> [..., out_features], summed over the ranks
+        rows = self._rows(x, self.in_features)
+        if rows:
+            out = skinny_linear(x.reshape(rows, self.in_features), self.weight, None, pdl=self.pdl)
+            return self._reduced(out.view(*x.shape[:-1], self.out_features))
+        return self._reduced(F.linear(x, self.weight))
+
+    def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        rows = self._rows(gate_up, 2 * self.in_features) if self.fuse else 0
+        if rows:
+            out = silu_mul_linear(gate_up.reshape(rows, 2 * self.in_features), self.weight, None, pdl=self.pdl)
+            return self._reduced(out.view(*gate_up.shape[:-1], self.out_features))
+        return self(self.silu_and_mul(gate_up))
+
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, gated: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(out, residual) with out reduced over the ranks first (the fused linear + norm kernel would
+        normalise a partial sum): the add and the norm run in one kernel after the all-reduce."""
+        return norm(self.silu_mul_forward(x) if gated else self(x), residual)
+
+
+class ParallelLMHead(ColumnParallelLinear):
+    """The LM head over a vocabulary split in `rows`-row slices: local logits, gathered on every rank into the
+    whole vocabulary (every rank samples the same greedy token from the same logits)."""
+
+    def __init__(self, in_features: int, vocab_size: int, *, kernels: KernelChoice, tp: TensorParallel):
+        rows = vocab_rows(vocab_size, tp.size)
+        super().__init__(in_features, [Shard(0, tp.rank * rows, rows, vocab_size)], bias=False, kernels=kernels)
+        self.vocab_size, self.tp = vocab_size, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [B, hidden] -> [B, vocab]
+        return self.tp.all_gather_last(super().forward(x))[..., :self.vocab_size]

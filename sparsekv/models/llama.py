@@ -4,10 +4,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sparsekv.distributed.sharding import Shard, head_shards
+from sparsekv.distributed.state import get_tp
 from sparsekv.kernels.backend import KernelChoice
 from sparsekv.kernels.rotary import KVWrite, apply_rotary
 from sparsekv.layers.attention import Attention
-from sparsekv.layers.linear import Linear
+from sparsekv.layers.embedding import VocabParallelEmbedding
+from sparsekv.layers.linear import ColumnParallelLinear, Linear, ParallelLMHead, RowParallelLinear
 from sparsekv.layers.norm import RMSNorm
 from sparsekv.layers.rotary import Rope, RotaryEmbedding
 from sparsekv.models.spec import ModelSpec
@@ -16,13 +19,22 @@ from sparsekv.models.spec import ModelSpec
 class SelfAttention(nn.Module):
     def __init__(self, spec: ModelSpec, layer_id: int, qk_norm: bool, *, kernels: KernelChoice):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (spec.num_attention_heads, spec.num_key_value_heads,
-                                                            spec.head_dim)
-        self.q_size = self.num_heads * self.head_dim
+        tp = get_tp()
+        heads = head_shards(spec.num_attention_heads, spec.num_key_value_heads, tp.rank, tp.size)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, spec.head_dim
+        self.q_size = self.num_heads * self.head_dim  # this rank's heads (all of them on one GPU)
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias,
-                               kernels=kernels)
-        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.attention_bias, kernels=kernels)
+        if tp.size == 1:
+            self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias,
+                                   kernels=kernels)
+            self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.attention_bias, kernels=kernels)
+        else:
+            d = self.head_dim
+            q = Shard(0, heads.first_head * d, self.q_size, spec.num_attention_heads * d)
+            kv = Shard(0, heads.first_kv_head * d, self.kv_size, spec.num_key_value_heads * d)
+            self.qkv_proj = ColumnParallelLinear(spec.hidden_size, [q, kv, kv], bias=spec.attention_bias,
+                                                 kernels=kernels)
+            self.o_proj = RowParallelLinear(q, spec.hidden_size, bias=spec.attention_bias, kernels=kernels, tp=tp)
         self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, kernels=kernels) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, kernels=kernels) if qk_norm else None
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -57,9 +69,15 @@ class SelfAttention(nn.Module):
 class GatedMLP(nn.Module):
     def __init__(self, spec: ModelSpec, *, kernels: KernelChoice):
         super().__init__()
-        self.intermediate_size = spec.intermediate_size
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False, kernels=kernels)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False, kernels=kernels)
+        tp = get_tp()
+        self.intermediate_size = spec.intermediate_size // tp.size  # this rank's columns
+        if tp.size == 1:
+            self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False, kernels=kernels)
+            self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False, kernels=kernels)
+        else:
+            part = Shard(0, tp.rank * self.intermediate_size, self.intermediate_size, spec.intermediate_size)
+            self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, [part, part], bias=False, kernels=kernels)
+            self.down_proj = RowParallelLinear(part, spec.hidden_size, bias=False, kernels=kernels, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # silu(gate) * up: in the down projection's loads for decode on Triton, else one kernel (or torch's ops)
@@ -121,6 +139,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     qk_norm = False
+    supports_tensor_parallel = True  # built from the TensorParallel of sparsekv.distributed.state.get_tp()
     # checkpoint name -> (packed parameter, shard index) for fused projections
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -129,21 +148,31 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.kernels = kernels
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        tp = get_tp()
+        self.tp_size = tp.size
+        if tp.size == 1:
+            self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp=tp)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, self.qk_norm, kernels=kernels)
                                     for i in range(spec.num_hidden_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels=kernels)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, kernels=kernels)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, kernels=kernels)
+        if tp.size == 1:
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, kernels=kernels)
+        else:  # logits gathered on every rank
+            self.lm_head = ParallelLMHead(spec.hidden_size, spec.vocab_size, kernels=kernels, tp=tp)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def shard_sizes(self, packed_name: str) -> list[int]:
-        spec = self.spec
+        """Rows of each packed part in this rank's parameter (the whole model's on one GPU)."""
+        spec, tp = self.spec, self.tp_size
         if packed_name == "qkv_proj":
-            kv = spec.num_key_value_heads * spec.head_dim
-            return [spec.num_attention_heads * spec.head_dim, kv, kv]
-        return [spec.intermediate_size, spec.intermediate_size]
+            heads = head_shards(spec.num_attention_heads, spec.num_key_value_heads, 0, tp)
+            kv = heads.num_kv_heads * spec.head_dim
+            return [heads.num_heads * spec.head_dim, kv, kv]
+        return [spec.intermediate_size // tp, spec.intermediate_size // tp]
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Rope]:
         """input_ids, positions [N] -> hidden [N, hidden] and the Rope every layer uses (on the torch path it

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from sparsekv.config import LoadFormat
+from sparsekv.distributed.sharding import Shard
 from sparsekv.kernels.backend import KernelChoice
+from sparsekv.layers.linear import ShardedParameters
 from sparsekv.models.structured_dummy import init_structured_dummy
 from sparsekv.models.spec import ModelLoadError, ModelSpec, spec_from_hf_config, spec_from_model_config
 
@@ -79,10 +81,12 @@ REDOWNLOAD = "download or export the checkpoint again"
 
 @dataclass(frozen=True)
 class Slot:
-    """Where one checkpoint tensor goes: a model parameter, whole or one row block of a packed parameter."""
+    """Where one checkpoint tensor goes: a model parameter, whole or one row block of a packed parameter. `shape` is
+    the checkpoint tensor's; with tensor parallelism `shard` names the part of it this rank's parameter holds."""
     param: str
     start: int
     shape: tuple[int, ...]
+    shard: Shard | None = None
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -115,14 +119,20 @@ def expected_tensors(model: nn.Module) -> dict[str, Slot]:
     for name, param in model.named_parameters():  # duplicates (tied weights) listed once
         module, _, leaf = name.rpartition(".")
         parent, _, module_leaf = module.rpartition(".")
+        owner = model.get_submodule(module)
+        sharded = owner if isinstance(owner, ShardedParameters) else None
         shards = packed_to_shards.get(module_leaf)
         if shards is None:
-            expected[name] = Slot(name, 0, tuple(param.shape))
+            shard = sharded.checkpoint_shard(leaf, 0) if sharded is not None else None
+            shape = tuple(param.shape)
+            expected[name] = Slot(name, 0, shard.full_shape(shape) if shard else shape, shard)
             continue
         sizes = model.shard_sizes(module_leaf)
         for index, original in sorted(shards):
             shard_name = f"{parent}.{original}.{leaf}" if parent else f"{original}.{leaf}"
-            expected[shard_name] = Slot(name, sum(sizes[:index]), (sizes[index], *param.shape[1:]))
+            shard = sharded.checkpoint_shard(leaf, index) if sharded is not None else None
+            shape = (sizes[index], *param.shape[1:])
+            expected[shard_name] = Slot(name, sum(sizes[:index]), shard.full_shape(shape) if shard else shape, shard)
     return expected
 
 
@@ -210,9 +220,10 @@ def load_safetensors(model: nn.Module, path: Path) -> None:
                 if slot is None:
                     continue
                 try:
-                    tensor = reader.get_tensor(raw_name)
+                    tensor = (reader.get_tensor(raw_name) if slot.shard is None
+                              else slot.shard.read(reader.get_slice(raw_name)))
                 except Exception as exc:  # noqa: BLE001 - the file's bytes, whatever the decoder says
                     raise ModelLoadError(f"{file}: {raw_name} cannot be read ({' '.join(str(exc).split())}); "
                                          f"the file is corrupt: {REDOWNLOAD}") from None
                 param = params[slot.param]
-                (param.narrow(0, slot.start, slot.shape[0]) if param.dim() else param).copy_(tensor)
+                (param.narrow(0, slot.start, tensor.shape[0]) if param.dim() else param).copy_(tensor)

@@ -46,6 +46,7 @@ def run_identity(cfg: DictConfig, engine, name: str | None) -> dict[str, Any]:
         "policy": cfg.policy.name,
         "device": str(engine.device),
         "dtype": str(engine.dtype).replace("torch.", ""),
+        "tensor_parallel_size": int(OmegaConf.select(cfg, "parallel.tensor_parallel_size", default=1)),
     }
 
 

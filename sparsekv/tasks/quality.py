@@ -124,6 +124,8 @@ def capture_config(cfg: DictConfig, prompt_tokens: int, block_size: int) -> Dict
             cfg.scheduler.max_model_len = prompt_tokens + 2
         if "graph" in cfg and "mode" in cfg.graph:
             cfg.graph.mode = "eager"  # hooks see eager forwards only
+        if "parallel" in cfg:
+            cfg.parallel.tensor_parallel_size = 1  # the hooks capture every head in this process
     return cfg
 
 
@@ -217,6 +219,7 @@ def run(cfg: DictConfig) -> dict:
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
         "host_dtype": str(host_dtype).replace("torch.", ""),
+        "tensor_parallel_size": 1,  # the harness evaluates attention on one device; model inputs captured at TP=1
         "block_size": s["block_size"],
         "prefill_chunk": s["prefill_chunk"],
         "num_gpu_blocks": s["num_gpu_blocks"],

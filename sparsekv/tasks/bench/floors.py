@@ -41,6 +41,16 @@ def kv_element_bytes(dtype: torch.dtype, host_dtype: str = "auto", block_size: i
     return dtype.itemsize
 
 
+def per_gpu_spec(spec, tensor_parallel_size: int = 1):
+    """The dimensions one GPU of a tensor-parallel run holds (its attention heads, KV heads, MLP columns). Per GPU:
+    the HBM floor reads weights/N + KV/N bytes a step (the weights as the rank's model counts them); the PCIe floor
+    of offloaded decode is KV/N over one GPU's H2D rate, i.e. the whole KV over the ranks' summed H2D bandwidth
+    (each GPU on its own link); the prefill floor divides the FLOPs by N GPUs' GEMM rate."""
+    from sparsekv.distributed.sharding import rank_spec
+
+    return rank_spec(spec, tensor_parallel_size)
+
+
 def linear_params_per_token(spec) -> int:
     """Weights of the linear layers every token goes through (q, k, v, o, gate, up, down in every layer),
     without the embedding and the lm_head."""

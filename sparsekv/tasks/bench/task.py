@@ -176,7 +176,7 @@ def run(cfg: DictConfig) -> dict:
         warmup_seconds = time.perf_counter() - start
     engine.stats = RunStats()
     # offload=cpu: pin the host blocks this run needs before timing (first-use pinning is reported apart)
-    host_pool_reserve_seconds = engine.kv_store.reserve(batch * (context + steps + 1))
+    host_pool_reserve_seconds = engine.reserve(batch * (context + steps + 1))
 
     prompts = random_prompts(batch, context, spec.vocab_size, cfg.seed)
     policy = engine.policy
@@ -231,8 +231,11 @@ def run(cfg: DictConfig) -> dict:
     wbytes = fl.weight_bytes(engine.model, skip_untied_embedding=True)
     decode_context = context + steps // 2  # the KV length at the median decode step
     flops = fl.prefill_flops(spec, context, batch=batch)
-    dbytes = fl.decode_bytes(spec, decode_context, batch, dtype_bytes, wbytes)
-    kv_context_bytes = batch * decode_context * fl.kv_bytes_per_token(spec, dtype_bytes)
+    # tensor parallelism: the floors of one GPU (its weights, its KV heads; prefill on N GPUs' GEMM rate)
+    tp_size = figures["tensor_parallel_size"]
+    gpu_spec = fl.per_gpu_spec(spec, tp_size)
+    dbytes = fl.decode_bytes(gpu_spec, decode_context, batch, dtype_bytes, wbytes)
+    kv_context_bytes = batch * decode_context * fl.kv_bytes_per_token(gpu_spec, dtype_bytes)
     floor = (lambda key: floors.get(key) if floors else None)
     matmul, hbm, h2d = floor("matmul_tflops"), floor("hbm_gbps"), floor("h2d_gbps")
 
@@ -252,7 +255,7 @@ def run(cfg: DictConfig) -> dict:
             figures["decode_loaded_floor_ms"] = 1e3 * loaded_floor_s
             figures["decode_loaded_ratio"] = _ratio(decode_median_s, loaded_floor_s)
 
-    prefill_floor_s = flops / (matmul * 1e12) if matmul else None
+    prefill_floor_s = flops / (matmul * 1e12 * tp_size) if matmul else None
     decode_hbm_floor_s = dbytes / (hbm * 1e9) if hbm else None
     offloaded = figures["offload"] == "cpu"
     decode_pcie_floor_s = kv_context_bytes / (h2d * 1e9) if (offloaded and h2d) else None

@@ -1,0 +1,203 @@
+"""Starting the ranks of a tensor-parallel engine and the command channel between them.
+
+Two ways in, one shape afterwards: rank 0 drives, ranks 1..N-1 are workers waiting for commands.
+  spawn     (the CLI and the Python API): the caller's process is rank 0 and starts N - 1 worker processes
+            (`python -m sparsekv.distributed.worker`, fresh interpreters); they join a process group on 127.0.0.1.
+            The workers outlive one engine: the next engine of the same size and device type (a sweep's next job,
+            a test's next LLM) reuses them; they exit with the caller (atexit, or on their own when it dies).
+  torchrun  (RANK / WORLD_SIZE / LOCAL_RANK set, WORLD_SIZE = tensor_parallel_size): every process runs the same
+            command; rank 0 goes on as the driver, the others turn into workers inside build_engine and exit when
+            rank 0 does.
+Model collectives run on the default group (NCCL on CUDA, gloo on CPU). Commands run on a separate gloo group:
+rank 0 broadcasts a pickled (name, engine id, args) tuple with broadcast_object_list; a worker blocks in the same
+call until the next command comes. See sparsekv/distributed/worker.py for the commands.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from sparsekv.distributed.state import TensorParallel
+
+log = logging.getLogger(__name__)
+
+COMMAND_TIMEOUT = datetime.timedelta(days=30)  # workers wait this long for rank 0's next command
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def under_torchrun() -> bool:
+    return all(v in os.environ for v in TORCHRUN_VARS)
+
+
+def backend_for(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def check_launch(size: int, device_type: str) -> None:
+    """ValueError before any process starts: more ranks than GPUs, no NCCL, a torchrun world of another size."""
+    import torch.distributed as dist
+
+    key = f"parallel.tensor_parallel_size={size}"
+    if not dist.is_available():
+        raise ValueError(f"{key} needs torch.distributed, which this torch build lacks; use "
+                         "parallel.tensor_parallel_size=1")
+    if device_type == "cuda":
+        visible = torch.cuda.device_count()
+        if size > visible:
+            raise ValueError(f"{key} needs one GPU per rank but {visible} CUDA device(s) are visible; lower it to at "
+                             f"most {visible} (or expose more GPUs with CUDA_VISIBLE_DEVICES)")
+        if not dist.is_nccl_available():
+            raise ValueError(f"{key} on CUDA all-reduces through NCCL, which this torch build lacks; install a "
+                             "torch build with NCCL or use parallel.tensor_parallel_size=1")
+    elif not dist.is_gloo_available():
+        raise ValueError(f"{key} on device=cpu all-reduces through gloo, which this torch build lacks")
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != size:
+        raise ValueError(f"{key} but torchrun started {os.environ['WORLD_SIZE']} processes; run torchrun with "
+                         f"--nproc-per-node {size} or set parallel.tensor_parallel_size={os.environ['WORLD_SIZE']}")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_group(rank: int, size: int, local_rank: int, device_type: str, init_method: str
+               ) -> tuple[TensorParallel, Any]:
+    """Join the default process group (model collectives) and make the command group; returns (tp, command
+    group). On CUDA the rank's device becomes current and NCCL's communicator is made now (before any graph
+    capture records a collective)."""
+    import torch.distributed as dist
+
+    kwargs: dict[str, Any] = {}
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(backend_for(device_type), init_method=init_method, rank=rank, world_size=size, **kwargs)
+    commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+    tp = TensorParallel(rank=rank, size=size, group=dist.group.WORLD, local_rank=local_rank, control=commands)
+    probe = torch.ones(1, device=torch.device("cuda", local_rank) if device_type == "cuda" else "cpu")
+    tp.all_reduce(probe)
+    if int(probe.item()) != size:
+        raise RuntimeError(f"tensor-parallel group: an all-reduce of ones over {size} ranks gave {probe.item()}")
+    return tp, commands
+
+
+@dataclass
+class Ranks:
+    """Rank 0's handle on the group: the TensorParallel, the command group, the spawned workers (none under
+    torchrun) and the engine id the workers now serve."""
+    tp: TensorParallel
+    device_type: str
+    commands: Any
+    processes: list = field(default_factory=list)
+    engine_id: int = 0
+    closed: bool = False
+
+    def send(self, name: str, *args: Any) -> None:
+        import torch.distributed as dist
+
+        if self.closed:
+            raise RuntimeError("the tensor-parallel workers have exited; build a new engine")
+        dist.broadcast_object_list([(name, self.engine_id, args)], src=0, group=self.commands)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(tp, *args) on every rank (fn importable by name, e.g. a module-level function); rank 0's result.
+        fn must not raise on a worker (that ends the worker): reduce a check's outcome to rank 0 and raise there."""
+        self.send("call", fn, args)
+        return fn(self.tp, *args)
+
+    def new_engine(self) -> int:
+        self.engine_id += 1
+        return self.engine_id
+
+    def close(self) -> None:
+        """Tell the workers to exit and wait for them. A worker stuck in a collective (rank 0 was interrupted
+        mid-step) cannot take the command: after a short wait it is killed, and rank 0 still exits."""
+        import torch.distributed as dist
+
+        if self.closed:
+            return
+        self.closed = True  # before the workers exit: the watcher takes their exit as the expected one
+        told = threading.Event()
+
+        def tell() -> None:
+            try:
+                dist.broadcast_object_list([("exit", self.engine_id, ())], src=0, group=self.commands)
+                told.set()
+            except Exception:  # noqa: BLE001 - a worker already gone: nothing to tell
+                pass
+
+        thread = threading.Thread(target=tell, daemon=True)
+        thread.start()
+        thread.join(timeout=10)
+        for process in self.processes:
+            try:
+                process.wait(timeout=30 if told.is_set() else 1)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        if told.is_set() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+_RANKS: Ranks | None = None
+
+
+def _watch(process, rank: int, ranks_ref: list) -> None:
+    """A worker that dies leaves rank 0 waiting in a collective forever: say which one and end the process."""
+    code = process.wait()
+    ranks = ranks_ref[0]
+    if ranks is not None and ranks.closed:
+        return
+    log.error("tensor-parallel worker rank %d exited with code %s (its error is above); ending rank 0", rank, code)
+    os._exit(1)
+
+
+def driver_ranks(size: int, device_type: str) -> Ranks:
+    """Rank 0's group of `size` ranks on `device_type`: the running one when it matches, else a new one (spawned
+    workers, or torchrun's processes)."""
+    global _RANKS
+    if _RANKS is not None and not _RANKS.closed:
+        if _RANKS.tp.size == size and _RANKS.device_type == device_type:
+            return _RANKS
+        if under_torchrun():
+            raise ValueError(f"parallel.tensor_parallel_size={size} on {device_type}: under torchrun every engine "
+                             f"of the process uses the {_RANKS.tp.size} ranks on {_RANKS.device_type} it started with")
+        _RANKS.close()
+    if under_torchrun():
+        tp, commands = init_group(0, size, int(os.environ["LOCAL_RANK"]), device_type, "env://")
+        _RANKS = Ranks(tp, device_type, commands)
+    else:
+        _RANKS = _spawn(size, device_type)
+    atexit.register(_RANKS.close)
+    return _RANKS
+
+
+def _spawn(size: int, device_type: str) -> Ranks:
+    """Workers are `python -m sparsekv.distributed.worker` processes with this process's sys.path: unlike
+    multiprocessing's spawn they do not import the caller's __main__, so a script needs no main guard."""
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    ref: list[Ranks | None] = [None]
+    processes = []
+    for rank in range(1, size):
+        command = [sys.executable, "-m", "sparsekv.distributed.worker", str(rank), str(size), device_type,
+                   init_method, str(os.getpid())]
+        process = subprocess.Popen(command, env=env)
+        processes.append(process)
+        threading.Thread(target=_watch, args=(process, rank, ref), name=f"sparsekv-tp-watch{rank}",
+                         daemon=True).start()
+    log.info("tensor parallelism: started %d worker process(es) for %d ranks on %s", size - 1, size, device_type)
+    tp, commands = init_group(0, size, 0, device_type, init_method)
+    ref[0] = Ranks(tp, device_type, commands, processes)
+    return ref[0]

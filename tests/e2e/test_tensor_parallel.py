@@ -1,0 +1,95 @@
+"""parallel.tensor_parallel_size=2 against 1 on the tiny float32 checkpoints: the same tokens. On CPU the two ranks
+are this process and one worker process on gloo (started once, shared by every test here and in
+tests/unit/test_parallel_layers.py); the GPU test runs the ranks on two GPUs over NCCL with CUDA graphs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv import LLM, SamplingParams
+from tests.conftest import random_prompt
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPTS = [random_prompt(120, seed=0), random_prompt(70, seed=1)]  # one batch: 7 and 4 full 16-token blocks
+OFFLOAD = {"none": ["offload=none", "offload.block_size=16"],
+           "cpu": ["offload=cpu", "offload.block_size=16", "offload.num_gpu_blocks=4"]}
+# every layer selects 2 of the full blocks (sink + newest), each rank by its own heads' scores
+POLICY = {"full": [], "quest": ["policy=quest", "policy.token_budget=32", "policy.dense_layers=0"]}
+SLOW = pytest.mark.slow
+
+
+def build(ckpt, size: int, *overrides: str, device: str = "cpu") -> LLM:
+    return LLM(str(ckpt), [f"device={device}", "dtype=float32", f"parallel.tensor_parallel_size={size}", *overrides])
+
+
+def tokens(llm: LLM, params: SamplingParams = GREEDY, prompts=PROMPTS) -> list[list[int]]:
+    return [out.token_ids for out in llm.generate(prompts, params, progress=False)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(qwen3_ckpt, llama_ckpt):
+    return {"qwen3": qwen3_ckpt, "llama": llama_ckpt}
+
+
+@pytest.mark.parametrize("arch, offload, policy", [
+    ("qwen3", "none", "full"),
+    ("qwen3", "cpu", "full"),
+    ("llama", "none", "full"),
+    ("llama", "cpu", "full"),
+    ("qwen3", "cpu", "quest"),
+    pytest.param("llama", "cpu", "quest", marks=SLOW),
+    pytest.param("qwen3", "none", "quest", marks=SLOW),
+    pytest.param("llama", "none", "quest", marks=SLOW),
+])
+def test_tp2_greedy_tokens_equal_tp1(checkpoints, one_thread, arch, offload, policy):
+    overrides = [*OFFLOAD[offload], *POLICY[policy]]
+    expected = tokens(build(checkpoints[arch], 1, *overrides))
+    llm = build(checkpoints[arch], 2, *overrides)
+    assert tokens(llm) == expected
+    if policy == "quest" and offload == "cpu":  # rank 0's heads chose among the blocks: a real selection
+        full_loads = (GREEDY.max_tokens - 1) * 3 * (120 // 16 + 70 // 16)  # every full block, layer and decode step
+        assert llm.engine.kv_store.transfer_stats["h2d_blocks"] < full_loads
+
+
+def test_tp2_seeded_sampling_follows_rank0(qwen3_ckpt, one_thread):
+    """Sampled rows are rank 0's tokens on every rank: a worker that sampled on its own would attend to other
+    tokens and the shared hidden states would drift from the single-GPU run."""
+    params = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=8, ignore_eos=True)
+    expected = tokens(build(qwen3_ckpt, 1), params)
+    assert tokens(build(qwen3_ckpt, 2), params) == expected
+
+
+def test_tp2_step_api_and_abort_are_mirrored(qwen3_ckpt, one_thread):
+    """add_request / step / abort driven by hand reach the worker too: the request left after the abort finishes
+    with the tokens it gets alone."""
+    expected = tokens(build(qwen3_ckpt, 1), prompts=PROMPTS[1:])[0]
+    engine = build(qwen3_ckpt, 2).engine
+    kept = engine.add_request(PROMPTS[1], GREEDY)
+    dropped = engine.add_request(PROMPTS[0], GREEDY)
+    for _ in range(3):
+        engine.step()
+    engine.abort(dropped)
+    while engine.scheduler.has_unfinished():
+        engine.step()
+    assert kept.completion_token_ids == expected
+    assert engine.block_manager.num_free_blocks == engine.kv_store.num_blocks
+
+
+def test_an_older_tp_engine_refuses_once_a_newer_one_is_built(qwen3_ckpt, one_thread):
+    old = build(qwen3_ckpt, 2)
+    build(qwen3_ckpt, 2)
+    with pytest.raises(RuntimeError, match="one tensor-parallel engine is live per process"):
+        old.generate(PROMPTS, GREEDY, progress=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_gpu_tp2_greedy_tokens_equal_tp1(qwen3_ckpt, offload):
+    """Two GPUs over NCCL, decode through CUDA graphs (graph=auto) captured on each rank."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    overrides = [*OFFLOAD[offload], "graph=auto"]
+    expected = tokens(build(qwen3_ckpt, 1, *overrides, device="cuda"))
+    llm = build(qwen3_ckpt, 2, *overrides, device="cuda")
+    assert tokens(llm) == expected
+    assert llm.engine.graph_stats["mode"] != "eager"
