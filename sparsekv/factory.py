@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 from omegaconf import DictConfig
@@ -261,9 +262,11 @@ def build_engine(cfg: DictConfig, tp: TensorParallel | None = None) -> LLMEngine
     kernels = resolve_kernels(device)  # every backend and fusion choice, once
     activate_kernels(device, kernels)  # what the KV store, the policies and plugins' kernel calls run
     error = None
+    start, weights = time.perf_counter(), 0.0
     try:
         with building(tp):  # the model's layers take this rank's heads, columns and vocabulary rows
             model = build_model(cfg.model, spec, cls, device, dtype, cfg.seed, kernels=kernels)
+        weights = _synchronized(device, start)
         tokenizer = load_tokenizer(cfg.model.path, spec.vocab_size)
     except Exception as exc:
         if tp.size == 1:
@@ -271,15 +274,29 @@ def build_engine(cfg: DictConfig, tp: TensorParallel | None = None) -> LLMEngine
         error = exc
     if tp.size > 1:
         all_succeeded(tp, error)  # a checkpoint that loads on no rank fails on rank 0 with its own message
+    start = time.perf_counter()
     kv_store = build_kv_store(cfg, shard_spec, dtype, device, max_model_len, policy, tp)
+    kv = _synchronized(device, start)
     log.info("built %s on %s (%s), offload=%s: %d KV blocks of %d tokens%s", spec.architecture, device, dtype,
              cfg.offload.mode.value, kv_store.num_blocks, cfg.offload.block_size,
              f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "")
     engine_cls = DistributedEngine if ranks is not None else LLMEngine
     engine = engine_cls(cfg, spec, model, kv_store, tokenizer, device, dtype, max_model_len, policy)
+    engine.startup.update(weights_seconds=weights, kv_seconds=kv)
     if ranks is not None:
         engine.attach(ranks, engine_id)
     if tp.size > 1:
         engine.runner.sampler = TensorParallelSampler(tp)
     attach_graph_runner(engine, graph_mode, graph_cfg)  # after the KV pools, before the first decode
+    # kernels compile and batch size 1's graph is captured here, not in a request; tensor-parallel ranks would each
+    # run it on their own while rank 0 also mirrors its calls to them, so they start cold
+    if device.type == "cuda" and tp.size == 1:
+        engine.warm_up()
     return engine
+
+
+def _synchronized(device: torch.device, start: float) -> float:
+    """Seconds since `start` once the device's queued work (weight fills, KV zeroing) is done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start

@@ -17,6 +17,7 @@ from sparsekv.models.spec import ModelSpec
 from sparsekv.sampling_params import SamplingParams
 
 GIB = 1 << 30
+WARMUP_PROMPT_TOKENS = 19  # neither 1 nor a multiple of 16: the Triton specializations of a typical prompt length
 
 
 @dataclass
@@ -70,6 +71,9 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
         self.stats = RunStats()
+        self.graph_stats: dict = {"mode": "eager", "capture_seconds": 0.0, "batch_sizes": []}  # attach_graph_runner
+        # start-up figures, seconds: weights, kv (build_engine), warmup (warm_up: kernels compiled, graphs captured)
+        self.startup: dict[str, float] = {}
         # scheduler.async_decode: decode step N+1 is launched before step N's tokens are read (engine/overlap.py)
         overlap = getattr(config.scheduler, "async_decode", True) and kv_store.overlapped_decode_safe
         self.overlap = OverlappedDecoder(self.runner, self.scheduler, eos, self.max_seq_len, device) if overlap \
@@ -218,6 +222,8 @@ class LLMEngine:
     def run_requests(self, token_lists: list[list[int]], params_list: list[SamplingParams],
                      progress=None) -> list[RequestOutput]:
         seqs = [self.add_request(t, p) for t, p in zip(token_lists, params_list)]
+        if self.runner.graph_runner is not None:  # the decode sizes these requests can reach, before any timing
+            self.runner.graph_runner.capture_up_to(len(self.scheduler.waiting) + len(self.scheduler.running))
         while self.scheduler.has_unfinished():
             self.step()
             if progress is not None:
@@ -225,6 +231,43 @@ class LLMEngine:
         return [RequestOutput(i, seq.token_ids[:seq.num_prompt_tokens], seq.completion_token_ids,
                               self.tokenizer.decode(seq.completion_token_ids) if self.tokenizer else None,
                               seq.finish_reason) for i, seq in enumerate(seqs)]
+
+    def warm_up(self) -> float:
+        """One short greedy request (a prefill and a decode step), so that kernels compile (Triton, cuBLAS) and
+        batch size 1's decode graph is captured here rather than inside the first request's figures. The run's
+        figures and counters are reset after it; returns its seconds (startup["warmup_seconds"])."""
+        num_tokens = min(WARMUP_PROMPT_TOKENS, self.max_seq_len - 2)
+        if num_tokens < 1 or -(-num_tokens // self.kv_store.block_size) > self.kv_store.num_blocks:
+            return 0.0
+        captured = float(self.graph_stats.get("capture_seconds", 0.0))
+        start = time.perf_counter()
+        prompt = [1 + i % (self.spec.vocab_size - 1) for i in range(num_tokens)]
+        self.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        self.stats = RunStats()
+        graph = self.runner.graph_runner
+        if graph is not None:
+            graph.replayed_steps = graph.eager_steps = 0
+        transfers = self.kv_store.transfer_stats  # the store's own counters (an empty dict for a resident store)
+        for key in transfers:
+            transfers[key] = 0
+        self.startup["warmup_seconds"] = seconds
+        self.startup["warmup_capture_seconds"] = float(self.graph_stats.get("capture_seconds", 0.0)) - captured
+        return seconds
+
+    def summary(self) -> dict[str, float]:
+        """The run's figures in three parts: start-up (weights, KV allocation), compile (kernels: the warm-up less
+        its graph captures; graphs: every capture so far) and steady state (prefill tok/s, decode ms/token)."""
+        graphs = float(self.graph_stats.get("capture_seconds", 0.0))
+        warmup = self.startup.get("warmup_seconds", 0.0)
+        kernels = max(0.0, warmup - self.startup.get("warmup_capture_seconds", 0.0))
+        return {"weights_seconds": self.startup.get("weights_seconds", 0.0),
+                "kv_seconds": self.startup.get("kv_seconds", 0.0),
+                "compile_seconds": kernels + graphs, "kernel_compile_seconds": kernels,
+                "graph_capture_seconds": graphs,
+                "prefill_tok_s": self.stats.prefill_tok_s, "decode_ms_per_token": self.stats.decode_ms_per_step}
 
     # ---- figures
     def peak_memory(self) -> dict[str, float]:

@@ -13,8 +13,11 @@ sparsekv/graphs/offload_graph.py.
 
 segmented (offload=cpu): per-layer graphs around eager attention, in sparsekv/graphs/segmented_graph.py.
 
-All graphs share one memory pool and are captured after the KV pools are allocated, before the first decode;
-`engine.graph_stats` records the mode, capture time and memory. `emulate=True` (CPU tests) "replays" by
+All graphs share one memory pool. They are captured lazily: a batch size's graph when a decode step of that size
+is first due. LLMEngine.generate captures, before its timing starts, every size its requests can reach (the batch
+shrinks as sequences finish), and the engine's warm-up captures batch size 1; a step outside generate() whose size
+has no graph yet captures it on the spot (can_run). `engine.graph_stats` records the mode, the sizes captured so
+far, and their capture time and memory. `emulate=True` (CPU tests) "replays" by
 calling the captured function again on the same static buffers, which exercises all the plumbing without CUDA.
 """
 from __future__ import annotations
@@ -202,6 +205,8 @@ class DecodeGraphRunner:
         self.emulate = emulate
         self.replayed_steps = 0  # decode steps replayed from graphs
         self.eager_steps = 0  # decode steps too large for the captured sizes, run eagerly
+        self.captured: set[int] = set()  # batch sizes whose graphs exist
+        self.allocated = False
         self.stats: dict[str, Any] = {"mode": self.mode.value}
 
     def bucket(self, n: int) -> int:
@@ -211,34 +216,60 @@ class DecodeGraphRunner:
         ok = 0 < len(seqs) <= self.max_batch_size
         if not ok:
             self.eager_steps += 1
+        elif self.bucket(len(seqs)) not in self.captured:  # a step outside generate(): captured here, timed with it
+            self.capture_up_to(len(seqs), only_bucket=True)
         return ok
 
     def prepare_decode(self, batch):
         return None
 
     def capture(self) -> dict[str, Any]:
+        """Allocate the static buffers; the graphs themselves are captured by capture_up_to when first due."""
+        with torch.inference_mode():
+            self._allocate()
+        self.allocated = True
+        self.stats.update(capture_seconds=0.0, graph_pool_bytes=0, num_graphs=0, batch_sizes=[],
+                          capturable_batch_sizes=list(self.batch_sizes), static_buffer_bytes=self._buffer_bytes())
+        return self.stats
+
+    def capture_up_to(self, num_seqs: int, only_bucket: bool = False) -> list[int]:
+        """Capture the graphs of every batch size a decode batch of at most num_seqs sequences can use (only the
+        bucket of num_seqs itself with only_bucket) that has none yet; returns the sizes captured now. Runs before
+        any decode step of those sizes: a capture's warm-up writes the static inputs."""
+        if not self.allocated or num_seqs < 1:
+            return []
+        top = self.bucket(min(num_seqs, self.max_batch_size))
+        wanted = [top] if only_bucket else [b for b in self.batch_sizes if b <= top]
+        missing = [b for b in wanted if b not in self.captured]
+        if not missing:
+            return []
         cuda = self.device.type == "cuda" and not self.emulate
         if cuda:
             torch.cuda.synchronize(self.device)
             reserved = torch.cuda.memory_reserved(self.device)
         start = time.perf_counter()
         with torch.inference_mode():
-            self._allocate()
-            for bs in reversed(self.batch_sizes):  # largest first: the smaller ones fit in its pool
+            for bs in reversed(missing):  # largest first: the smaller ones fit in its pool
                 self._capture(bs)
+                self.captured.add(bs)
         if cuda:
             torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
         self.stats.update(
-            capture_seconds=time.perf_counter() - start,
-            graph_pool_bytes=(torch.cuda.memory_reserved(self.device) - reserved) if cuda else 0,
-            static_buffer_bytes=sum(t.numel() * t.element_size() for t in self._static_buffers()),
+            capture_seconds=self.stats.get("capture_seconds", 0.0) + seconds,
+            graph_pool_bytes=self.stats.get("graph_pool_bytes", 0) + (
+                torch.cuda.memory_reserved(self.device) - reserved if cuda else 0),
+            static_buffer_bytes=self._buffer_bytes(),
             num_graphs=len(self.capturer.graphs),
-            batch_sizes=list(self.batch_sizes),
+            batch_sizes=sorted(self.captured),
         )
-        log.info("graph.mode=%s: captured %d graphs for decode batch sizes %s in %.2f s (%.1f MiB)", self.mode.value,
-                 self.stats["num_graphs"], self.batch_sizes, self.stats["capture_seconds"],
+        log.info("graph.mode=%s: captured graphs for decode batch sizes %s in %.2f s (%d graphs, %.1f MiB in all)",
+                 self.mode.value, sorted(missing), seconds, self.stats["num_graphs"],
                  self.stats["graph_pool_bytes"] / 2**20)
-        return self.stats
+        return sorted(missing)
+
+    def _buffer_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._static_buffers())
 
     def _allocate(self) -> None:
         raise NotImplementedError
@@ -337,14 +368,15 @@ class CudaGraphRunner(DecodeGraphRunner):
 
 # ---- wiring
 def attach_graph_runner(engine, mode, graph_cfg=None, *, emulate: bool = False) -> dict[str, Any]:
-    """Capture decode graphs for `engine` (its KV pools exist, no decode has run yet), hand them to its model
-    runner, and record engine.graph_stats = {mode, capture_seconds, graph_pool_bytes, ...}. `mode` is resolved
-    (see resolve_graph_mode); `emulate` replays by re-running the captured functions (CPU tests)."""
+    """Give `engine` (its KV pools exist, no decode has run yet) a graph runner whose static buffers are allocated;
+    its graphs are captured when first due (DecodeGraphRunner.capture_up_to). engine.graph_stats = {mode,
+    batch_sizes (captured so far), capture_seconds, graph_pool_bytes, ...} stays current. `mode` is resolved (see
+    resolve_graph_mode); `emulate` replays by re-running the captured functions (CPU tests)."""
     mode = _enum(mode, GraphMode)
     if mode == GraphMode.auto:
         raise ValueError("attach_graph_runner takes a resolved graph mode; call resolve_graph_mode first")
     stats: dict[str, Any] = {"mode": mode.value, "capture_seconds": 0.0, "graph_pool_bytes": 0,
-                             "static_buffer_bytes": 0, "num_graphs": 0, "batch_sizes": []}
+                             "static_buffer_bytes": 0, "num_graphs": 0, "batch_sizes": [], "capturable_batch_sizes": []}
     engine.runner.graph_runner = None
     if mode != GraphMode.eager:
         _, max_batch, sizes = graph_settings(graph_cfg)

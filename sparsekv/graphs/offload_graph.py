@@ -125,8 +125,14 @@ class OffloadGraphRunner(DecodeGraphRunner):
                                          device=self.device)  # decode slots and tail lengths (the store fills it)
         self.layouts = LayoutGraphs(self.kv_store, self.capturer, self.stats, self.emulate, self.decode_inputs)
 
+    def capture(self) -> dict:
+        stats = super().capture()
+        self.captured = set(self.batch_sizes)  # no graph per batch size: a layout is captured when a step first runs it
+        stats["batch_sizes"] = list(self.batch_sizes)
+        return stats
+
     def _capture(self, bs: int) -> None:
-        """Nothing up front: a layout is captured when a step first runs it."""
+        """Nothing per batch size (see capture)."""
 
     def _static_buffers(self) -> list[torch.Tensor]:
         return [self.inputs, self.decode_inputs]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from sparsekv.config import LoadFormat
 from sparsekv.distributed.sharding import Shard
@@ -40,9 +41,9 @@ def model_class(spec: ModelSpec, models: dict[str, type]) -> type:
 def build_model(model_cfg, spec: ModelSpec, cls: type, device: torch.device, dtype: torch.dtype,
                 seed: int, *, kernels: KernelChoice) -> nn.Module:
     """cls(spec, kernels=kernels) on `device` in `dtype`, with its weights (or dummy ones)."""
-    with torch.device("meta"):
+    with _default_dtype(dtype), torch.device(device), SkipInit():  # each weight: one uninitialized allocation
         model = cls(spec, kernels=kernels)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype)  # tensors built in an explicit dtype (fp32 buffers), as every float tensor is `dtype`
     model.rotary.inv_freq = model.rotary.__class__(spec.head_dim, spec.rope_theta, spec.rope_scaling,
                                                    kernels=kernels).inv_freq.to(device)
     if spec.tie_word_embeddings:
@@ -55,6 +56,27 @@ def build_model(model_cfg, spec: ModelSpec, cls: type, device: torch.device, dty
         if load_format == LoadFormat.dummy_structured:
             init_structured_dummy(model, seed)
     return model.eval().requires_grad_(False)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class SkipInit(TorchFunctionMode):
+    """Leaves out torch.nn.init's fills (the reset_parameters of nn.Linear / nn.Embedding) while a model is built:
+    its weights are overwritten by the checkpoint or init_dummy anyway. The model is built on its device rather
+    than on meta: meta ops without a C++ kernel run torch._refs, whose first call imports torch._dynamo (seconds)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else (kwargs or {}).get("tensor")
+        return func(*args, **(kwargs or {}))
 
 
 @torch.no_grad()
