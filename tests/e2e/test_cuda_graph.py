@@ -183,13 +183,32 @@ def test_emulated_graphs_give_the_eager_tokens(qwen3_ckpt, eager_tokens, store, 
     runner = llm.engine.runner.graph_runner
     assert isinstance(runner, CudaGraphRunner if mode == "cudagraph" else SegmentedGraphRunner)
     assert runner.batch_sizes == [1, 2, 4, 8, 16]  # scheduler.max_num_seqs=16
-    assert (tokens(llm, ONE), tokens(llm, THREE)) == eager_tokens[store]
-    assert runner.replayed_steps == 2 * DECODE_STEPS and runner.eager_steps == 0
     stats = llm.engine.graph_stats
-    assert stats["mode"] == mode and stats["capture_seconds"] > 0
+    assert stats["capturable_batch_sizes"] == [1, 2, 4, 8, 16]
+    assert stats["batch_sizes"] == [] and stats["num_graphs"] == 0  # captured when first due, not at build
     layers = llm.engine.spec.num_hidden_layers
     per_size = 1 if mode == "cudagraph" else 2 * layers + 2  # embed, pre/post per layer, final norm
-    assert stats["num_graphs"] == 5 * per_size
+    assert tokens(llm, ONE) == eager_tokens[store][0]
+    assert stats["batch_sizes"] == [1] and stats["num_graphs"] == per_size and stats["capture_seconds"] > 0
+    first_capture = stats["capture_seconds"]
+    # three requests: every size the shrinking batch can reach is captured before generate's steps run
+    assert tokens(llm, THREE) == eager_tokens[store][1]
+    assert stats["batch_sizes"] == [1, 2, 4] and stats["num_graphs"] == 3 * per_size
+    assert stats["capture_seconds"] > first_capture and stats["mode"] == mode
+    assert runner.replayed_steps == 2 * DECODE_STEPS and runner.eager_steps == 0
+
+
+def test_a_step_outside_generate_captures_its_size_when_due(qwen3_ckpt, eager_tokens):
+    """Requests added straight to the engine: the first decode step of a size without a graph captures that size
+    (only it) before it runs, and replays it."""
+    llm = emulated(qwen3_ckpt, NONE, "cudagraph")
+    engine, runner = llm.engine, llm.engine.runner.graph_runner
+    seqs = [engine.add_request(p, GREEDY) for p in THREE]
+    while engine.scheduler.has_unfinished():
+        engine.step()
+    assert engine.graph_stats["batch_sizes"] == [4]  # the batch of 3 ran in the size-4 graph; 1 and 2 not needed
+    assert [s.completion_token_ids for s in seqs] == eager_tokens["none"][1]
+    assert runner.replayed_steps == DECODE_STEPS and runner.eager_steps == 0
 
 
 def test_cudagraph_padding_rows_write_only_the_scratch_slot(qwen3_ckpt, eager_tokens):
