@@ -247,6 +247,7 @@ class LLMEngine:
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         self.stats = RunStats()
+        self.policy.reset_density()
         graph = self.runner.graph_runner
         if graph is not None:
             graph.replayed_steps = graph.eager_steps = 0

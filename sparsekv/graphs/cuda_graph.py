@@ -216,9 +216,15 @@ class DecodeGraphRunner:
         ok = 0 < len(seqs) <= self.max_batch_size
         if not ok:
             self.eager_steps += 1
-        elif self.bucket(len(seqs)) not in self.captured:  # a step outside generate(): captured here, timed with it
-            self.capture_up_to(len(seqs), only_bucket=True)
+        else:
+            self.ensure_bucket(len(seqs))
         return ok
+
+    def ensure_bucket(self, n: int) -> None:
+        """The graph of a step of n sequences, captured now if it has none (a step outside generate(): its capture
+        is timed with it). Before the step writes its static inputs."""
+        if self.bucket(n) not in self.captured:
+            self.capture_up_to(n, only_bucket=True)
 
     def prepare_decode(self, batch):
         return None
@@ -342,6 +348,7 @@ class CudaGraphRunner(DecodeGraphRunner):
     def prepare_decode(self, batch):
         seqs, bsz = batch.seqs, self.block_size
         n = len(seqs)
+        self.ensure_bucket(n)
         bs = self.bucket(n)
         pad = bs - n
         positions = [len(seq) - 1 for seq in seqs]

@@ -94,6 +94,7 @@ class SegmentedGraphRunner(DecodeGraphRunner):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         n = input_ids.shape[0]
+        self.ensure_bucket(n)
         bs = self.bucket(n)
         static = self.inputs[:2 * bs].view(2, bs)
         static[0, :n].copy_(input_ids)  # padding rows keep earlier (valid) ids and positions; rows never mix
