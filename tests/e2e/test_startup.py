@@ -99,3 +99,28 @@ def test_warm_up_captures_batch_one_and_resets_the_figures(qwen3_ckpt):
                                                        summary["graph_capture_seconds"])
     assert runner.replayed_steps == GREEDY.max_tokens - 1 and engine.graph_stats["batch_sizes"] == [1]
 
+
+
+@pytest.mark.gpu
+def test_gpu_generate_run_compiles_at_build_and_never_imports_dynamo(tmp_path):
+    """On CUDA the engine's warm-up compiles the kernels and captures batch size 1 at build: the record's compile
+    figures are positive, the request's figures are its own, and torch._dynamo is never imported."""
+    result = subprocess.run([sys.executable, "-c", RUN_CLI_AND_REPORT_DYNAMO, "device=cuda", "sampling.max_tokens=16"],
+                            cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "torch._dynamo imported: False" in result.stdout, result.stdout
+    record = json.loads(next(tmp_path.glob("outputs/*/*/generate.json")).read_text())
+    assert record["kernel_compile_seconds"] > 0 and record["graph_capture_seconds"] > 0
+    assert record["prefill_tok_s"] > 0 and record["decode_ms_per_token"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_llm_is_warm_after_construction(qwen3_ckpt):
+    llm = LLM(str(qwen3_ckpt), overrides=["device=cuda", "dtype=bfloat16", "offload.block_size=16"])
+    engine = llm.engine
+    assert engine.graph_stats["batch_sizes"] == [1] and engine.startup["warmup_seconds"] > 0
+    assert engine.stats.decode_steps == 0 and engine.runner.graph_runner.replayed_steps == 0
+    captured = engine.graph_stats["capture_seconds"]
+    llm.generate([random_prompt(41, seed=5)], GREEDY)
+    assert engine.graph_stats["capture_seconds"] == captured  # nothing captured inside the request
+    assert engine.runner.graph_runner.replayed_steps == GREEDY.max_tokens - 1
