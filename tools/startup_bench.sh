@@ -21,6 +21,11 @@ set -o pipefail
 export PYTHONUNBUFFERED=1
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# sparsekv's pure-Python dependencies (hydra-core, omegaconf, antlr4, pluggy) may come as wheels in .whl/
+if ! python3 -c "import hydra, omegaconf, pluggy" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 case ":${PYTHONPATH:-}:" in *":$PWD:"*) ;; *) export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ;; esac
 OUT="${OUT:-$(mktemp -d /tmp/startup_bench.XXXXXX)}"
 mkdir -p "$OUT"
