@@ -13,8 +13,9 @@
 #                 shows the share it has.
 #   fresh-triton  empty Triton cache, warm .pyc cache: the kernel compile share alone
 #   second        every cache warm (the same directories as `fresh`)
-#   llm-api       in one process: `from sparsekv import LLM`, LLM() twice (the second in a warm process), one
-#                 generate(64), and whether torch._dynamo was imported (it should not be)
+#   llm-api       in one process: `from sparsekv import LLM`, LLM() twice (the second in a warm process), two
+#                 generate(64) (equal figures: nothing compiled inside the first), and whether torch._dynamo was
+#                 imported (it should not be)
 # Everything goes under $OUT (default: a new temporary folder); the caches are deleted at the end unless KEEP=1.
 set -u
 set -o pipefail
@@ -84,11 +85,18 @@ for attempt in ("first", "second"):
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-start = time.perf_counter()
-llm.generate("The quick brown fox", SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), progress=False)
-summary = llm.engine.summary()
-print(f"generate(64): {time.perf_counter() - start:.2f} s; prefill {summary['prefill_tok_s']:.0f} tok/s, "
-      f"decode {summary['decode_ms_per_token']:.2f} ms/token")
+from sparsekv.engine.llm_engine import RunStats  # noqa: E402
+
+for attempt in ("first", "second"):  # equal figures: no kernel compiled or graph captured inside the first
+    llm.engine.stats = RunStats()
+    captured = llm.engine.graph_stats.get("capture_seconds", 0.0)
+    start = time.perf_counter()
+    llm.generate("The quick brown fox jumps over the lazy dog. Long context inference is",
+                 SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), progress=False)
+    summary = llm.engine.summary()
+    print(f"generate(64) {attempt}: {time.perf_counter() - start:.2f} s; prefill {summary['prefill_tok_s']:.0f} "
+          f"tok/s, decode {summary['decode_ms_per_token']:.2f} ms/token, graphs captured inside: "
+          f"{llm.engine.graph_stats.get('capture_seconds', 0.0) - captured:.2f} s")
 print("torch._dynamo imported:", "torch._dynamo" in sys.modules)
 EOF
 
