@@ -29,7 +29,7 @@ class OffloadKVStore(KVStore):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_gpu_blocks: int,
                  prefill_tokens: int, max_num_seqs: int, host_pool_gib: float | None, dtype: torch.dtype,
                  device: torch.device, prefill_policy, decode_policy, initial_prefill_buffer: int,
-                 check_selections: bool = False):
+                 check_selections: bool = False, cache_slots_per_layer: int = 0):
         self.block_size = block_size
         self.chunk_tokens = prefill_tokens
         self.prefill_token_budget = prefill_tokens
@@ -38,7 +38,9 @@ class OffloadKVStore(KVStore):
         self.num_blocks = host_pool_blocks(host_pool_gib, self.bytes_per_block)
         self.host = HostPool(num_layers, max(1, self.num_blocks), block_size, num_kv_heads, head_dim, dtype,
                              pin_memory=device.type == "cuda")
-        self.engine = self.engine_class(self.host, num_gpu_blocks, initial_prefill_buffer, max_num_seqs, device)
+        # cache_slots_per_layer: the GPU block cache's size (0: none); factory.gpu_cache_slots sizes it
+        self.engine = self.engine_class(self.host, num_gpu_blocks, initial_prefill_buffer, max_num_seqs, device,
+                                        cache_slots_per_layer=cache_slots_per_layer)
         # the policies whose metadata hooks see every offloaded block
         self.policies = [prefill_policy] if prefill_policy is decode_policy else [prefill_policy, decode_policy]
         self.layout = KVLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -57,10 +59,16 @@ class OffloadKVStore(KVStore):
         self.num_layers, self.max_num_seqs = num_layers, max_num_seqs
         # captured decode steps (bind_static_decode_inputs): each step's decode slots and tail lengths
         self.static_decode_inputs: torch.Tensor | None = None
+        self.reserved_blocks = 0  # host blocks kept pinned while idle (reserve); the rest is released when idle
 
     @property
     def transfer_stats(self) -> dict[str, int]:
         return self.engine.transfer_stats
+
+    @property
+    def cache_stats(self) -> dict[str, int]:
+        """The GPU block cache's counters (OffloadEngine.cache_stats); empty without a cache."""
+        return self.engine.cache_stats
 
     def capacity_hint(self) -> str:
         return (f"the host pool holds {self.num_blocks} blocks of {self.block_size} tokens; raise "
@@ -70,7 +78,8 @@ class OffloadKVStore(KVStore):
         """Pin host memory for `num_tokens` tokens of KV now rather than while prefilling; returns seconds spent.
         Pinning runs at a few GB/s, so a first long request otherwise pays it inside its prefill."""
         start = time.perf_counter()
-        self.host.ensure_capacity(min(self.num_blocks, -(-num_tokens // self.block_size)))
+        self.reserved_blocks = min(self.num_blocks, -(-num_tokens // self.block_size))
+        self.host.ensure_capacity(self.reserved_blocks)
         return time.perf_counter() - start
 
     # ---- what the policies see
@@ -107,7 +116,8 @@ class OffloadKVStore(KVStore):
     def decode_layout(self, seqs: list[Sequence]) -> tuple:
         """What a captured decode step bakes in: per sequence its decode row and full host blocks, the host slabs
         the gather reads, and the device-side id lists it was captured with."""
-        return (len(self.host.k_slabs), self.engine.device_ids_generation,
+        cache = self.engine.cache
+        return (self.host.generation, self.engine.device_ids_generation, cache.epoch if cache is not None else 0,
                 *((self.decode_rows[s.seq_id][1], *self.full_blocks(s)) for s in seqs))
 
     def block_fills(self) -> bool:
@@ -159,6 +169,7 @@ class OffloadKVStore(KVStore):
 
     def begin_step(self, context: Context) -> None:
         self.host.ensure_capacity(1 + max(max(seq.block_table) for seq in context.seqs))
+        self.engine.begin_step()
         in_step = {seq.seq_id for seq in context.seqs}
         rows = [self._row(seq, in_step) for seq in context.seqs]
         if context.is_prefill:
@@ -234,7 +245,10 @@ class OffloadKVStore(KVStore):
         entry = self.decode_rows.pop(seq.seq_id, None)
         if entry is not None:
             self.free_rows.append(entry[1])
-        if not self.decode_rows:  # idle: per-sequence policy state and device-side id lists can go
+        if not self.decode_rows:  # idle: per-sequence policy state, device-side id lists and host slabs can go
             self.engine.forget_device_ids()
             for policy in self.policies:
                 policy.reset()
+            if self.device.type == "cuda":  # no copy or gather may touch a slab being freed
+                torch.cuda.synchronize(self.device)
+            self.host.release_slabs(self.reserved_blocks)

@@ -1,4 +1,5 @@
-"""RingReader: the KVReader a policy gets, host blocks of one layer read through the OffloadEngine's GPU ring."""
+"""RingReader: the KVReader a policy gets, host blocks of one layer read through the OffloadEngine's GPU ring (and
+its GPU block cache, when there is one)."""
 from __future__ import annotations
 
 from typing import Iterator, Sequence
@@ -12,7 +13,9 @@ from sparsekv.policies.context import KVGroup
 class RingReader:
     """groups() yields KVGroups in the order of `blocks`; each is loaded (copy engines for a host list, the gather
     kernel for a device tensor) and waited for before it is yielded, the next one loads meanwhile, and its slots are
-    released for reloading when the caller advances (or stops)."""
+    released for reloading when the caller advances (or stops). With a GPU block cache, a host list's cached blocks
+    are read in place and its groups may be shorter than group_size (runs of consecutive cache slots); an explicit
+    group_size still gives exactly group_size blocks per group."""
     __slots__ = ("engine", "layer", "tail", "check_selections")
 
     def __init__(self, engine: OffloadEngine, layer: int, tail=None, check_selections: bool = False):
@@ -27,6 +30,9 @@ class RingReader:
         return self.engine.num_slots
 
     def num_groups(self, num_blocks: int, group_size: int | None = None) -> int:
+        """At most this many groups for `num_blocks` blocks (exact without a cache)."""
+        if self.engine.cache is not None and group_size is None:
+            return num_blocks  # cache runs are at least one block each
         return self.engine.num_block_groups(num_blocks, group_size)
 
     def groups(self, blocks: Sequence[int] | torch.Tensor, group_size: int | None = None) -> Iterator[KVGroup]:
@@ -34,12 +40,16 @@ class RingReader:
         if group_size is not None and not 1 <= group_size <= engine.num_slots:
             raise ValueError(f"group_size={group_size}: must be between 1 and the ring's {engine.num_slots} slots")
         if isinstance(blocks, torch.Tensor):
-            loaded = engine.gather_block_groups(self.layer, blocks)
+            loaded = ((*engine.get_kv_for_slots(first, len(ids)), ids, first)
+                      for first, ids in engine.gather_block_groups(self.layer, blocks))
+        elif engine.cache is not None:
+            loaded = engine.cached_block_groups(self.layer, list(blocks), group_size)
         else:
-            loaded = engine.stream_block_groups(self.layer, list(blocks), group_size)
-        for first, ids in loaded:
-            k, v = engine.get_kv_for_slots(first, len(ids))  # [n * block_size, KVH, D] each
+            loaded = ((*engine.get_kv_for_slots(first, len(ids)), ids, first)
+                      for first, ids in engine.stream_block_groups(self.layer, list(blocks), group_size))
+        for k, v, ids, first in loaded:  # k, v [n * block_size, KVH, D]
             try:
                 yield KVGroup(ids, k, v)
             finally:  # the caller's kernels on these slots are enqueued: later loads wait for them
-                engine.record_slots_compute_done(first, len(ids))
+                if first is not None:
+                    engine.record_slots_compute_done(first, len(ids))
