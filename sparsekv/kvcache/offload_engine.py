@@ -140,6 +140,22 @@ class OffloadEngine:
             if self._step_start is not None:
                 self._step_start.record(torch.cuda.current_stream(self.device))
 
+    def cache_slots(self, layer: int, cpu_blocks: list[int]) -> list[int | None]:
+        """The GPU block cache slot of each block (None: not cached), misses loaded from the host; the compute
+        stream waits for those loads and the layer's write-throughs before it reads the cache."""
+        stats = self.transfer_stats if self.capture is None else self.capture.moved
+        slots, loads = self.cache.lookup(layer, cpu_blocks, stats)
+        if loads:
+            self._load_cache(layer, loads)
+        elif self.streams.cuda and self.capture is None:
+            self.streams.wait_offloaded(torch.cuda.current_stream(self.device), layer)
+        return slots
+
+    def decode_pool(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode buffer as paged K/V [max_seqs * L, block_size, KVH, D]: block row * L + layer is a sequence's
+        unfinished block of one layer."""
+        return self.decode_k.flatten(0, 1), self.decode_v.flatten(0, 1)
+
     def cached_block_groups(self, layer: int, cpu_blocks: list[int], group_size: int | None = None
                             ) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[int], int | None]]:
         """Like stream_block_groups through the GPU block cache: yields (k, v [n * block_size, KVH, D], blocks,
@@ -148,13 +164,7 @@ class OffloadEngine:
         group is exactly the next group_size blocks, read in place when they sit in consecutive cache slots, else
         copied into the ring (cached blocks device to device). The caller calls record_slots_compute_done for a
         group with a ring slot after reading it."""
-        cache = self.cache
-        stats = self.transfer_stats if self.capture is None else self.capture.moved
-        slots, loads = cache.lookup(layer, cpu_blocks, stats)
-        if loads:
-            self._load_cache(layer, loads)
-        elif self.streams.cuda and self.capture is None:  # write-throughs of this layer reached the cache
-            self.streams.wait_offloaded(torch.cuda.current_stream(self.device), layer)
+        slots = self.cache_slots(layer, cpu_blocks)
         size = group_size or max(1, self.num_slots // 2)
         groups: list[tuple[list[int], list[int | None]]] = []
         if group_size is not None:

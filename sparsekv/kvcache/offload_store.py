@@ -10,9 +10,11 @@ import torch
 from sparsekv.engine.context import Context
 from sparsekv.engine.sequence import Sequence
 from sparsekv.kvcache.base import KVStore, available_host_memory
+from sparsekv.kvcache.batched_decode import batched_decode_attention
 from sparsekv.kvcache.host_pool import GIB, HostPool
 from sparsekv.kvcache.offload_engine import OffloadEngine, RingCapture
 from sparsekv.kvcache.reader import RingReader
+from sparsekv.policies.base import SparsePolicy
 from sparsekv.policies.context import KVLayout, PolicyContext
 
 HOST_HEADROOM = 4 * GIB
@@ -56,6 +58,7 @@ class OffloadKVStore(KVStore):
         self.decode_rows: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (seq, row of the decode buffer)
         self.free_rows = list(range(max_num_seqs))
         self.filled: list[int] = []  # decode: batch indices whose block fills this step
+        self.batched_blocks: list[list[int]] | None = None  # decode: per sequence its full blocks, when batched
         self.num_layers, self.max_num_seqs = num_layers, max_num_seqs
         # captured decode steps (bind_static_decode_inputs): each step's decode slots and tail lengths
         self.static_decode_inputs: torch.Tensor | None = None
@@ -90,6 +93,14 @@ class OffloadKVStore(KVStore):
     def full_blocks(self, seq: Sequence) -> list[int]:
         """Decode: host blocks before the block of the token being computed."""
         return seq.block_table[: (len(seq) - 1) // self.block_size]
+
+    @property
+    def decode_attends_all(self) -> bool:
+        """Does decode attend every full block through the standard pipeline (full attention)? Then a batch can be
+        attended by one paged call over the GPU block cache (sparsekv/kvcache/batched_decode.py)."""
+        policy = type(self.decode_policy)
+        return (policy.select_blocks is SparsePolicy.select_blocks
+                and policy.compute_chunked_decode is SparsePolicy.compute_chunked_decode)
 
     def decode_tail(self, seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Decode: (k, v, length) of the unfinished block, the new token included. Eager steps: k/v [n, KVH, D] hold
@@ -177,18 +188,36 @@ class OffloadKVStore(KVStore):
             return
         offsets = [(len(seq) - 1) % self.block_size for seq in context.seqs]
         self.filled = [b for b, seq in enumerate(context.seqs) if len(seq) % self.block_size == 0]
-        if self.static_decode_inputs is None:
-            self.decode_slots = self.engine.decode_slots(rows, offsets)  # [L, B]
-            return
-        # one copy: [L * B] decode slots, then [B] tail lengths (a graph is captured per batch size, so the views
-        # of one B are the same buffers at every replay)
-        host = self.engine.decode_slot_table(rows, offsets) + [offset + 1 for offset in offsets]
-        static = self.static_decode_inputs[:len(host)]
-        static.copy_(torch.tensor(host, dtype=torch.int64, pin_memory=self.device.type == "cuda"), non_blocking=True)
+        self.batched_blocks = self._batched_blocks(context.seqs)
         batch = len(rows)
-        self.decode_slots = static[:-batch].view(-1, batch)  # [L, B]
-        self._tail_lengths = {seq.seq_id: static[len(host) - batch + b:len(host) - batch + b + 1]
+        if self.static_decode_inputs is None:
+            if self.batched_blocks is None:
+                self.decode_slots = self.engine.decode_slots(rows, offsets)  # [L, B]
+                return
+            # one copy: [L * B] decode slots, then [B] tail lengths (what the batched attention reads)
+            host = self.engine.decode_slot_table(rows, offsets) + [offset + 1 for offset in offsets]
+            table = torch.tensor(host, dtype=torch.int64, pin_memory=self.device.type == "cuda").to(
+                self.device, non_blocking=True)
+        else:  # the same, into the runner's static buffer (a graph is captured per batch size, so the views of one
+            # B are the same buffers at every replay)
+            host = self.engine.decode_slot_table(rows, offsets) + [offset + 1 for offset in offsets]
+            table = self.static_decode_inputs[:len(host)]
+            table.copy_(torch.tensor(host, dtype=torch.int64, pin_memory=self.device.type == "cuda"),
+                        non_blocking=True)
+        self.decode_slots = table[:-batch].view(-1, batch)  # [L, B]
+        self.tail_lengths = table[-batch:]  # [B]
+        self._tail_lengths = {seq.seq_id: table[len(host) - batch + b:len(host) - batch + b + 1]
                               for b, seq in enumerate(context.seqs)}  # each [1]
+
+    def _batched_blocks(self, seqs: list[Sequence]) -> list[list[int]] | None:
+        """Each sequence's full host blocks when this decode step attends the whole batch at once (BatchedDecode):
+        more than one sequence, a decode policy that attends every block with the standard pipeline, and a GPU
+        block cache that can hold the batch's blocks of a layer; else None (one attention call per sequence)."""
+        cache = self.engine.cache
+        if cache is None or len(seqs) < 2 or not self.decode_attends_all:
+            return None
+        blocks = [self.full_blocks(seq) for seq in seqs]
+        return blocks if sum(map(len, blocks)) <= cache.slots_per_layer else None
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                context: Context) -> torch.Tensor:
@@ -222,8 +251,12 @@ class OffloadKVStore(KVStore):
     def _decode(self, layer: int, q, k, v, scale: float, context: Context) -> torch.Tensor:
         engine = self.engine
         engine.write_decode_tokens(layer, self.decode_slots[layer], k, v)
-        outs = [self._decode_one(layer, q[b:b + 1], scale, seq) for b, seq in enumerate(context.seqs)]  # [1, H, D]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if self.batched_blocks is not None:  # the whole batch in one paged call over the cache
+            out = batched_decode_attention(engine, layer, q, scale, self.batched_blocks, self.decode_slots[layer],
+                                           self.tail_lengths)
+        else:
+            outs = [self._decode_one(layer, q[b:b + 1], scale, seq) for b, seq in enumerate(context.seqs)]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [B, H, D]
         for b in self.filled:
             seq = context.seqs[b]
             row, block = self.decode_rows[seq.seq_id][1], seq.block_table[(len(seq) - 1) // self.block_size]

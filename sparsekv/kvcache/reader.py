@@ -39,17 +39,21 @@ class RingReader:
         engine = self.engine
         if group_size is not None and not 1 <= group_size <= engine.num_slots:
             raise ValueError(f"group_size={group_size}: must be between 1 and the ring's {engine.num_slots} slots")
+        if engine.cache is not None and not isinstance(blocks, torch.Tensor):
+            for k, v, ids, first in engine.cached_block_groups(self.layer, list(blocks), group_size):
+                try:
+                    yield KVGroup(ids, k, v)  # k, v [n * block_size, KVH, D]: cache slots or ring slots
+                finally:
+                    if first is not None:  # ring slots: later loads wait for the caller's kernels
+                        engine.record_slots_compute_done(first, len(ids))
+            return
         if isinstance(blocks, torch.Tensor):
-            loaded = ((*engine.get_kv_for_slots(first, len(ids)), ids, first)
-                      for first, ids in engine.gather_block_groups(self.layer, blocks))
-        elif engine.cache is not None:
-            loaded = engine.cached_block_groups(self.layer, list(blocks), group_size)
+            loaded = engine.gather_block_groups(self.layer, blocks)
         else:
-            loaded = ((*engine.get_kv_for_slots(first, len(ids)), ids, first)
-                      for first, ids in engine.stream_block_groups(self.layer, list(blocks), group_size))
-        for k, v, ids, first in loaded:  # k, v [n * block_size, KVH, D]
+            loaded = engine.stream_block_groups(self.layer, list(blocks), group_size)
+        for first, ids in loaded:
+            k, v = engine.get_kv_for_slots(first, len(ids))  # [n * block_size, KVH, D] each
             try:
                 yield KVGroup(ids, k, v)
             finally:  # the caller's kernels on these slots are enqueued: later loads wait for them
-                if first is not None:
-                    engine.record_slots_compute_done(first, len(ids))
+                engine.record_slots_compute_done(first, len(ids))
