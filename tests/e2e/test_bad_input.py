@@ -247,6 +247,10 @@ BAD_INPUT = [
         "writable directory"),
     row("cli-offload-ring-zero", cli("device=cpu", "offload=cpu", "offload.num_gpu_blocks=0"), "num_gpu_blocks", ">= 1"),
     row("cli-offload-block-size-zero", cli("device=cpu", "offload.block_size=0"), "block_size", ">= 1"),
+    row("cli-gpu-cache-negative", cli("device=cpu", "offload=cpu", "offload.gpu_cache_gib=-2"), "gpu_cache_gib=-2",
+        "use auto, 0"),
+    row("cli-gpu-cache-not-a-number", cli("device=cpu", "offload=cpu", "offload.gpu_cache_gib=lots"),
+        "gpu_cache_gib='lots'", "size in GiB"),
     # ---- checkpoints
     row("cli-model-without-weights", cli("device=cpu", "model=qwen3_4b"), "model.path=", "model.load_format=dummy"),
     row("cli-hf-without-path", cli(*HF), "model.path"),

@@ -124,3 +124,19 @@ def test_bad_gpu_cache_size_is_refused_at_compose_time():
     for bad in ("-1", "lots"):
         with pytest.raises(ValueError, match=rf"offload.gpu_cache_gib='?{bad}'? is not valid; use auto, 0"):
             LLM("tiny", overrides=CPU + ["offload=cpu", f"offload.gpu_cache_gib={bad}"])
+
+
+def test_bench_records_the_cache(tmp_path):
+    import json
+
+    from sparsekv.llm import compose_config
+    from sparsekv.tasks import get_task
+
+    cfg = compose_config(["task=bench", f"output_dir={tmp_path}", "task.progress=false", "device=cpu",
+                          "offload=cpu", "offload.block_size=16", "offload.gpu_cache_gib=0.01", "task.context=64",
+                          "task.decode_steps=3", "task.warmup=false"])
+    get_task(cfg.task.name)(cfg)
+    record = json.loads((tmp_path / "bench.json").read_text())
+    assert record["gpu_cache"]["cache_slots"] > 0 and record["gpu_cache_gib"] > 0
+    assert record["gpu_cache_hit_rate"] == 1.0  # written through in prefill, read in place in decode
+    assert record["kv_transfer"]["decode_per_step"]["h2d_bytes"] == 0

@@ -249,6 +249,11 @@ def run(cfg: DictConfig) -> dict:
             loaded_floor_s = loaded / (h2d * 1e9)
             figures["decode_loaded_floor_ms"] = 1e3 * loaded_floor_s
             figures["decode_loaded_ratio"] = _ratio(decode_median_s, loaded_floor_s)
+        if engine.kv_store.cache_stats:  # GPU block cache: its size, counters, and the decode steps' hit rate
+            looked_up = sum(decode_moved.get(f"cache_{k}_blocks", 0) for k in ("hit", "miss", "overflow"))
+            figures["gpu_cache"] = dict(engine.kv_store.cache_stats)
+            figures["gpu_cache_gib"] = figures["gpu_cache"]["cache_bytes"] / 2**30
+            figures["gpu_cache_hit_rate"] = decode_moved["cache_hit_blocks"] / looked_up if looked_up else None
 
     prefill_floor_s = flops / (matmul * 1e12) if matmul else None
     decode_hbm_floor_s = dbytes / (hbm * 1e9) if hbm else None
