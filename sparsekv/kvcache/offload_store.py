@@ -95,12 +95,15 @@ class OffloadKVStore(KVStore):
         return seq.block_table[: (len(seq) - 1) // self.block_size]
 
     @property
-    def decode_attends_all(self) -> bool:
-        """Does decode attend every full block through the standard pipeline (full attention)? Then a batch can be
+    def decode_pipeline_standard(self) -> bool:
+        """Does the decode policy attend its selection (or every block) with the base pipeline? Then a batch can be
         attended by one paged call over the GPU block cache (sparsekv/kvcache/batched_decode.py)."""
-        policy = type(self.decode_policy)
-        return (policy.select_blocks is SparsePolicy.select_blocks
-                and policy.compute_chunked_decode is SparsePolicy.compute_chunked_decode)
+        return type(self.decode_policy).compute_chunked_decode is SparsePolicy.compute_chunked_decode
+
+    @property
+    def decode_attends_all(self) -> bool:
+        """Does the decode policy keep every block (full attention: no selection to ask for)?"""
+        return type(self.decode_policy).select_blocks is SparsePolicy.select_blocks
 
     def decode_tail(self, seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Decode: (k, v, length) of the unfinished block, the new token included. Eager steps: k/v [n, KVH, D] hold
@@ -210,11 +213,13 @@ class OffloadKVStore(KVStore):
                               for b, seq in enumerate(context.seqs)}  # each [1]
 
     def _batched_blocks(self, seqs: list[Sequence]) -> list[list[int]] | None:
-        """Each sequence's full host blocks when this decode step attends the whole batch at once (BatchedDecode):
-        more than one sequence, a decode policy that attends every block with the standard pipeline, and a GPU
-        block cache that can hold the batch's blocks of a layer; else None (one attention call per sequence)."""
+        """Each sequence's full host blocks when this decode step attends the whole batch at once
+        (sparsekv/kvcache/batched_decode.py): a decode policy with the standard pipeline, a GPU block cache that can
+        hold the batch's blocks of a layer, and several sequences or a selecting policy (whose device-side choice
+        the cache can serve only this way); else None (one attention call per sequence)."""
         cache = self.engine.cache
-        if cache is None or len(seqs) < 2 or not self.decode_attends_all:
+        # one sequence with full attention reads its cached runs in place already (cached_block_groups)
+        if cache is None or not self.decode_pipeline_standard or (len(seqs) < 2 and self.decode_attends_all):
             return None
         blocks = [self.full_blocks(seq) for seq in seqs]
         return blocks if sum(map(len, blocks)) <= cache.slots_per_layer else None
@@ -252,8 +257,11 @@ class OffloadKVStore(KVStore):
         engine = self.engine
         engine.write_decode_tokens(layer, self.decode_slots[layer], k, v)
         if self.batched_blocks is not None:  # the whole batch in one paged call over the cache
+            selections = None if self.decode_attends_all else [
+                self._selection(layer, q[b:b + 1], scale, seq, blocks)
+                for b, (seq, blocks) in enumerate(zip(context.seqs, self.batched_blocks))]
             out = batched_decode_attention(engine, layer, q, scale, self.batched_blocks, self.decode_slots[layer],
-                                           self.tail_lengths)
+                                           self.tail_lengths, selections)
         else:
             outs = [self._decode_one(layer, q[b:b + 1], scale, seq) for b, seq in enumerate(context.seqs)]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [B, H, D]
@@ -265,6 +273,16 @@ class OffloadKVStore(KVStore):
                 hooked.on_decode_offload(block, layer, keys, self.block_size)
             engine.offload_decode_buffer_async(layer, row, block)
         return out
+
+    def _selection(self, layer: int, q: torch.Tensor, scale: float, seq: Sequence, blocks: list[int]
+                   ) -> list[int] | torch.Tensor:
+        """The decode policy's checked choice among a sequence's full blocks (batched decode)."""
+        if not blocks:
+            return []
+        n = len(seq)
+        ctx = PolicyContext(phase="decode", layer=layer, query=q, candidates=blocks, block_size=self.block_size,
+                            query_start=n - 1, kv_len=n, softmax_scale=scale, ids_source=self.engine.device_block_ids)
+        return self.decode_policy.checked_selection(ctx, self.readers[layer])
 
     def _decode_one(self, layer: int, q: torch.Tensor, scale: float, seq: Sequence) -> torch.Tensor:
         n = len(seq)

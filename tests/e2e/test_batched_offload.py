@@ -1,6 +1,6 @@
 """Offloaded decode of a batch of sequences of different lengths gives each sequence the tokens it gets alone
-(float32, CPU), for full attention and Quest; with a GPU block cache that holds the batch, full attention decodes
-the whole batch with one paged attention call per layer instead of a call per sequence."""
+(float32, CPU), for full attention and Quest; with a GPU block cache that holds the batch, a decode step attends the
+whole batch with one paged attention call per layer instead of a pipeline per sequence."""
 from __future__ import annotations
 
 import pytest
@@ -46,15 +46,17 @@ def test_mixed_length_batch_equals_one_by_one(qwen3_ckpt, policy, cache, count_b
     count_batched.clear()
     llm, together = run(qwen3_ckpt, PROMPTS, *policy, cache)
     assert together == alone
-    batched = cache == CACHE and not policy
-    assert bool(count_batched) == batched
-    if batched:  # every decode step of several sequences: one call per layer for the batch
+    assert bool(count_batched) == (cache == CACHE)
+    if cache == CACHE:  # every decode step of several sequences: one call per layer for the batch
         assert max(count_batched) == len(PROMPTS)
+        # Quest's choices were served from the cache: nothing came from the host in decode
+        assert llm.engine.kv_store.transfer_stats["h2d_blocks"] == 0
 
 
+@pytest.mark.parametrize("policy", [[], QUEST], ids=["full", "quest"])
 @pytest.mark.parametrize("graph", ["cudagraph", "segmented"])
-def test_batched_decode_under_emulated_graphs(qwen3_ckpt, graph, count_batched):
-    _, want = run(qwen3_ckpt, PROMPTS, "offload.gpu_cache_gib=0")
-    llm, got = run(qwen3_ckpt, PROMPTS, CACHE, graph=graph)
+def test_batched_decode_under_emulated_graphs(qwen3_ckpt, graph, policy, count_batched):
+    _, want = run(qwen3_ckpt, PROMPTS, "offload.gpu_cache_gib=0", *policy)
+    llm, got = run(qwen3_ckpt, PROMPTS, CACHE, *policy, graph=graph)
     assert got == want and count_batched
     assert llm.engine.runner.graph_runner.replayed_steps > 0
