@@ -255,7 +255,7 @@ class OffloadEngine:
             self._count_loads(len(group))
             yield first, group
 
-    MAX_DEVICE_ID_LISTS = 256
+    MAX_DEVICE_ID_LISTS = 1024  # batched decode adds a slot table per layer and layout
 
     def device_block_ids(self, blocks: list[int]) -> torch.Tensor:
         """[n] int64 on the device holding `blocks`, one copy per distinct list, kept until forget_device_ids()

@@ -209,8 +209,9 @@ class OffloadKVStore(KVStore):
                         non_blocking=True)
         self.decode_slots = table[:-batch].view(-1, batch)  # [L, B]
         self.tail_lengths = table[-batch:]  # [B]
-        self._tail_lengths = {seq.seq_id: table[len(host) - batch + b:len(host) - batch + b + 1]
-                              for b, seq in enumerate(context.seqs)}  # each [1]
+        if self.static_decode_inputs is not None:
+            self._tail_lengths = {seq.seq_id: self.tail_lengths[b:b + 1]
+                                  for b, seq in enumerate(context.seqs)}  # each [1]
 
     def _batched_blocks(self, seqs: list[Sequence]) -> list[list[int]] | None:
         """Each sequence's full host blocks when this decode step attends the whole batch at once
