@@ -259,8 +259,9 @@ def run(cfg: DictConfig) -> dict:
     decode_hbm_floor_s = dbytes / (hbm * 1e9) if hbm else None
     offloaded = figures["offload"] == "cpu"
     decode_pcie_floor_s = kv_context_bytes / (h2d * 1e9) if (offloaded and h2d) else None
-    # a block-selecting policy loads less than the whole context: its floor is what it loaded
-    binding = [f for f in (decode_hbm_floor_s, loaded_floor_s or decode_pcie_floor_s) if f]
+    # a block-selecting policy (or a GPU block cache) loads less than the whole context: its floor is what it loaded
+    loaded_or_pcie = decode_pcie_floor_s if loaded_floor_s is None else loaded_floor_s
+    binding = [f for f in (decode_hbm_floor_s, loaded_or_pcie) if f]
     decode_floor_s = max(binding) if binding else None
     ms = (lambda seconds: 1e3 * seconds if seconds is not None else None)
     figures.update({
