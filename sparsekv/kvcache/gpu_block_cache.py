@@ -13,7 +13,9 @@ streams the rest, and full attention over a context larger than the cache settle
 instead of thrashing.
 
 Write-through: a block offloaded to the host (prefill chunk, filled decode block) is also copied on the device into
-its entry when a slot is free or evictable, so re-reads in later prefill chunks and the first decode step hit.
+its entry when a slot is free or evictable, so re-reads in later prefill chunks and the first decode step hit. An
+existing entry of the block is always rewritten, and a block is written before it is read, so an entry never
+outlives its host block's content (freed blocks and released host slabs included).
 
 Everything here is host-side bookkeeping over the host-known block lists: the engine copies (OffloadEngine).
 `epoch` changes whenever an entry is evicted (a slot gets another block): a captured decode graph bakes in slot
@@ -129,13 +131,3 @@ class GpuBlockCache:
         self.slot_of[layer][block] = slot
         self.last_used[slot] = step
         return slot
-
-    def clear(self) -> None:
-        """Forget every entry (the host pool's memory was released: block ids will name new data)."""
-        for layer in range(self.num_layers):
-            self.slot_of[layer].clear()
-            first = layer * self.slots_per_layer
-            self.free[layer] = list(range(first + self.slots_per_layer - 1, first - 1, -1))
-        self.block_in = [-1] * self.num_slots
-        self.last_used = [-1] * self.num_slots
-        self.epoch += 1
