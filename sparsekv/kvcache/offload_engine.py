@@ -311,19 +311,17 @@ class OffloadEngine:
                         last = event
                 if capture is None:
                     s.wait_offloaded(s.h2d, layer)  # the blocks reached the host
-                host_blocks = self._copy_cached(first, blocks, cache_slots)
+                host_blocks = blocks if cache_slots is None else self._copy_cached(first, blocks, cache_slots)
                 self._copy_runs(layer, first, host_blocks)
                 s.slot_loaded[first].record(s.h2d)
         else:
-            host_blocks = self._copy_cached(first, blocks, cache_slots)
+            host_blocks = blocks if cache_slots is None else self._copy_cached(first, blocks, cache_slots)
             self._copy_runs(layer, first, host_blocks)
-        self._count_loads(sum(block is not None for block in host_blocks))
+        self._count_loads(len(blocks) if cache_slots is None else sum(b is not None for b in host_blocks))
         return first
 
-    def _copy_cached(self, first: int, blocks: list[int], cache_slots: list[int | None] | None) -> list[int | None]:
+    def _copy_cached(self, first: int, blocks: list[int], cache_slots: list[int | None]) -> list[int | None]:
         """Copy the cached blocks of a ring group from the cache; returns `blocks` with those replaced by None."""
-        if cache_slots is None or all(slot is None for slot in cache_slots):
-            return blocks
         for i, slot in enumerate(cache_slots):
             if slot is not None:
                 self.k_slots[first + i].copy_(self.cache.k[slot], non_blocking=True)
