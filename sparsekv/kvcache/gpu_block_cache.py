@@ -104,16 +104,15 @@ class GpuBlockCache:
         return slot
 
     def _take(self, layer: int, block: int, preferred: int | None) -> int | None:
-        """A slot of the layer's region for `block`: `preferred` if free or evictable, else a free slot, else the
-        least recently used one not used this step; None when every slot is in use this step."""
+        """A slot of the layer's region for `block`: `preferred` if free, else a free slot, else the least recently
+        used one not used this step; None when every slot is in use this step."""
         first = layer * self.slots_per_layer
         region = range(first, first + self.slots_per_layer)
         step, last_used = self.step, self.last_used
         slot = None
-        if preferred is not None and preferred in region and last_used[preferred] < step:
+        if preferred is not None and preferred in region and self.block_in[preferred] < 0:
             slot = preferred
-            if self.block_in[slot] < 0:
-                self.free[layer].remove(slot)
+            self.free[layer].remove(slot)
         elif self.free[layer]:
             slot = self.free[layer].pop()
         else:
