@@ -122,6 +122,23 @@ class HostOffloadConfig:
     host_pool_gib: Optional[float] = bounded(None, gt=0)  # host KV limit; null: 90% of MemAvailable less 4 GiB
     prefill_mode: PrefillMode = PrefillMode.chunked  # layerwise: the whole prompt per layer, then offload
     host_dtype: HostDType = HostDType.auto  # KV in host memory (and over PCIe): the model dtype or fp8 + scales
+    # GPU block cache of host blocks (sparsekv/kvcache/gpu_block_cache.py): "auto" (CUDA: the device memory left
+    # after weights, ring, buffers and graphs, less a margin; CPU devices: off), 0 (off), or a size in GiB
+    gpu_cache_gib: Any = "auto"
+
+
+def parse_gpu_cache_gib(value: Any) -> float | None:
+    """offload.gpu_cache_gib as GiB, None for "auto"; a clear error for anything else."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    try:
+        gib = float(value)
+    except (TypeError, ValueError):
+        gib = float("nan")
+    if isinstance(value, bool) or not gib >= 0 or gib == float("inf"):
+        raise ConfigError(f"offload.gpu_cache_gib={value!r} is not valid; use auto, 0 (no GPU block cache) or a "
+                          "size in GiB >= 0")
+    return gib
 
 
 OFFLOAD_SCHEMAS: dict[str, type] = {"none": ResidentOffloadConfig, "cpu": HostOffloadConfig}

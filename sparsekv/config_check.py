@@ -9,7 +9,7 @@ import numbers
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from sparsekv.config import OFFLOAD_SCHEMAS, Config, ConfigError
+from sparsekv.config import OFFLOAD_SCHEMAS, Config, ConfigError, parse_gpu_cache_gib
 from sparsekv.errors import PolicyConfigError
 from sparsekv.sampling_params import SamplingParams
 from sparsekv.tasks.config import TASK_SCHEMAS
@@ -156,6 +156,8 @@ def check_config(cfg: DictConfig) -> DictConfig:
     apply_per_policy(cfg)
     check_selections(cfg)
     check_ranges(cfg)
+    if "gpu_cache_gib" in cfg.offload:
+        parse_gpu_cache_gib(cfg.offload.gpu_cache_gib)
     try:
         SamplingParams(**OmegaConf.to_container(cfg.sampling))
     except ValueError as exc:

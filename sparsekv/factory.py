@@ -8,7 +8,7 @@ import time
 import torch
 from omegaconf import DictConfig
 
-from sparsekv.config import Device, DType, LoadFormat, OffloadMode, PrefillMode
+from sparsekv.config import Device, DType, LoadFormat, OffloadMode, PrefillMode, parse_gpu_cache_gib
 from sparsekv.config_check import build_policy  # noqa: F401 - re-exported: factory.build_policy
 from sparsekv.distributed.engine import DistributedEngine, TensorParallelSampler
 from sparsekv.distributed.launch import check_launch, driver_ranks, under_torchrun
@@ -21,7 +21,7 @@ from sparsekv.kernels._dispatch import activate_kernels
 from sparsekv.kernels.backend import resolve_kernels
 from sparsekv.kvcache.base import available_host_memory, format_bytes
 from sparsekv.kvcache.host_quant import host_block_bytes, resolve_host_dtype
-from sparsekv.kvcache.offload_store import HOST_HEADROOM, OffloadKVStore
+from sparsekv.kvcache.offload_store import HOST_HEADROOM, OffloadKVStore, host_pool_blocks
 from sparsekv.kvcache.paged import PagedKVStore
 from sparsekv.models.loader import build_model, model_class, resolve_spec
 from sparsekv.models.spec import ModelSpec
@@ -170,6 +170,38 @@ def prefill_chunk_tokens(cfg: DictConfig, max_model_len: int) -> int:
     return max(offload.block_size, chunk - chunk % offload.block_size)
 
 
+GPU_CACHE_MARGIN = 2 * GIB  # device memory gpu_cache_gib=auto leaves free (graphs, allocator slack, kernels)
+
+
+def gpu_cache_slots(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                    max_model_len: int, host_blocks: int) -> int:
+    """Slots per layer of the GPU block cache (offload.gpu_cache_gib): auto is the device memory left after the
+    weights (loaded by now), the ring, the prefill and decode buffers and the activations, less GPU_CACHE_MARGIN,
+    on CUDA, and no cache on a CPU device; never more than the host pool or max_num_seqs full-length sequences
+    can use."""
+    offload = cfg.offload
+    gib = parse_gpu_cache_gib(offload.get("gpu_cache_gib", "auto"))
+    layers = spec.num_hidden_layers
+    block_bytes = kv_block_bytes(cfg, spec, dtype) // layers  # K and V of one block of one layer
+    useful = min(host_blocks, cfg.scheduler.max_num_seqs * -(-max_model_len // offload.block_size))
+    if gib is None:
+        if device.type != "cuda":
+            return 0
+        free = torch.cuda.mem_get_info(device)[0]
+        token_bytes = spec.kv_bytes_per_token * dtype.itemsize
+        buffers = (offload.num_gpu_blocks * block_bytes + (prefill_chunk_tokens(cfg, max_model_len)
+                   + cfg.scheduler.max_num_seqs * offload.block_size) * token_bytes)
+        activations = cfg.scheduler.max_num_batched_tokens * (
+            4 * spec.intermediate_size + 8 * spec.hidden_size + 6 * spec.num_attention_heads * spec.head_dim
+        ) * dtype.itemsize
+        gib = max(0.0, (free - buffers - activations - GPU_CACHE_MARGIN) / GIB)
+    elif device.type == "cuda" and gib * GIB > torch.cuda.mem_get_info(device)[0]:
+        raise ValueError(f"offload.gpu_cache_gib={gib:g} exceeds the {format_bytes(torch.cuda.mem_get_info(device)[0])}"
+                         " of free device memory after the weights; lower it, or use auto")
+    slots = min(useful, int(gib * GIB // (layers * block_bytes)))
+    return slots if slots >= 1 else 0
+
+
 def build_kv_store(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                    max_model_len: int, policy, tp: TensorParallel = SINGLE):
     """`spec`: one rank's dimensions (rank_spec). With tensor parallelism every rank's store gets the same number
@@ -187,17 +219,30 @@ def build_kv_store(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device:
     chunk = prefill_chunk_tokens(cfg, max_model_len)
     initial_prefill_buffer = min(chunk, cfg.scheduler.max_num_batched_tokens)
     host_pool_gib = offload.host_pool_gib
+    host_dtype = resolve_host_dtype(offload.host_dtype, dtype, device)
+    block_bytes = host_block_bytes(spec.num_hidden_layers, offload.block_size, spec.num_key_value_heads,
+                                   spec.head_dim, host_dtype)
     if tp.size > 1:  # each rank's slice of the host pool holds its KV heads
-        block_bytes = kv_block_bytes(cfg, spec, dtype)
         total = host_pool_gib * GIB if host_pool_gib else 0.9 * available_host_memory() - HOST_HEADROOM
         share = total / tp.size
         blocks = tp.agree_min(max(0, int(share // block_bytes)), device)
         host_pool_gib = (blocks + 0.5) * block_bytes / GIB  # exactly `blocks` blocks (host_pool_blocks rounds down)
-    return OffloadKVStore(spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, offload.block_size,
-                          offload.num_gpu_blocks, chunk, cfg.scheduler.max_num_seqs, host_pool_gib, dtype,
-                          device, prefill_policy, decode_policy, initial_prefill_buffer,
-                          check_selections=check_selections,
-                          host_dtype=resolve_host_dtype(offload.host_dtype, dtype, device))
+    cache_slots = 0
+    if host_dtype == dtype:  # the GPU block cache holds model-dtype blocks: none with the fp8 host tier
+        cache_slots = gpu_cache_slots(cfg, spec, dtype, device, max_model_len, host_pool_blocks(host_pool_gib,
+                                                                                                 block_bytes))
+    elif parse_gpu_cache_gib(offload.get("gpu_cache_gib", "auto")) not in (None, 0.0):
+        raise ValueError(f"offload.gpu_cache_gib={offload.gpu_cache_gib} cannot be used with offload.host_dtype="
+                         f"{offload.host_dtype}: the GPU block cache holds model-dtype blocks; set "
+                         "offload.gpu_cache_gib=0 (or auto) or offload.host_dtype=auto")
+    store = OffloadKVStore(spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, offload.block_size,
+                           offload.num_gpu_blocks, chunk, cfg.scheduler.max_num_seqs, host_pool_gib, dtype,
+                           device, prefill_policy, decode_policy, initial_prefill_buffer,
+                           check_selections=check_selections, host_dtype=host_dtype,
+                           cache_slots_per_layer=cache_slots)
+    if cache_slots:
+        log.info("GPU block cache: %d blocks per layer (%s)", cache_slots, format_bytes(store.engine.cache.bytes))
+    return store
 
 
 def check_parallel_config(cfg: DictConfig, spec: ModelSpec, cls: type, device: torch.device) -> int:

@@ -8,7 +8,9 @@ Once the host blocks each sequence may read are fixed, an offloaded decode step 
   new token  its decode-buffer slot and the length of the sequence's unfinished block are read from a static
              device buffer the runner owns and the host fills before each replay (bind_static_decode_inputs)
 What does change is the layout (OffloadKVStore.decode_layout): the sequences' decode rows and full host blocks
-(one more every block_size tokens) and the host slabs. A step with a new layout runs eagerly, then is captured
+(one more every block_size tokens), the host slabs and the GPU block cache's epoch (a captured step reads cached
+blocks at fixed slots: an eviction anywhere changes the layout; a layout is keyed after its capture, when the
+eager run has filled the cache). A step with a new layout runs eagerly, then is captured
 (the eager run compiled every kernel and made every device-side id list); later steps with that layout replay
 it. A step in which a block fills runs eagerly - its offload calls the policies' hooks and issues D2H copies -
 and drops the graphs of older layouts. Per block of decode: two eager steps and one capture, the rest replays.
@@ -70,6 +72,7 @@ class LayoutGraphs:
             self.store.forget_device_ids()  # only the dropped graphs read the old lists
             return None, None
         layout = self.store.decode_layout(seqs)
+        self._seqs = seqs  # capture() keys the graphs by the layout after the step (the GPU block cache may move)
         entry = self.graphs.get(layout)
         if entry is not None:
             self.graphs.move_to_end(layout)
@@ -92,6 +95,7 @@ class LayoutGraphs:
             log.warning("capturing an offloaded decode step failed (%s); decoding without these graphs from now on. "
                         "A policy whose block choice needs the host should set decode_graph_safe=False", error)
             return
+        layout = self.store.decode_layout(self._seqs)  # the eager run and the capture may have filled the cache
         self.graphs[layout] = ([replay for replay, _ in captured], moved)
         while len(self.graphs) > self.MAX_LAYOUTS:
             self.graphs.popitem(last=False)

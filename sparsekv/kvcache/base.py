@@ -25,6 +25,11 @@ class KVStore(ABC):
         """Host<->device KV traffic so far (h2d/d2h bytes and blocks); empty for a store that moves none."""
         return {}
 
+    @property
+    def cache_stats(self) -> dict[str, int]:
+        """GPU block cache counters (offload=cpu with offload.gpu_cache_gib); empty for a store without one."""
+        return {}
+
     def reserve(self, num_tokens: int) -> float:
         """Allocate what `num_tokens` tokens of KV will need now rather than during the first prefill; returns the
         seconds spent (0 for a store whose memory is allocated up front)."""

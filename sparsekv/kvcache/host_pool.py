@@ -20,6 +20,7 @@ class HostPool:
         self.blocks_per_slab = max(1, min(max_blocks, slab_bytes // (self.bytes_per_block // 2)))
         self.k_slabs: list[torch.Tensor] = []  # each [L, blocks_per_slab, block_size, KVH, D]
         self.v_slabs: list[torch.Tensor] = []
+        self.generation = 0  # bumped whenever slabs come or go: device-side slab addresses must be remade
 
     @property
     def capacity(self) -> int:
@@ -33,6 +34,24 @@ class HostPool:
         while self.capacity < num_blocks:
             self.k_slabs.append(torch.empty(shape, dtype=self.dtype, pin_memory=self.pin_memory))
             self.v_slabs.append(torch.empty(shape, dtype=self.dtype, pin_memory=self.pin_memory))
+            self.generation += 1
+
+    # ---- growth and release: memory follows the blocks in use, not the pool's limit
+    @property
+    def bytes_allocated(self) -> int:
+        """Host bytes the slabs hold (pinned on CUDA)."""
+        return sum(slab.numel() * slab.element_size() for slab in self.k_slabs + self.v_slabs)
+
+    def release_slabs(self, keep_blocks: int = 0) -> None:
+        """Free the slabs beyond those that hold block ids [0, keep_blocks). Only when no block past keep_blocks is
+        in use and no copy reads or writes them (the store calls this when idle, after a synchronize)."""
+        keep = -(-keep_blocks // self.blocks_per_slab)
+        if len(self.k_slabs) <= keep:
+            return
+        del self.k_slabs[keep:], self.v_slabs[keep:]
+        self.generation += 1
+        if self.pin_memory and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()  # torch keeps freed pinned blocks cached: hand them back to the OS
 
     def contiguous(self, block_id: int, next_block_id: int) -> bool:
         """Do the two blocks sit next to each other in one slab?"""

@@ -20,6 +20,11 @@ events recorded inside the capture only (a slot's first load waits for the captu
 the attention that last read the slot, as in eager steps), nothing waits for offloads, and transfers are counted
 into the capture rather than transfer_stats; the runner orders each replay after pending offloads and later loads
 after the replay (order_after_offloads / mark_ring_read).
+
+GPU block cache (sparsekv/kvcache/gpu_block_cache.py, offload.gpu_cache_gib): when present, host-known block lists
+go through cached_block_groups instead: blocks held in the cache are read in place (runs of consecutive cache slots
+are one group), misses are loaded from the host into their cache slots, blocks the cache cannot take stream through
+the ring as before, and offloaded blocks are written through into the cache on the offload stream.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from typing import Iterator, Protocol
 import torch
 
 from sparsekv.kernels.block_gather import gather_host_blocks, slab_word_offsets
+from sparsekv.kvcache.gpu_block_cache import GpuBlockCache
 from sparsekv.kvcache.host_pool import HostPool
 from sparsekv.kvcache.host_quant import FP8_DTYPE, Fp8Ring
 
@@ -74,7 +80,7 @@ class _Streams:
 
 class OffloadEngine:
     def __init__(self, host: HostPool, num_gpu_blocks: int, prefill_tokens: int, max_num_seqs: int,
-                 device: torch.device, model_dtype: torch.dtype | None = None):
+                 device: torch.device, model_dtype: torch.dtype | None = None, cache_slots_per_layer: int = 0):
         self.host = host
         self.device = device
         self.block_size = host.block_size
@@ -95,7 +101,13 @@ class OffloadEngine:
         # one of K or V, one layer, as stored on the host (fp8: with its scales)
         self.block_bytes = bs * kvh * d * host.dtype.itemsize + (self.fp8.scale_bytes if self.fp8 else 0)
         self.transfer_stats = {"h2d_bytes": 0, "d2h_bytes": 0, "h2d_blocks": 0, "d2h_blocks": 0}
+        self.cache: GpuBlockCache | None = None
+        if cache_slots_per_layer > 0 and self.fp8 is None:  # cached blocks are in the model dtype, not fp8
+            self.cache = GpuBlockCache(L, cache_slots_per_layer, bs, kvh, d, dtype, device)
+            self.transfer_stats.update(cache_hit_blocks=0, cache_miss_blocks=0, cache_overflow_blocks=0)
+        self._step_start: torch.cuda.Event | None = torch.cuda.Event() if self.streams.cuda else None
         self._slab_offsets: torch.Tensor | None = None  # [2, num_slabs] int64 on the device, for the gather
+        self._slab_generation = -1  # the host pool's generation those offsets were made for
         self.capture: RingCapture | None = None  # set while a decode step is captured (start_capture)
         self._device_ids: dict[tuple[int, ...], torch.Tensor] = {}  # block id lists -> [n] int64 on the device
         self.device_ids_generation = 0  # bumped when those are forgotten: graphs captured before must not replay
@@ -126,6 +138,114 @@ class OffloadEngine:
             self.wait_slots(first, len(blocks))
             yield first, blocks
 
+    def begin_step(self) -> None:
+        """A step starts: cache slots last read before now may be reloaded once the compute stream got here."""
+        if self.cache is not None:
+            self.cache.begin_step()
+            if self._step_start is not None:
+                self._step_start.record(torch.cuda.current_stream(self.device))
+
+    def cache_slots(self, layer: int, cpu_blocks: list[int]) -> list[int | None]:
+        """The GPU block cache slot of each block (None: not cached), misses loaded from the host; the compute
+        stream waits for those loads and the layer's write-throughs before it reads the cache."""
+        stats = self.transfer_stats if self.capture is None else self.capture.moved
+        slots, loads = self.cache.lookup(layer, cpu_blocks, stats)
+        if loads:
+            self._load_cache(layer, loads)
+        elif self.streams.cuda and self.capture is None:
+            self.streams.wait_offloaded(torch.cuda.current_stream(self.device), layer)
+        return slots
+
+    def decode_pool(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode buffer as paged K/V [max_seqs * L, block_size, KVH, D]: block row * L + layer is a sequence's
+        unfinished block of one layer."""
+        return self.decode_k.flatten(0, 1), self.decode_v.flatten(0, 1)
+
+    def cached_block_groups(self, layer: int, cpu_blocks: list[int], group_size: int | None = None
+                            ) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[int], int | None]]:
+        """Like stream_block_groups through the GPU block cache: yields (k, v [n * block_size, KVH, D], blocks,
+        first ring slot or None) in the order of `cpu_blocks`. Without group_size a group is a run of blocks in
+        consecutive cache slots, or up to half the ring of blocks the cache could not take; with group_size every
+        group is exactly the next group_size blocks, read in place when they sit in consecutive cache slots, else
+        copied into the ring (cached blocks device to device). The caller calls record_slots_compute_done for a
+        group with a ring slot after reading it."""
+        slots = self.cache_slots(layer, cpu_blocks)
+        size = group_size or max(1, self.num_slots // 2)
+        groups: list[tuple[list[int], list[int | None]]] = []
+        if group_size is not None:
+            groups = [(cpu_blocks[i:i + size], slots[i:i + size]) for i in range(0, len(cpu_blocks), size)]
+        else:
+            start = 0
+            while start < len(cpu_blocks):
+                end = start + 1
+                if slots[start] is None:
+                    while end < len(cpu_blocks) and end - start < size and slots[end] is None:
+                        end += 1
+                else:
+                    while end < len(cpu_blocks) and slots[end] == slots[end - 1] + 1:
+                        end += 1
+                groups.append((cpu_blocks[start:end], slots[start:end]))
+                start = end
+        in_flight = max(1, self.num_slots // size)
+        pending: deque[tuple[list[int], int | None, int | None]] = deque()  # (blocks, cache slot, ring slot)
+        ring_pending = 0
+        for blocks, group_slots in groups:
+            in_place = all(slot is not None for slot in group_slots) and all(
+                b == a + 1 for a, b in zip(group_slots, group_slots[1:]))
+            if not in_place:
+                while ring_pending == in_flight:
+                    item = pending.popleft()
+                    ring_pending -= item[2] is not None
+                    yield self._group_view(*item)
+                pending.append((blocks, None, self._issue_group(layer, blocks, size, group_slots)))
+                ring_pending += 1
+            else:
+                pending.append((blocks, group_slots[0], None))
+        while pending:
+            yield self._group_view(*pending.popleft())
+
+    def _group_view(self, blocks: list[int], cache_slot: int | None, ring_slot: int | None):
+        n = len(blocks)
+        if cache_slot is not None:
+            return (self.cache.k[cache_slot:cache_slot + n].flatten(0, 1),
+                    self.cache.v[cache_slot:cache_slot + n].flatten(0, 1), blocks, None)
+        self.wait_slots(ring_slot, n)
+        return (*self.get_kv_for_slots(ring_slot, n), blocks, ring_slot)
+
+    def _load_cache(self, layer: int, loads: list[tuple[int, int]]) -> None:
+        """Copy host blocks into their cache slots; the compute stream waits for them (and for the layer's
+        write-throughs) before anything reads the cache."""
+        s = self.streams
+        if not s.cuda:
+            self._copy_into_cache(layer, loads)
+        else:
+            compute = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(s.h2d):  # a reloaded slot was last read before this step began
+                capture = self.capture
+                s.h2d.wait_event(capture.fork_event(compute) if capture is not None else self._step_start)
+                if capture is None:
+                    s.wait_offloaded(s.h2d, layer)
+                self._copy_into_cache(layer, loads)
+            compute.wait_stream(s.h2d)
+            if self.capture is None:
+                s.wait_offloaded(compute, layer)
+        self._count_loads(len(loads))
+
+    def _copy_into_cache(self, layer: int, loads: list[tuple[int, int]]) -> None:
+        """One copy per run of host blocks consecutive in one slab and in the cache."""
+        k, v = self.cache.k, self.cache.v
+        start = 0
+        while start < len(loads):
+            end = start + 1
+            while (end < len(loads) and loads[end][1] == loads[end - 1][1] + 1
+                   and self.host.contiguous(loads[end - 1][0], loads[end][0])):
+                end += 1
+            host_k, host_v = self.host.blocks(layer, loads[start][0], end - start)
+            first = loads[start][1]
+            k[first:first + end - start].copy_(host_k, non_blocking=True)
+            v[first:first + end - start].copy_(host_v, non_blocking=True)
+            start = end
+
     def gather_block_groups(self, layer: int, block_ids: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         """Like stream_block_groups for host block ids held in a device tensor [n] int64: yields (first_slot, ids)
         with len(ids) blocks gathered into consecutive slots. The gather kernel runs on the compute stream, so it
@@ -142,7 +262,7 @@ class OffloadEngine:
             self._count_loads(len(group))
             yield first, group
 
-    MAX_DEVICE_ID_LISTS = 256
+    MAX_DEVICE_ID_LISTS = 1024  # batched decode adds a slot table per layer and layout
 
     def device_block_ids(self, blocks: list[int]) -> torch.Tensor:
         """[n] int64 on the device holding `blocks`, one copy per distinct list, kept until forget_device_ids()
@@ -166,10 +286,10 @@ class OffloadEngine:
 
     def _device_slab_offsets(self) -> torch.Tensor:
         """Where each host slab starts, for the gather kernel; refreshed when the pool grows (rare)."""
-        num_slabs = len(self.host.k_slabs)
-        if self._slab_offsets is None or self._slab_offsets.shape[1] != num_slabs:
+        if self._slab_offsets is None or self._slab_generation != self.host.generation:
             offsets = slab_word_offsets(self.host.k_slabs, self.host.v_slabs)
             self._slab_offsets = torch.tensor(offsets, dtype=torch.int64).to(self.device)
+            self._slab_generation = self.host.generation
         return self._slab_offsets
 
     def _allocate_slots(self, size: int) -> int:
@@ -180,7 +300,10 @@ class OffloadEngine:
         self.next_slot = (first + size) % self.num_slots
         return first
 
-    def _issue_group(self, layer: int, blocks: list[int], size: int) -> int:
+    def _issue_group(self, layer: int, blocks: list[int], size: int,
+                     cache_slots: list[int | None] | None = None) -> int:
+        """Load `blocks` into consecutive ring slots: from the host, or device to device for the blocks that
+        `cache_slots` places in the GPU block cache (cached_block_groups loaded those first, on the same stream)."""
         first = self._allocate_slots(size)
         s = self.streams
         if s.cuda:
@@ -195,12 +318,22 @@ class OffloadEngine:
                         last = event
                 if capture is None:
                     s.wait_offloaded(s.h2d, layer)  # the blocks reached the host
-                self._copy_runs(layer, first, blocks)
+                host_blocks = blocks if cache_slots is None else self._copy_cached(first, blocks, cache_slots)
+                self._copy_runs(layer, first, host_blocks)
                 s.slot_loaded[first].record(s.h2d)
         else:
-            self._copy_runs(layer, first, blocks)
-        self._count_loads(len(blocks))
+            host_blocks = blocks if cache_slots is None else self._copy_cached(first, blocks, cache_slots)
+            self._copy_runs(layer, first, host_blocks)
+        self._count_loads(len(blocks) if cache_slots is None else sum(b is not None for b in host_blocks))
         return first
+
+    def _copy_cached(self, first: int, blocks: list[int], cache_slots: list[int | None]) -> list[int | None]:
+        """Copy the cached blocks of a ring group from the cache; returns `blocks` with those replaced by None."""
+        for i, slot in enumerate(cache_slots):
+            if slot is not None:
+                self.k_slots[first + i].copy_(self.cache.k[slot], non_blocking=True)
+                self.v_slots[first + i].copy_(self.cache.v[slot], non_blocking=True)
+        return [None if slot is not None else block for block, slot in zip(blocks, cache_slots)]
 
     def _count_loads(self, blocks: int) -> None:
         stats = self.transfer_stats if self.capture is None else self.capture.moved
@@ -208,11 +341,15 @@ class OffloadEngine:
         stats["h2d_blocks"] = stats.get("h2d_blocks", 0) + blocks
 
     def _copy_runs(self, layer: int, first_slot: int, blocks: list[int]) -> None:
-        """One copy per run of consecutive host blocks in one slab (a sequence's blocks are mostly consecutive)."""
+        """One copy per run of consecutive host blocks in one slab (a sequence's blocks are mostly consecutive);
+        None entries (blocks copied from the GPU block cache) are skipped."""
         start = 0
         while start < len(blocks):
+            if blocks[start] is None:
+                start += 1
+                continue
             end = start + 1
-            while end < len(blocks) and self.host.contiguous(blocks[end - 1], blocks[end]):
+            while end < len(blocks) and blocks[end] is not None and self.host.contiguous(blocks[end - 1], blocks[end]):
                 end += 1
             host_k, host_v = self.host.blocks(layer, blocks[start], end - start)
             slots = slice(first_slot + start, first_slot + end)
@@ -321,13 +458,36 @@ class OffloadEngine:
                 s.d2h.wait_event(s.layer_written[layer])
                 for dst, src in copies:
                     dst.copy_(src, non_blocking=True)
+                self._write_through(layer, cpu_block, k, v)
                 s.layer_offloaded[layer].record(s.d2h)
             s.offloads[layer] += 1
         else:
             for dst, src in copies:
                 dst.copy_(src)
+            self._write_through(layer, cpu_block, k, v)
         self.transfer_stats["d2h_bytes"] += 2 * n * self.block_bytes // self.block_size
         self.transfer_stats["d2h_blocks"] += 1
+
+    def _write_through(self, layer: int, cpu_block: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """An offloaded block's rows also go to its GPU block cache entry (readers wait for layer_offloaded)."""
+        slot = self.cache.write_slot(layer, cpu_block) if self.cache is not None else None
+        if slot is not None:
+            n = k.shape[0]
+            self.cache.k[slot, :n].copy_(k, non_blocking=True)
+            self.cache.v[slot, :n].copy_(v, non_blocking=True)
+
+    @property
+    def cache_stats(self) -> dict[str, int]:
+        """GPU block cache counters in blocks (hits, misses loaded from the host, overflow read through the ring,
+        evictions, write-throughs) and its size; empty without a cache."""
+        cache = self.cache
+        if cache is None:
+            return {}
+        stats = {key: value for key, value in self.transfer_stats.items() if key.startswith("cache_")}
+        stats.update(cache_evicted_blocks=cache.stats["cache_evicted_blocks"],
+                     cache_written_blocks=cache.stats["cache_written_blocks"], cache_slots=cache.num_slots,
+                     cache_bytes=cache.bytes)
+        return stats
 
     # ---- captured decode steps (the graph runner drives these through OffloadKVStore)
     def start_capture(self, capture: RingCapture) -> None:

@@ -10,10 +10,12 @@ import torch
 from sparsekv.engine.context import Context
 from sparsekv.engine.sequence import Sequence
 from sparsekv.kvcache.base import KVStore, available_host_memory
+from sparsekv.kvcache.batched_decode import batched_decode_attention
 from sparsekv.kvcache.host_pool import GIB, HostPool
 from sparsekv.kvcache.host_quant import host_block_bytes
 from sparsekv.kvcache.offload_engine import OffloadEngine, RingCapture
 from sparsekv.kvcache.reader import RingReader
+from sparsekv.policies.base import SparsePolicy
 from sparsekv.policies.context import KVLayout, PolicyContext
 
 HOST_HEADROOM = 4 * GIB
@@ -30,7 +32,8 @@ class OffloadKVStore(KVStore):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_gpu_blocks: int,
                  prefill_tokens: int, max_num_seqs: int, host_pool_gib: float | None, dtype: torch.dtype,
                  device: torch.device, prefill_policy, decode_policy, initial_prefill_buffer: int,
-                 check_selections: bool = False, host_dtype: torch.dtype | None = None):
+                 check_selections: bool = False, host_dtype: torch.dtype | None = None,
+                 cache_slots_per_layer: int = 0):
         self.block_size = block_size
         self.chunk_tokens = prefill_tokens
         self.prefill_token_budget = prefill_tokens
@@ -40,8 +43,9 @@ class OffloadKVStore(KVStore):
         self.num_blocks = host_pool_blocks(host_pool_gib, self.bytes_per_block)
         self.host = HostPool(num_layers, max(1, self.num_blocks), block_size, num_kv_heads, head_dim, host_dtype,
                              pin_memory=device.type == "cuda")
+        # cache_slots_per_layer: the GPU block cache's size (0: none); factory.gpu_cache_slots sizes it
         self.engine = self.engine_class(self.host, num_gpu_blocks, initial_prefill_buffer, max_num_seqs, device,
-                                        model_dtype=dtype)
+                                        model_dtype=dtype, cache_slots_per_layer=cache_slots_per_layer)
         # the policies whose metadata hooks see every offloaded block
         self.policies = [prefill_policy] if prefill_policy is decode_policy else [prefill_policy, decode_policy]
         self.layout = KVLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -57,13 +61,20 @@ class OffloadKVStore(KVStore):
         self.decode_rows: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (seq, row of the decode buffer)
         self.free_rows = list(range(max_num_seqs))
         self.filled: list[int] = []  # decode: batch indices whose block fills this step
+        self.batched_blocks: list[list[int]] | None = None  # decode: per sequence its full blocks, when batched
         self.num_layers, self.max_num_seqs = num_layers, max_num_seqs
         # captured decode steps (bind_static_decode_inputs): each step's decode slots and tail lengths
         self.static_decode_inputs: torch.Tensor | None = None
+        self.reserved_blocks = 0  # host blocks kept pinned while idle (reserve); the rest is released when idle
 
     @property
     def transfer_stats(self) -> dict[str, int]:
         return self.engine.transfer_stats
+
+    @property
+    def cache_stats(self) -> dict[str, int]:
+        """The GPU block cache's counters (OffloadEngine.cache_stats); empty without a cache."""
+        return self.engine.cache_stats
 
     def capacity_hint(self) -> str:
         return (f"the host pool holds {self.num_blocks} blocks of {self.block_size} tokens; raise "
@@ -73,7 +84,8 @@ class OffloadKVStore(KVStore):
         """Pin host memory for `num_tokens` tokens of KV now rather than while prefilling; returns seconds spent.
         Pinning runs at a few GB/s, so a first long request otherwise pays it inside its prefill."""
         start = time.perf_counter()
-        self.host.ensure_capacity(min(self.num_blocks, -(-num_tokens // self.block_size)))
+        self.reserved_blocks = min(self.num_blocks, -(-num_tokens // self.block_size))
+        self.host.ensure_capacity(self.reserved_blocks)
         return time.perf_counter() - start
 
     # ---- what the policies see
@@ -84,6 +96,17 @@ class OffloadKVStore(KVStore):
     def full_blocks(self, seq: Sequence) -> list[int]:
         """Decode: host blocks before the block of the token being computed."""
         return seq.block_table[: (len(seq) - 1) // self.block_size]
+
+    @property
+    def decode_pipeline_standard(self) -> bool:
+        """Does the decode policy attend its selection (or every block) with the base pipeline? Then a batch can be
+        attended by one paged call over the GPU block cache (sparsekv/kvcache/batched_decode.py)."""
+        return type(self.decode_policy).compute_chunked_decode is SparsePolicy.compute_chunked_decode
+
+    @property
+    def decode_attends_all(self) -> bool:
+        """Does the decode policy keep every block (full attention: no selection to ask for)?"""
+        return type(self.decode_policy).select_blocks is SparsePolicy.select_blocks
 
     def decode_tail(self, seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Decode: (k, v, length) of the unfinished block, the new token included. Eager steps: k/v [n, KVH, D] hold
@@ -110,7 +133,8 @@ class OffloadKVStore(KVStore):
     def decode_layout(self, seqs: list[Sequence]) -> tuple:
         """What a captured decode step bakes in: per sequence its decode row and full host blocks, the host slabs
         the gather reads, and the device-side id lists it was captured with."""
-        return (len(self.host.k_slabs), self.engine.device_ids_generation,
+        cache = self.engine.cache
+        return (self.host.generation, self.engine.device_ids_generation, cache.epoch if cache is not None else 0,
                 *((self.decode_rows[s.seq_id][1], *self.full_blocks(s)) for s in seqs))
 
     def block_fills(self) -> bool:
@@ -162,6 +186,7 @@ class OffloadKVStore(KVStore):
 
     def begin_step(self, context: Context) -> None:
         self.host.ensure_capacity(1 + max(max(seq.block_table) for seq in context.seqs))
+        self.engine.begin_step()
         in_step = {seq.seq_id for seq in context.seqs}
         rows = [self._row(seq, in_step) for seq in context.seqs]
         if context.is_prefill:
@@ -169,18 +194,39 @@ class OffloadKVStore(KVStore):
             return
         offsets = [(len(seq) - 1) % self.block_size for seq in context.seqs]
         self.filled = [b for b, seq in enumerate(context.seqs) if len(seq) % self.block_size == 0]
-        if self.static_decode_inputs is None:
-            self.decode_slots = self.engine.decode_slots(rows, offsets)  # [L, B]
-            return
-        # one copy: [L * B] decode slots, then [B] tail lengths (a graph is captured per batch size, so the views
-        # of one B are the same buffers at every replay)
-        host = self.engine.decode_slot_table(rows, offsets) + [offset + 1 for offset in offsets]
-        static = self.static_decode_inputs[:len(host)]
-        static.copy_(torch.tensor(host, dtype=torch.int64, pin_memory=self.device.type == "cuda"), non_blocking=True)
+        self.batched_blocks = self._batched_blocks(context.seqs)
         batch = len(rows)
-        self.decode_slots = static[:-batch].view(-1, batch)  # [L, B]
-        self._tail_lengths = {seq.seq_id: static[len(host) - batch + b:len(host) - batch + b + 1]
-                              for b, seq in enumerate(context.seqs)}  # each [1]
+        if self.static_decode_inputs is None:
+            if self.batched_blocks is None:
+                self.decode_slots = self.engine.decode_slots(rows, offsets)  # [L, B]
+                return
+            # one copy: [L * B] decode slots, then [B] tail lengths (what the batched attention reads)
+            host = self.engine.decode_slot_table(rows, offsets) + [offset + 1 for offset in offsets]
+            table = torch.tensor(host, dtype=torch.int64, pin_memory=self.device.type == "cuda").to(
+                self.device, non_blocking=True)
+        else:  # the same, into the runner's static buffer (a graph is captured per batch size, so the views of one
+            # B are the same buffers at every replay)
+            host = self.engine.decode_slot_table(rows, offsets) + [offset + 1 for offset in offsets]
+            table = self.static_decode_inputs[:len(host)]
+            table.copy_(torch.tensor(host, dtype=torch.int64, pin_memory=self.device.type == "cuda"),
+                        non_blocking=True)
+        self.decode_slots = table[:-batch].view(-1, batch)  # [L, B]
+        self.tail_lengths = table[-batch:]  # [B]
+        if self.static_decode_inputs is not None:
+            self._tail_lengths = {seq.seq_id: self.tail_lengths[b:b + 1]
+                                  for b, seq in enumerate(context.seqs)}  # each [1]
+
+    def _batched_blocks(self, seqs: list[Sequence]) -> list[list[int]] | None:
+        """Each sequence's full host blocks when this decode step attends the whole batch at once
+        (sparsekv/kvcache/batched_decode.py): a decode policy with the standard pipeline, a GPU block cache that can
+        hold the batch's blocks of a layer, and several sequences or a selecting policy (whose device-side choice
+        the cache can serve only this way); else None (one attention call per sequence)."""
+        cache = self.engine.cache
+        # one sequence with full attention reads its cached runs in place already (cached_block_groups)
+        if cache is None or not self.decode_pipeline_standard or (len(seqs) < 2 and self.decode_attends_all):
+            return None
+        blocks = [self.full_blocks(seq) for seq in seqs]
+        return blocks if sum(map(len, blocks)) <= cache.slots_per_layer else None
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                context: Context) -> torch.Tensor:
@@ -214,8 +260,15 @@ class OffloadKVStore(KVStore):
     def _decode(self, layer: int, q, k, v, scale: float, context: Context) -> torch.Tensor:
         engine = self.engine
         engine.write_decode_tokens(layer, self.decode_slots[layer], k, v)
-        outs = [self._decode_one(layer, q[b:b + 1], scale, seq) for b, seq in enumerate(context.seqs)]  # [1, H, D]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if self.batched_blocks is not None:  # the whole batch in one paged call over the cache
+            selections = None if self.decode_attends_all else [
+                self._selection(layer, q[b:b + 1], scale, seq, blocks)
+                for b, (seq, blocks) in enumerate(zip(context.seqs, self.batched_blocks))]
+            out = batched_decode_attention(engine, layer, q, scale, self.batched_blocks, self.decode_slots[layer],
+                                           self.tail_lengths, selections)
+        else:
+            outs = [self._decode_one(layer, q[b:b + 1], scale, seq) for b, seq in enumerate(context.seqs)]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [B, H, D]
         for b in self.filled:
             seq = context.seqs[b]
             row, block = self.decode_rows[seq.seq_id][1], seq.block_table[(len(seq) - 1) // self.block_size]
@@ -224,6 +277,16 @@ class OffloadKVStore(KVStore):
                 hooked.on_decode_offload(block, layer, keys, self.block_size)
             engine.offload_decode_buffer_async(layer, row, block)
         return out
+
+    def _selection(self, layer: int, q: torch.Tensor, scale: float, seq: Sequence, blocks: list[int]
+                   ) -> list[int] | torch.Tensor:
+        """The decode policy's checked choice among a sequence's full blocks (batched decode)."""
+        if not blocks:
+            return []
+        n = len(seq)
+        ctx = PolicyContext(phase="decode", layer=layer, query=q, candidates=blocks, block_size=self.block_size,
+                            query_start=n - 1, kv_len=n, softmax_scale=scale, ids_source=self.engine.device_block_ids)
+        return self.decode_policy.checked_selection(ctx, self.readers[layer])
 
     def _decode_one(self, layer: int, q: torch.Tensor, scale: float, seq: Sequence) -> torch.Tensor:
         n = len(seq)
@@ -237,7 +300,10 @@ class OffloadKVStore(KVStore):
         entry = self.decode_rows.pop(seq.seq_id, None)
         if entry is not None:
             self.free_rows.append(entry[1])
-        if not self.decode_rows:  # idle: per-sequence policy state and device-side id lists can go
+        if not self.decode_rows:  # idle: per-sequence policy state, device-side id lists and host slabs can go
             self.engine.forget_device_ids()
             for policy in self.policies:
                 policy.reset()
+            if self.device.type == "cuda":  # no copy or gather may touch a slab being freed
+                torch.cuda.synchronize(self.device)
+            self.host.release_slabs(self.reserved_blocks)

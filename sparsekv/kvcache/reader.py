@@ -1,4 +1,5 @@
-"""RingReader: the KVReader a policy gets, host blocks of one layer read through the OffloadEngine's GPU ring."""
+"""RingReader: the KVReader a policy gets, host blocks of one layer read through the OffloadEngine's GPU ring (and
+its GPU block cache, when there is one)."""
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +18,9 @@ class RingReader:
     kernel for a device tensor) and waited for before it is yielded, the next one loads meanwhile, and its slots are
     released for reloading when the caller advances (or stops). With fp8 host blocks (offload.host_dtype) groups()
     yields them dequantized to the model dtype; scaled_groups() yields the fp8 slots and their scales, for kernels
-    that dequantize on load."""
+    that dequantize on load. With a GPU block cache (model-dtype host blocks only), a host list's cached blocks are
+    read in place and its groups may be shorter than group_size (runs of consecutive cache slots); an explicit
+    group_size still gives exactly group_size blocks per group."""
     __slots__ = ("engine", "layer", "tail", "check_selections")
 
     def __init__(self, engine: OffloadEngine, layer: int, tail=None, check_selections: bool = False):
@@ -32,6 +35,9 @@ class RingReader:
         return self.engine.num_slots
 
     def num_groups(self, num_blocks: int, group_size: int | None = None) -> int:
+        """At most this many groups for `num_blocks` blocks (exact without a cache)."""
+        if self.engine.cache is not None and group_size is None:
+            return num_blocks  # cache runs are at least one block each
         return self.engine.num_block_groups(num_blocks, group_size)
 
     def groups(self, blocks: Sequence[int] | torch.Tensor, group_size: int | None = None) -> Iterator[KVGroup]:
@@ -49,6 +55,14 @@ class RingReader:
         engine = self.engine
         if group_size is not None and not 1 <= group_size <= engine.num_slots:
             raise ValueError(f"group_size={group_size}: must be between 1 and the ring's {engine.num_slots} slots")
+        if engine.cache is not None and not isinstance(blocks, torch.Tensor):
+            for k, v, ids, first in engine.cached_block_groups(self.layer, list(blocks), group_size):
+                try:
+                    yield KVGroup(ids, k, v)  # k, v [n * block_size, KVH, D]: cache slots or ring slots
+                finally:
+                    if first is not None:  # ring slots: later loads wait for the caller's kernels
+                        engine.record_slots_compute_done(first, len(ids))
+            return
         if isinstance(blocks, torch.Tensor):
             loaded = engine.gather_block_groups(self.layer, blocks)
         else:

@@ -43,6 +43,7 @@ MD_COLUMNS = [
     ("prefill ratio", "prefill_ratio", ".2f"), ("decode ms/token", "decode_ms_per_token", ".2f"),
     ("decode floor ms", "decode_floor_ms", ".2f"), ("PCIe floor ms", "decode_pcie_floor_ms", ".2f"),
     ("decode ratio", "decode_ratio", ".2f"), ("GPU peak GiB", "gpu_peak_gib", ".2f"),
+    ("GPU cache GiB", "gpu_cache_gib", ".2f"), ("cache hit rate", "gpu_cache_hit_rate", ".2f"),
 ]
 MD_TRAILING = [("policy args", "policy_args", None)]  # after the quality columns, before the error
 ERROR_MD_CHARS = 240

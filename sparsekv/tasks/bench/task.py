@@ -254,13 +254,19 @@ def run(cfg: DictConfig) -> dict:
             loaded_floor_s = loaded / (h2d * 1e9)
             figures["decode_loaded_floor_ms"] = 1e3 * loaded_floor_s
             figures["decode_loaded_ratio"] = _ratio(decode_median_s, loaded_floor_s)
+        if engine.kv_store.cache_stats:  # GPU block cache: its size, counters, and the decode steps' hit rate
+            looked_up = sum(decode_moved.get(f"cache_{k}_blocks", 0) for k in ("hit", "miss", "overflow"))
+            figures["gpu_cache"] = dict(engine.kv_store.cache_stats)
+            figures["gpu_cache_gib"] = figures["gpu_cache"]["cache_bytes"] / 2**30
+            figures["gpu_cache_hit_rate"] = decode_moved["cache_hit_blocks"] / looked_up if looked_up else None
 
     prefill_floor_s = flops / (matmul * 1e12 * tp_size) if matmul else None
     decode_hbm_floor_s = dbytes / (hbm * 1e9) if hbm else None
     offloaded = figures["offload"] == "cpu"
     decode_pcie_floor_s = kv_context_bytes / (h2d * 1e9) if (offloaded and h2d) else None
-    # a block-selecting policy loads less than the whole context: its floor is what it loaded
-    binding = [f for f in (decode_hbm_floor_s, loaded_floor_s or decode_pcie_floor_s) if f]
+    # a block-selecting policy (or a GPU block cache) loads less than the whole context: its floor is what it loaded
+    loaded_or_pcie = decode_pcie_floor_s if loaded_floor_s is None else loaded_floor_s
+    binding = [f for f in (decode_hbm_floor_s, loaded_or_pcie) if f]
     decode_floor_s = max(binding) if binding else None
     ms = (lambda seconds: 1e3 * seconds if seconds is not None else None)
     figures.update({

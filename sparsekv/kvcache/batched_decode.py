@@ -1,0 +1,76 @@
+"""One attention call per layer for a whole offloaded decode batch, through the GPU block cache.
+
+When every full block a decode batch may attend sits in the GPU block cache (or is loaded into it: one batch of
+host copies per layer), the batch needs no ring and no per-sequence pipeline: each sequence's attended blocks are a
+row of cache slot ids, and the paged decode kernel attends all rows at once over the cache (sequences of any
+lengths; a sequence with no full block has length 0). The unfinished blocks are a second paged call over the
+decode buffer (block row * L + layer of each sequence), and the two partials merge by log-sum-exp.
+
+Selections: None per sequence (full attention) builds the slot table on the host. A selecting policy still chooses
+per sequence (the policy API sees one query); its device-tensor choices are mapped to slots on the device through a
+host block -> slot table, so nothing waits for the host. Every device tensor made here is one per distinct content
+(OffloadEngine.device_block_ids), so a captured decode step replays with the tables it was captured with, and a
+layout (OffloadKVStore.decode_layout) fixes their content.
+"""
+from __future__ import annotations
+
+import torch
+
+from sparsekv.kernels import merge_attention_outputs, paged_decode_attention
+from sparsekv.kvcache.offload_engine import OffloadEngine
+
+
+def batched_decode_attention(engine: OffloadEngine, layer: int, q: torch.Tensor, scale: float,
+                             blocks: list[list[int]], decode_slots: torch.Tensor, tail_lengths: torch.Tensor,
+                             selections: list[list[int] | torch.Tensor] | None = None) -> torch.Tensor:
+    """q [B, H, D] of the batch's new tokens; blocks: each sequence's full host blocks; decode_slots [B] int64 (the
+    layer's row of OffloadKVStore.decode_slots) and tail_lengths [B] on the device; selections: per sequence the
+    blocks to attend (host ids as a list or a device tensor), None: all of them -> attention [B, H, D]."""
+    batch, bs = len(blocks), engine.block_size
+    flat = [block for seq_blocks in blocks for block in seq_blocks]
+    slots = engine.cache_slots(layer, flat)
+    if None in slots:  # OffloadKVStore batches a step only when a layer's region holds all of its blocks
+        raise RuntimeError(f"batched offloaded decode: layer {layer}'s GPU block cache could not hold the batch's "
+                           f"{len(slots)} blocks")
+    if selections is None:
+        table, lengths = _host_table(engine, blocks, slots)
+    else:
+        table, lengths = _device_table(engine, flat, slots, selections)
+    width = table.shape[0] // batch
+    cache = engine.cache
+    o_cached, lse_cached = paged_decode_attention(
+        q, cache.k, cache.v, table.view(batch, width), lengths, scale, max_context_len=width * bs)  # [B, H, D], [H, B]
+    k_pool, v_pool = engine.decode_pool()
+    o_tail, lse_tail = paged_decode_attention(
+        q, k_pool, v_pool, (decode_slots // bs).view(batch, 1), tail_lengths, scale, max_context_len=bs)
+    return merge_attention_outputs(o_cached, lse_cached, o_tail, lse_tail)[0]
+
+
+def _host_table(engine: OffloadEngine, blocks: list[list[int]], slots: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every block of every sequence: ([B * W] slot ids, [B] key counts) on the device, one copy."""
+    width = max(1, max(map(len, blocks)))
+    table, start = [], 0
+    for seq_blocks in blocks:
+        table += slots[start:start + len(seq_blocks)] + [0] * (width - len(seq_blocks))
+        start += len(seq_blocks)
+    ids = engine.device_block_ids(table + [len(seq_blocks) * engine.block_size for seq_blocks in blocks])
+    return ids[:len(table)], ids[len(table):]
+
+
+def _device_table(engine: OffloadEngine, flat: list[int], slots: list[int],
+                  selections: list[list[int] | torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selected blocks of every sequence: ([B * W] slot ids, [B] key counts) on the device. Each row is the
+    selection's host block ids padded with 0, mapped to slots by one lookup into a host block -> slot table."""
+    counts = [len(selection) for selection in selections]  # a device selection's length is fixed on the host
+    width = max(1, max(counts))
+    lut = [0] * (max(flat, default=0) + 1)
+    for block, slot in zip(flat, slots):
+        lut[block] = slot
+    rows = []
+    for selection, count in zip(selections, counts):
+        rows.append(selection if isinstance(selection, torch.Tensor) else engine.device_block_ids(list(selection)))
+        if count < width:
+            rows.append(engine.device_block_ids([0] * (width - count)))
+    ids = engine.device_block_ids(lut + [count * engine.block_size for count in counts])
+    return ids[:len(lut)][torch.cat(rows)], ids[len(lut):]

@@ -1,0 +1,132 @@
+"""GpuBlockCache: host blocks kept on the device once loaded, so later steps read them without a host copy.
+
+Keying. An entry is (layer, host block): the K and V of one block of one layer, in one cache slot. The cache is
+split into equal per-layer regions (slots_per_layer each), since every layer of a step reads the same blocks for
+full attention; within a region a miss takes the slot after the previous block's slot when it can, so a sequence's
+blocks end up in runs of consecutive slots that one attention call reads as one group.
+
+Eviction: least recently used by step (the last eager step that used an entry: graph replays do not update it),
+within the layer's region. An entry used in the current step (read, loaded
+or written through) is never evicted in that step; a miss that finds no free or evictable slot is not cached and
+goes through the ring as before (overflow). So a cache smaller than one step's selection keeps what it holds and
+streams the rest, and full attention over a context larger than the cache settles on a fixed resident prefix
+instead of thrashing.
+
+Write-through: a block offloaded to the host (prefill chunk, filled decode block) is also copied on the device into
+its entry when a slot is free or evictable, so re-reads in later prefill chunks and the first decode step hit. An
+existing entry of the block is always rewritten, and a block is written before it is read, so an entry never
+outlives its host block's content (freed blocks and released host slabs included).
+
+Everything here is host-side bookkeeping over the host-known block lists: the engine copies (OffloadEngine).
+`epoch` changes whenever an entry is evicted (a slot gets another block): a captured decode graph bakes in slot
+addresses, so graph layouts include it (OffloadKVStore.decode_layout). Counters: stats (cumulative hits, misses,
+overflow, evictions, write-throughs, in blocks).
+"""
+from __future__ import annotations
+
+import torch
+
+GIB = 1 << 30
+
+
+class GpuBlockCache:
+    def __init__(self, num_layers: int, slots_per_layer: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        if slots_per_layer < 1:
+            raise ValueError(f"GpuBlockCache needs at least one slot per layer, got {slots_per_layer}")
+        self.num_layers, self.slots_per_layer = num_layers, slots_per_layer
+        num_slots = num_layers * slots_per_layer
+        self.kv = torch.empty((2, num_slots, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+        self.k, self.v = self.kv[0], self.kv[1]  # [num_slots, block_size, KVH, D] each; layer l owns a region
+        self.slot_of: list[dict[int, int]] = [{} for _ in range(num_layers)]  # per layer: host block -> slot
+        self.block_in = [-1] * num_slots  # host block held by each slot, -1: free
+        self.last_used = [-1] * num_slots  # step that last used each slot
+        self.free: list[list[int]] = [list(range((l + 1) * slots_per_layer - 1, l * slots_per_layer - 1, -1))
+                                      for l in range(num_layers)]  # per layer, lowest slot last (popped first)
+        self.step = 0
+        self.epoch = 0
+        # lookups count hits, misses and overflow into the dict they are given (the engine's transfer_stats, or a
+        # graph capture's, which every replay adds); evictions and write-throughs happen in eager steps only
+        self.stats = {"cache_evicted_blocks": 0, "cache_written_blocks": 0}
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_layers * self.slots_per_layer
+
+    @property
+    def bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    @staticmethod
+    def slots_for(gib: float, num_layers: int, block_bytes: int) -> int:
+        """Slots per layer that `gib` GiB hold; block_bytes is K and V of one block of one layer."""
+        return int(gib * GIB // (num_layers * block_bytes))
+
+    def begin_step(self) -> None:
+        self.step += 1
+
+    def lookup(self, layer: int, blocks: list[int], stats: dict[str, int]
+               ) -> tuple[list[int | None], list[tuple[int, int]]]:
+        """Per block of `blocks` its cache slot (None: not cached, read it through the ring), and the (block, slot)
+        pairs to load from the host before reading. Every block returned with a slot is protected for the step."""
+        table, step, last_used = self.slot_of[layer], self.step, self.last_used
+        slots: list[int | None] = [table.get(block) for block in blocks]
+        hits = 0
+        for slot in slots:
+            if slot is not None:
+                last_used[slot] = step
+                hits += 1
+        loads = []
+        previous = None
+        for i, block in enumerate(blocks):
+            if slots[i] is None:
+                slot = self._take(layer, block, None if previous is None else previous + 1)
+                slots[i] = slot
+                if slot is not None:
+                    loads.append((block, slot))
+            previous = slots[i]
+        stats["cache_hit_blocks"] = stats.get("cache_hit_blocks", 0) + hits
+        stats["cache_miss_blocks"] = stats.get("cache_miss_blocks", 0) + len(loads)
+        overflow = len(blocks) - hits - len(loads)
+        stats["cache_overflow_blocks"] = stats.get("cache_overflow_blocks", 0) + overflow
+        return slots, loads
+
+    def write_slot(self, layer: int, block: int) -> int | None:
+        """The slot a block being offloaded is written through to (None: not cached, and any stale entry of it
+        dropped)."""
+        slot = self.slot_of[layer].get(block)
+        if slot is None:
+            slot = self._take(layer, block, self.slot_of[layer].get(block - 1, -2) + 1)
+        else:
+            self.last_used[slot] = self.step
+        if slot is not None:
+            self.stats["cache_written_blocks"] += 1
+        return slot
+
+    def _take(self, layer: int, block: int, preferred: int | None) -> int | None:
+        """A slot of the layer's region for `block`: `preferred` if free, else a free slot, else the least recently
+        used one not used this step; None when every slot is in use this step."""
+        first = layer * self.slots_per_layer
+        region = range(first, first + self.slots_per_layer)
+        step, last_used = self.step, self.last_used
+        slot = None
+        if preferred is not None and preferred in region and self.block_in[preferred] < 0:
+            slot = preferred
+            self.free[layer].remove(slot)
+        elif self.free[layer]:
+            slot = self.free[layer].pop()
+        else:
+            oldest = min(region, key=last_used.__getitem__)
+            if last_used[oldest] < step:
+                slot = oldest
+        if slot is None:
+            return None
+        old = self.block_in[slot]
+        if old >= 0:
+            del self.slot_of[layer][old]
+            self.epoch += 1
+            self.stats["cache_evicted_blocks"] += 1
+        self.block_in[slot] = block
+        self.slot_of[layer][block] = slot
+        self.last_used[slot] = step
+        return slot

@@ -1,0 +1,161 @@
+"""The GPU block cache (offload.gpu_cache_gib): host blocks stay on the device once loaded. On CPU the "device" is
+the CPU: the same bookkeeping, copies and attention paths run, so the tokens must equal the cache-off run exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv import LLM, SamplingParams
+from sparsekv.graphs.cuda_graph import attach_graph_runner
+from sparsekv.kvcache.gpu_block_cache import GpuBlockCache
+from tests.conftest import random_prompt
+
+CPU = ["device=cpu", "dtype=float32", "graph=eager"]
+OFFLOAD = ["offload=cpu", "offload.host_pool_gib=0.05", "offload.block_size=16", "offload.num_gpu_blocks=2",
+           "offload.prefill_chunk_size=32"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+PROMPTS = [random_prompt(n, seed=n) for n in (90, 41, 9, 140)]
+LAYERS, BLOCK_BYTES = 3, 2 * 16 * 2 * 16 * 4  # tiny checkpoint: K and V of one 16-token block of one layer
+
+
+def cache_gib(slots_per_layer: int) -> str:
+    return f"offload.gpu_cache_gib={slots_per_layer * LAYERS * BLOCK_BYTES / (1 << 30)!r}"
+
+
+def generate(path, *extra: str, prompts=PROMPTS, graph: str | None = None) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(str(path), overrides=CPU + OFFLOAD + list(extra))
+    if graph is not None:
+        attach_graph_runner(llm.engine, graph, llm.config.graph, emulate=True)
+    return llm, [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def uncached(qwen3_ckpt):
+    return generate(qwen3_ckpt, "offload.gpu_cache_gib=0")
+
+
+# ---------------------------------------------------------------- bookkeeping
+def make_cache(slots_per_layer: int) -> GpuBlockCache:
+    return GpuBlockCache(2, slots_per_layer, 4, 1, 8, torch.float32, torch.device("cpu"))
+
+
+def test_lookup_hits_misses_and_runs_of_slots():
+    cache, stats = make_cache(4), {}
+    cache.begin_step()
+    slots, loads = cache.lookup(1, [7, 8, 9], stats)
+    assert slots == [4, 5, 6] and loads == [(7, 4), (8, 5), (9, 6)]  # layer 1's region, consecutive
+    cache.begin_step()
+    slots, loads = cache.lookup(1, [7, 8, 9, 10], stats)
+    assert slots == [4, 5, 6, 7] and loads == [(10, 7)]  # the new block continues the run
+    assert stats == {"cache_hit_blocks": 3, "cache_miss_blocks": 4, "cache_overflow_blocks": 0}
+    assert cache.lookup(0, [7], stats)[0] == [0]  # another layer: another entry
+
+
+def test_lru_eviction_never_takes_a_block_of_the_same_step():
+    cache, stats = make_cache(2), {}
+    cache.begin_step()
+    cache.lookup(0, [1, 2], stats)
+    cache.begin_step()
+    epoch = cache.epoch
+    slots, loads = cache.lookup(0, [2, 3, 4], stats)  # 2 hits; 3 evicts 1 (older); 4 finds nothing free: ring
+    assert slots == [1, 0, None] and loads == [(3, 0)]
+    assert stats["cache_overflow_blocks"] == 1 and cache.epoch == epoch + 1
+    assert cache.stats["cache_evicted_blocks"] == 1 and 1 not in cache.slot_of[0]
+    cache.begin_step()
+    slots, _ = cache.lookup(0, [5], stats)  # least recently used goes first: block 2 and 3 tie, both older
+    assert slots[0] in (0, 1)
+
+
+def test_write_through_takes_a_slot_or_leaves_the_block_uncached():
+    cache, stats = make_cache(1), {}
+    cache.begin_step()
+    assert cache.write_slot(0, 3) == 0
+    assert cache.lookup(0, [3], stats)[1] == []  # written through: a hit
+    assert cache.write_slot(0, 4) is None  # the only slot was used this step
+    assert 4 not in cache.slot_of[0] and stats["cache_hit_blocks"] == 1
+
+
+# ---------------------------------------------------------------- the engine with a cache
+@pytest.mark.parametrize("slots", [64, 3, 1])  # everything fits; less than one step's selection; one slot
+def test_cache_gives_the_uncached_tokens(qwen3_ckpt, uncached, slots):
+    llm, got = generate(qwen3_ckpt, cache_gib(slots))
+    assert got == uncached[1]
+    cache = llm.engine.kv_store.engine.cache
+    assert cache.slots_per_layer == slots
+    stats = llm.engine.kv_store.cache_stats
+    assert stats["cache_hit_blocks"] > 0
+    assert llm.engine.kv_store.transfer_stats["h2d_blocks"] < uncached[0].engine.kv_store.transfer_stats["h2d_blocks"]
+    if slots == 64:
+        assert stats["cache_overflow_blocks"] == 0
+    else:
+        assert stats["cache_overflow_blocks"] > 0  # streamed through the ring
+
+
+def test_full_attention_with_the_whole_context_cached_copies_nothing(qwen3_ckpt):
+    llm, _ = generate(qwen3_ckpt, cache_gib(64), prompts=[PROMPTS[0]])
+    store = llm.engine.kv_store
+    assert store.transfer_stats["h2d_blocks"] == 0  # every offloaded block was written through
+    before = dict(store.cache_stats)
+    llm.generate([PROMPTS[0]], GREEDY)  # its blocks were released and rewritten: still nothing from the host
+    assert store.transfer_stats["h2d_blocks"] == 0
+    assert store.cache_stats["cache_hit_blocks"] > before["cache_hit_blocks"]
+
+
+@pytest.mark.parametrize("policy", [[], ["policy=quest", "policy.topk_blocks=3", "policy.dense_layers=1",
+                                         "policy.token_budget=null"]])
+@pytest.mark.parametrize("graph", ["cudagraph", "segmented"])
+def test_cache_under_emulated_graphs(qwen3_ckpt, policy, graph):
+    _, want = generate(qwen3_ckpt, "offload.gpu_cache_gib=0", *policy)
+    for slots in (64, 2):
+        llm, got = generate(qwen3_ckpt, cache_gib(slots), *policy, graph=graph)
+        assert got == want, slots
+        assert llm.engine.runner.graph_runner.replayed_steps > 0
+
+
+def test_mixed_prefill_chunks_reread_from_the_cache(qwen3_ckpt, uncached):
+    """Chunked prefill re-reads the earlier blocks of a long prompt every chunk: with a cache, after write-through
+    they are hits."""
+    llm, got = generate(qwen3_ckpt, cache_gib(64), "scheduler.max_num_seqs=1")
+    assert got == uncached[1]
+    assert llm.engine.kv_store.cache_stats["cache_miss_blocks"] == 0
+
+
+def test_bad_gpu_cache_size_is_refused_at_compose_time():
+    for bad in ("-1", "lots"):
+        with pytest.raises(ValueError, match=rf"offload.gpu_cache_gib='?{bad}'? is not valid; use auto, 0"):
+            LLM("tiny", overrides=CPU + ["offload=cpu", f"offload.gpu_cache_gib={bad}"])
+
+
+def test_bench_records_the_cache(tmp_path):
+    import json
+
+    from sparsekv.llm import compose_config
+    from sparsekv.tasks import get_task
+
+    cfg = compose_config(["task=bench", f"output_dir={tmp_path}", "task.progress=false", "device=cpu",
+                          "offload=cpu", "offload.block_size=16", "offload.gpu_cache_gib=0.01", "task.context=64",
+                          "task.decode_steps=3", "task.warmup=false"])
+    get_task(cfg.task.name)(cfg)
+    record = json.loads((tmp_path / "bench.json").read_text())
+    assert record["gpu_cache"]["cache_slots"] > 0 and record["gpu_cache_gib"] > 0
+    assert record["gpu_cache_hit_rate"] == 1.0  # written through in prefill, read in place in decode
+    assert record["kv_transfer"]["decode_per_step"]["h2d_bytes"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", ["eager", "cudagraph"])
+@pytest.mark.parametrize("policy", [[], ["policy=quest", "policy.topk_blocks=3", "policy.dense_layers=1",
+                                         "policy.token_budget=null"]], ids=["full", "quest"])
+def test_gpu_cache_gives_the_uncached_tokens(qwen3_ckpt, graph, policy, monkeypatch):
+    """On CUDA the cache's loads, write-throughs and reads are ordered by stream events alone: with the reference
+    attention on both sides (float32), tokens with a cache (large, and smaller than a step's selection) equal those
+    without, eager and captured, batch and single sequences."""
+    monkeypatch.setenv("SPARSEKV_ATTN_BACKEND", "torch")
+    cuda = ["device=cuda", "dtype=float32", f"graph={graph}"] + OFFLOAD + policy
+    want = [o.token_ids for o in LLM(str(qwen3_ckpt), overrides=cuda + ["offload.gpu_cache_gib=0"]).generate(
+        PROMPTS, GREEDY)]
+    for slots in (64, 2):
+        llm = LLM(str(qwen3_ckpt), overrides=cuda + [cache_gib(slots)])
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want, slots
+        assert [o.token_ids for o in llm.generate(PROMPTS[:1], GREEDY)] == want[:1], slots
+        assert llm.engine.kv_store.cache_stats["cache_hit_blocks"] > 0
