@@ -58,7 +58,7 @@ class RingReader:
         if engine.cache is not None and not isinstance(blocks, torch.Tensor):
             for k, v, ids, first in engine.cached_block_groups(self.layer, list(blocks), group_size):
                 try:
-                    yield KVGroup(ids, k, v)  # k, v [n * block_size, KVH, D]: cache slots or ring slots
+                    yield KVGroup(ids, k, v), None  # k, v [n * block_size, KVH, D]: cache slots or ring slots
                 finally:
                     if first is not None:  # ring slots: later loads wait for the caller's kernels
                         engine.record_slots_compute_done(first, len(ids))
