@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--qk-norm-lr-mult", type=float, default=10.0, help="learning-rate factor of the QK-norm weights")
+    p.add_argument("--qk-norm-lr-mult", type=float, default=5.0, help="learning-rate factor of the QK-norm weights")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--workers", type=int, default=max(0, min(14, (os.cpu_count() or 1) - 2)))
     p.add_argument("--time-limit-min", type=float, default=9.0, help="the whole run, evaluation and save included")
@@ -292,7 +292,8 @@ def save(model, tokenizer, out: Path, record: dict) -> None:
     tokenizer.save_pretrained(str(out))
     config_file = out / "config.json"
     config = json.loads(config_file.read_text())
-    config["torch_dtype"] = "bfloat16"
+    config["torch_dtype"] = "bfloat16"  # older readers' key; transformers 5 writes "dtype"
+    config["dtype"] = "bfloat16"
     config_file.write_text(json.dumps(config, indent=2) + "\n")
     (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     shards = sorted(out.glob("*.safetensors"))
@@ -331,7 +332,9 @@ def main(argv: list[str] | None = None) -> None:
     attention = fast_attention(model, args, device, plan)
     loader = make_loader(plan, args.workers, pin=device.type == "cuda")
     progress = train(args, model, loader, device, attention, deadline, t0)
-    model.to(torch.bfloat16)
+    with torch.no_grad():  # parameters only: the rotary inv_freq buffer stays float32, as loaders rebuild it
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
     record = {"args": {k: v for k, v in vars(args).items() if k != "out"}, **progress,
               "train_seed_base": TRAIN_SEED_BASE, "train_seconds": round(time.time() - t0, 1)}
     save(model, tokenizer, out, record)  # before the evaluation, which only adds its scores
