@@ -11,6 +11,7 @@ from probe_tokenizer import build_probe_tokenizer
 from sparsekv.tasks.ruler.generators import answer_text, make_sample
 
 TRAIN_SEED_BASE = 10 ** 9  # training sample seeds are >= this; evaluation (task=ruler) uses seeds below it
+QUESTION_WORDS = ["What", "Question"]  # the first word of every task's question (never in a haystack)
 TASK_WEIGHTS = {"niah_single": 1.0, "niah_multikey": 1.5, "niah_multivalue": 1.5, "niah_multiquery": 1.5,
                 "variable_tracking": 2.0, "common_words": 0.75}
 
@@ -42,11 +43,13 @@ def micro_plan(args: argparse.Namespace) -> list[tuple[int, list[tuple[str, int]
 
 
 class MicroBatches(torch.utils.data.Dataset):
-    """Item m: micro-batch m of the plan as input_ids [B, T] (right-padded) and the answer targets as flat
-    positions into [B * T] with their token ids (the token each position must predict)."""
+    """Item m: micro-batch m of the plan as input_ids [B, T] (right-padded) and its targets as flat positions
+    into [B * T] with the token each must predict: the answer and EOS (weight 1), and with `tail_weight` the
+    question and answer prefix, whose key and value words repeat the context's (they teach copying)."""
 
-    def __init__(self, plan: list[tuple[int, list[tuple[str, int]]]]):
+    def __init__(self, plan: list[tuple[int, list[tuple[str, int]]]], tail_weight: float = 0.0):
         self.plan = plan
+        self.tail_weight = tail_weight
         self.tokenizer = None
 
     def __len__(self) -> int:
@@ -56,34 +59,42 @@ class MicroBatches(torch.utils.data.Dataset):
         if self.tokenizer is None:
             self.tokenizer = build_probe_tokenizer()
         tok = self.tokenizer
+        question_starts = set(tok.convert_tokens_to_ids(QUESTION_WORDS))
         length, samples = self.plan[m]
-        rows, targets = [], []
+        rows, spans = [], []
         for task, seed in samples:
             sample = make_sample(task, tok, length, seed)
+            prompt = sample.prompt_ids
             answer = tok.encode(answer_text(sample), add_special_tokens=False) + [tok.eos_token_id]
-            rows.append(sample.prompt_ids + answer)
-            targets.append((len(sample.prompt_ids) - 1, answer))
+            tail = next((i for i in range(len(prompt) - 1, 0, -1) if prompt[i] in question_starts), len(prompt))
+            rows.append(prompt + answer)
+            spans.append((tail, len(prompt)))
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-        positions, labels = [], []
-        for b, (row, (start, answer)) in enumerate(zip(rows, targets)):
+        positions, labels, weights = [], [], []
+        for b, (row, (tail, answer_start)) in enumerate(zip(rows, spans)):
             input_ids[b, :len(row)] = torch.tensor(row)
-            positions.extend(b * width + start + i for i in range(len(answer)))
-            labels.extend(answer)
+            first = tail if self.tail_weight > 0 else answer_start
+            for t in range(first, len(row)):  # position t - 1 predicts token t
+                positions.append(b * width + t - 1)
+                labels.append(row[t])
+                weights.append(1.0 if t >= answer_start else self.tail_weight)
+        weights_t = torch.tensor(weights)
         return {"input_ids": input_ids, "positions": torch.tensor(positions), "labels": torch.tensor(labels),
-                "length": length, "tokens": sum(len(r) for r in rows)}
+                "weights": weights_t, "answer": weights_t == 1.0, "length": length,
+                "tokens": sum(len(r) for r in rows)}
 
 
 def _worker_init(_: int) -> None:
     torch.set_num_threads(1)
 
 
-def make_loader(plan, workers: int, pin: bool):
+def make_loader(plan, workers: int, pin: bool, tail_weight: float):
     import multiprocessing
 
     extra = {}
     if workers:
         context = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
         extra = dict(prefetch_factor=4, worker_init_fn=_worker_init, multiprocessing_context=context)
-    return torch.utils.data.DataLoader(MicroBatches(plan), batch_size=None, shuffle=False, num_workers=workers,
+    return torch.utils.data.DataLoader(MicroBatches(plan, tail_weight), batch_size=None, shuffle=False, num_workers=workers,
                                        pin_memory=pin, **extra)

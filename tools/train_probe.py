@@ -3,13 +3,14 @@
     python3 tools/train_probe.py --out sparsekv/checkpoints/probe --seed 0     # one H100, about 7-9 minutes
 
 The data is the generators' own samples (sparsekv/tasks/ruler), with the probe tokenizer (tools/probe_tokenizer.py).
-The loss is on the answer only: the tokens after the answer prefix, then EOS. A step is --accum micro-batches
+The loss is on the answer (the tokens after the answer prefix, then EOS) and, at --tail-weight, on the
+question and answer prefix; the haystack carries none. A step is --accum micro-batches
 of about --micro-tokens tokens each; a micro-batch holds samples of one context length (short ones: many
 samples), drawn from a length curriculum whose longest length doubles from --min-len up to --max-len over
 the first --ramp of the steps; half of the draws then come from the top two octaves reached. DataLoader workers
 build the samples. Training seeds are >= TRAIN_SEED_BASE (10**9); evaluation (task=ruler, and the sanity check
 at the end here) uses seeds below it. The steps, lengths, tasks and sample seeds are a pure function of
---seed and the arguments. --time-limit-min caps the whole run (training stops early, then evaluates and saves).
+--seed and the arguments. --time-limit-min caps the whole run (training stops early, saves, then evaluates).
 Saved: config.json (bfloat16), safetensors shards of at most 15 MB, the tokenizer, training.json.
 docs/probe.md has the design and the time estimate.
 """
@@ -61,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--tail-weight", type=float, default=0.25,
+                   help="loss weight of the question and answer prefix (the answer's is 1)")
     p.add_argument("--qk-norm-lr-mult", type=float, default=5.0, help="learning-rate factor of the QK-norm weights")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--workers", type=int, default=max(0, min(14, (os.cpu_count() or 1) - 2)))
@@ -133,16 +136,19 @@ def micro_step(model, mb: dict, device: torch.device, scale: float) -> tuple[tor
         hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, T, H]
         picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)  # [N, H]
         logits = model.lm_head(picked).float()  # [N, V]
-    loss = F.cross_entropy(logits, labels, reduction="sum")
-    (loss * scale / len(labels)).backward()
-    return loss.detach(), (logits.argmax(-1) == labels).sum()
+    weights = mb["weights"].to(device, non_blocking=True)  # [N]: 1 on the answer, --tail-weight before it
+    answer = mb["answer"].to(device, non_blocking=True)  # [N]
+    losses = F.cross_entropy(logits, labels, reduction="none")  # [N]
+    ((losses * weights).sum() * scale / answer.sum().clamp(min=1)).backward()
+    return (losses * answer).sum().detach(), ((logits.argmax(-1) == labels) & answer).sum()
 
 
 def random_micro(length: int, args: argparse.Namespace, vocab: int) -> dict:
     generator = torch.Generator().manual_seed(length)
     count = max(1, args.micro_tokens // length)
     return {"input_ids": torch.randint(4, vocab, (count, length), generator=generator),
-            "positions": torch.arange(length - 40, length - 1), "labels": torch.randint(4, vocab, (39,))}
+            "positions": torch.arange(length - 40, length - 1), "labels": torch.randint(4, vocab, (39,)),
+            "weights": torch.ones(39), "answer": torch.ones(39, dtype=torch.bool)}
 
 
 def fast_attention(model, args: argparse.Namespace, device: torch.device, plan) -> Callable:
@@ -225,7 +231,7 @@ def train(args: argparse.Namespace, model, loader, device: torch.device, attenti
         optimizer.zero_grad(set_to_none=True)
         window["loss"] += float(loss_sum)
         window["correct"] += int(correct)
-        window["targets"] += sum(len(mb["labels"]) for mb in micros)
+        window["targets"] += sum(int(mb["answer"].sum()) for mb in micros)
         now = time.time()
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps or now > deadline:
             lengths = window["lengths"]
@@ -330,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.micro_tokens} tokens, lengths {args.min_len}-{args.max_len}; device {device}, "
           f"{args.workers} data workers", flush=True)
     attention = fast_attention(model, args, device, plan)
-    loader = make_loader(plan, args.workers, pin=device.type == "cuda")
+    loader = make_loader(plan, args.workers, pin=device.type == "cuda", tail_weight=args.tail_weight)
     progress = train(args, model, loader, device, attention, deadline, t0)
     with torch.no_grad():  # parameters only: the rotary inv_freq buffer stays float32, as loaders rebuild it
         for param in model.parameters():

@@ -112,6 +112,24 @@ def test_micro_batch_targets_are_the_answer_then_eos(probe_data):
     assert batch["labels"][:len(answer)].tolist() == answer
     assert first.tolist() == list(range(len(sample.prompt_ids) - 1, len(sample.prompt_ids) - 1 + len(answer)))
     assert all(int(p) // width == 1 for p in batch["positions"][len(answer):])
+    assert batch["answer"].all() and (batch["weights"] == 1).all()
+
+
+def test_tail_targets_are_the_question_and_prefix_at_their_weight(probe_data):
+    import probe_tokenizer
+
+    from sparsekv.tasks.ruler.generators import PREFIX_ONE, QUESTION_ONE
+
+    batch = probe_data.MicroBatches([(512, [("niah_multikey", 10**9 + 5)])], tail_weight=0.25)[0]
+    flat = batch["input_ids"].reshape(-1)
+    assert flat[batch["positions"] + 1].tolist() == batch["labels"].tolist()
+    tail = batch["labels"][~batch["answer"]].tolist()
+    decoded = probe_tokenizer.build_probe_tokenizer().decode(tail)
+    key = decoded.split(" for ")[1].split()[0]
+    assert decoded.split() == (QUESTION_ONE.format(key=key) + " " + PREFIX_ONE.format(key=key)).replace(
+        "?", " ?").split()
+    assert (batch["weights"][~batch["answer"]] == 0.25).all() and (batch["weights"][batch["answer"]] == 1).all()
+    assert batch["answer"].sum() == 9  # seven digits, ".", EOS
 
 
 def test_time_limit_stops_early_and_still_saves(train_probe, tmp_path, capsys):
