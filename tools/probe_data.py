@@ -71,18 +71,18 @@ class MicroBatches(torch.utils.data.Dataset):
             spans.append((tail, len(prompt)))
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-        positions, labels, weights = [], [], []
+        positions, labels, answer = [], [], []
         for b, (row, (tail, answer_start)) in enumerate(zip(rows, spans)):
             input_ids[b, :len(row)] = torch.tensor(row)
             first = tail if self.tail_weight > 0 else answer_start
             for t in range(first, len(row)):  # position t - 1 predicts token t
                 positions.append(b * width + t - 1)
                 labels.append(row[t])
-                weights.append(1.0 if t >= answer_start else self.tail_weight)
-        weights_t = torch.tensor(weights)
+                answer.append(t >= answer_start)
+        answer_t = torch.tensor(answer, dtype=torch.bool)
+        weights = torch.where(answer_t, 1.0, self.tail_weight)
         return {"input_ids": input_ids, "positions": torch.tensor(positions), "labels": torch.tensor(labels),
-                "weights": weights_t, "answer": weights_t == 1.0, "length": length,
-                "tokens": sum(len(r) for r in rows)}
+                "weights": weights, "answer": answer_t, "length": length, "tokens": sum(len(r) for r in rows)}
 
 
 def _worker_init(_: int) -> None:

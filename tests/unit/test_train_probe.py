@@ -121,6 +121,8 @@ def test_tail_targets_are_the_question_and_prefix_at_their_weight(probe_data):
     from sparsekv.tasks.ruler.generators import PREFIX_ONE, QUESTION_ONE
 
     batch = probe_data.MicroBatches([(512, [("niah_multikey", 10**9 + 5)])], tail_weight=0.25)[0]
+    same = probe_data.MicroBatches([(512, [("niah_multikey", 10**9 + 5)])], tail_weight=1.0)[0]
+    assert same["answer"].tolist() == batch["answer"].tolist() and (same["weights"] == 1).all()
     flat = batch["input_ids"].reshape(-1)
     assert flat[batch["positions"] + 1].tolist() == batch["labels"].tolist()
     tail = batch["labels"][~batch["answer"]].tolist()
