@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--tail-weight", type=float, default=1.0,
+    p.add_argument("--tail-weight", type=float, default=0.25,
                    help="loss weight of the question and answer prefix (the answer's is 1)")
     p.add_argument("--qk-norm-lr-mult", type=float, default=5.0, help="learning-rate factor of the QK-norm weights")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
