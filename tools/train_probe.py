@@ -3,26 +3,28 @@
     python3 tools/train_probe.py --out sparsekv/checkpoints/probe --seed 0     # one H100, about 7-9 minutes
 
 The data is the generators' own samples (sparsekv/tasks/ruler), with the probe tokenizer (tools/probe_tokenizer.py).
-The loss is on the answer only: the tokens after the answer prefix, then EOS. A step is --accum micro-batches
+The loss is on the answer (the tokens after the answer prefix, then EOS) and, at --tail-weight, on the
+question and answer prefix; the haystack carries none. A step is --accum micro-batches
 of about --micro-tokens tokens each; a micro-batch holds samples of one context length (short ones: many
 samples), drawn from a length curriculum whose longest length doubles from --min-len up to --max-len over
 the first --ramp of the steps; half of the draws then come from the top two octaves reached. DataLoader workers
 build the samples. Training seeds are >= TRAIN_SEED_BASE (10**9); evaluation (task=ruler, and the sanity check
 at the end here) uses seeds below it. The steps, lengths, tasks and sample seeds are a pure function of
---seed and the arguments. --time-limit-min caps the whole run (training stops early, then evaluates and saves).
+--seed and the arguments. --time-limit-min caps the whole run (training stops early, saves, then evaluates).
 Saved: config.json (bfloat16), safetensors shards of at most 15 MB, the tokenizer, training.json.
 docs/probe.md has the design and the time estimate.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
-import random
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 TOOLS = Path(__file__).resolve().parent
 sys.path[:0] = [str(TOOLS.parent), str(TOOLS)]
@@ -31,12 +33,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from probe_data import TASK_WEIGHTS, TRAIN_SEED_BASE, make_loader, micro_plan  # noqa: E402
 from probe_tokenizer import build_probe_tokenizer  # noqa: E402
-from sparsekv.tasks.ruler.generators import TASKS, answer_text, make_sample, score_output  # noqa: E402
+from sparsekv.tasks.ruler.generators import make_sample, score_output  # noqa: E402
 
-TRAIN_SEED_BASE = 10 ** 9
-TASK_WEIGHTS = {"niah_single": 1.0, "niah_multikey": 1.5, "niah_multivalue": 1.5, "niah_multiquery": 1.5,
-                "variable_tracking": 2.0, "common_words": 0.75}
 EVAL_LENGTHS = (2048, 8192, 32768)
 CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
                     "tokenizer_config.json", "special_tokens_map.json", "training.json")
@@ -47,9 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(TOOLS.parent / "sparsekv" / "checkpoints" / "probe"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--steps", type=int, default=1800)
     p.add_argument("--max-len", type=int, default=32768, help="longest context, in tokens")
     p.add_argument("--min-len", type=int, default=512, help="shortest context, in tokens")
+    p.add_argument("--tasks", default=",".join(TASK_WEIGHTS), help="comma-separated tasks to train on")
     p.add_argument("--ramp", type=float, default=0.4, help="fraction of the steps over which lengths reach --max-len")
     p.add_argument("--micro-tokens", type=int, default=32768, help="prompt tokens per micro-batch (>= --max-len)")
     p.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
@@ -61,13 +62,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--qk-norm-lr-mult", type=float, default=10.0, help="learning-rate factor of the QK-norm weights")
+    p.add_argument("--tail-weight", type=float, default=0.25,
+                   help="loss weight of the question and answer prefix (the answer's is 1)")
+    p.add_argument("--qk-norm-lr-mult", type=float, default=5.0, help="learning-rate factor of the QK-norm weights")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--workers", type=int, default=max(0, min(14, (os.cpu_count() or 1) - 2)))
     p.add_argument("--time-limit-min", type=float, default=9.0, help="the whole run, evaluation and save included")
     p.add_argument("--eval-samples", type=int, default=3, help="held-out samples per task and length at the end")
     p.add_argument("--log-every", type=int, default=25)
     args = p.parse_args(argv)
+    args.tasks = [t for t in args.tasks.split(",") if t]
+    unknown = [t for t in args.tasks if t not in TASK_WEIGHTS]
+    if unknown or not args.tasks:
+        p.error(f"--tasks {','.join(unknown) or '(none)'}: choose from {','.join(TASK_WEIGHTS)}")
     checks = [(args.steps >= 1, "--steps must be >= 1"), (args.accum >= 1, "--accum must be >= 1"),
               (args.min_len <= args.max_len, f"--min-len {args.min_len} exceeds --max-len {args.max_len}"),
               (args.micro_tokens >= args.max_len, f"--micro-tokens {args.micro_tokens} is below --max-len "
@@ -82,80 +89,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not ok:
             p.error(message)
     return args
-
-
-def length_buckets(min_len: int, max_len: int) -> list[int]:
-    """Powers of two and their 1.5x midpoints between min_len and max_len, both ends included."""
-    grid = {min_len, max_len}
-    for exp in range(6, 17):
-        grid.update(x for x in (2 ** exp, 3 * 2 ** (exp - 1)) if min_len < x < max_len)
-    return sorted(grid)
-
-
-def micro_plan(args: argparse.Namespace) -> list[tuple[int, list[tuple[str, int]]]]:
-    """Per micro-batch: its context length and its (task, seed) samples, a pure function of the arguments."""
-    buckets = length_buckets(args.min_len, args.max_len)
-    tasks, weights = list(TASK_WEIGHTS), list(TASK_WEIGHTS.values())
-    plan = []
-    for step in range(args.steps):
-        reach = args.min_len * (args.max_len / args.min_len) ** min(1.0, step / (args.ramp * args.steps))
-        allowed = [b for b in buckets if b <= reach * 1.0001] or buckets[:1]
-        for j in range(args.accum):
-            rng = random.Random(f"probe:{args.seed}:{step}:{j}")
-            frontier = allowed[-4:]  # the top two octaves reached
-            length = rng.choice(allowed if rng.random() < 0.5 else frontier)
-            count = max(1, args.micro_tokens // length)
-            plan.append((length, [(rng.choices(tasks, weights)[0], TRAIN_SEED_BASE + rng.randrange(TRAIN_SEED_BASE))
-                                  for _ in range(count)]))
-    return plan
-
-
-class MicroBatches(torch.utils.data.Dataset):
-    """Item m: micro-batch m of the plan as input_ids [B, T] (right-padded) and the answer targets as flat
-    positions into [B * T] with their token ids (the token each position must predict)."""
-
-    def __init__(self, plan: list[tuple[int, list[tuple[str, int]]]]):
-        self.plan = plan
-        self.tokenizer = None
-
-    def __len__(self) -> int:
-        return len(self.plan)
-
-    def __getitem__(self, m: int) -> dict[str, torch.Tensor | int]:
-        if self.tokenizer is None:
-            self.tokenizer = build_probe_tokenizer()
-        tok = self.tokenizer
-        length, samples = self.plan[m]
-        rows, targets = [], []
-        for task, seed in samples:
-            sample = make_sample(task, tok, length, seed)
-            answer = tok.encode(answer_text(sample), add_special_tokens=False) + [tok.eos_token_id]
-            rows.append(sample.prompt_ids + answer)
-            targets.append((len(sample.prompt_ids) - 1, answer))
-        width = max(len(r) for r in rows)
-        input_ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-        positions, labels = [], []
-        for b, (row, (start, answer)) in enumerate(zip(rows, targets)):
-            input_ids[b, :len(row)] = torch.tensor(row)
-            positions.extend(b * width + start + i for i in range(len(answer)))
-            labels.extend(answer)
-        return {"input_ids": input_ids, "positions": torch.tensor(positions), "labels": torch.tensor(labels),
-                "length": length, "tokens": sum(len(r) for r in rows)}
-
-
-def _worker_init(_: int) -> None:
-    torch.set_num_threads(1)
-
-
-def make_loader(plan, workers: int, pin: bool):
-    import multiprocessing
-
-    extra = {}
-    if workers:
-        context = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
-        extra = dict(prefetch_factor=4, worker_init_fn=_worker_init, multiprocessing_context=context)
-    return torch.utils.data.DataLoader(MicroBatches(plan), batch_size=None, shuffle=False, num_workers=workers,
-                                       pin_memory=pin, **extra)
 
 
 def build_model(args: argparse.Namespace, tokenizer):
@@ -194,8 +127,74 @@ def check_out_dir(out: Path) -> None:
                      "pass a new or empty directory")
 
 
-def train(args: argparse.Namespace, model, loader, device: torch.device, deadline: float, t0: float) -> dict:
-    use_amp = device.type == "cuda"
+def micro_step(model, mb: dict, device: torch.device, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of one micro-batch, its answer loss scaled by `scale`; (loss sum, correct count)."""
+    input_ids = mb["input_ids"].to(device, non_blocking=True)  # [B, T]
+    positions = mb["positions"].to(device, non_blocking=True)  # [N] into B * T
+    labels = mb["labels"].to(device, non_blocking=True)  # [N]
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, T, H]
+        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)  # [N, H]
+        logits = model.lm_head(picked).float()  # [N, V]
+    weights = mb["weights"].to(device, non_blocking=True)  # [N]: 1 on the answer, --tail-weight before it
+    answer = mb["answer"].to(device, non_blocking=True)  # [N]
+    losses = F.cross_entropy(logits, labels, reduction="none")  # [N]
+    ((losses * weights).sum() * scale / answer.sum().clamp(min=1)).backward()
+    return (losses * answer).sum().detach(), ((logits.argmax(-1) == labels) & answer).sum()
+
+
+def random_micro(length: int, args: argparse.Namespace, vocab: int) -> dict:
+    generator = torch.Generator().manual_seed(length)
+    count = max(1, args.micro_tokens // length)
+    return {"input_ids": torch.randint(4, vocab, (count, length), generator=generator),
+            "positions": torch.arange(length - 40, length - 1), "labels": torch.randint(4, vocab, (39,)),
+            "weights": torch.ones(39), "answer": torch.ones(39, dtype=torch.bool)}
+
+
+def fast_attention(model, args: argparse.Namespace, device: torch.device, plan) -> Callable:
+    """On CUDA, attention must run in a flash/efficient kernel: the math fallback needs tens of GB at 32K. One
+    forward and backward at each end of the plan's lengths checks that (HF's GQA path first, then with K/V
+    repeated), times them and estimates the training time. Returns the context manager for the steps."""
+    if device.type != "cuda":
+        return contextlib.nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def context():
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
+
+    def seconds(length: int) -> float:
+        mb = random_micro(length, args, model.config.vocab_size)
+        for _ in range(2):  # the first one warms up
+            torch.cuda.synchronize()
+            start = time.time()
+            with context():
+                micro_step(model, mb, device, 1.0)
+            torch.cuda.synchronize()
+        model.zero_grad(set_to_none=True)
+        return time.time() - start
+
+    import transformers.integrations.sdpa_attention as hf_sdpa
+
+    for attempt in ("GQA in SDPA", "K/V repeated"):
+        try:
+            short, long = seconds(args.min_len), seconds(args.max_len)
+            break
+        except RuntimeError as exc:
+            model.zero_grad(set_to_none=True)
+            print(f"preflight: no fast attention kernel with {attempt} ({str(exc).splitlines()[0][:120]})", flush=True)
+            hf_sdpa.use_gqa_in_sdpa = lambda *_, **__: False
+    else:
+        print("preflight: warning: attention may fall back to the math kernel (slow, much memory at 32K)", flush=True)
+        return contextlib.nullcontext
+    span = max(1, args.max_len - args.min_len)
+    estimate = sum(short + (long - short) * (length - args.min_len) / span for length, _ in plan)
+    print(f"preflight: a micro-batch takes {short:.3f} s at length {args.min_len}, {long:.3f} s at {args.max_len}; "
+          f"{len(plan)} micro-batches: about {estimate:.0f} s of training", flush=True)
+    return context
+
+
+def train(args: argparse.Namespace, model, loader, device: torch.device, attention: Callable, deadline: float,
+          t0: float) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     # QK-norm weights alone set how sharp attention can get (logits <= sqrt(head_dim) * |w_q| * |w_k|); picking
     # one needle among 32K tokens needs them well above their init of 1, so they learn faster
@@ -203,7 +202,7 @@ def train(args: argparse.Namespace, model, loader, device: torch.device, deadlin
     rest = [p for p in params if all(p is not q for q in qk)]
     groups = [{"params": rest, "lr_mult": 1.0}, {"params": qk, "lr_mult": args.qk_norm_lr_mult}]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0,
-                                  **({"fused": True} if use_amp else {}))
+                                  **({"fused": True} if device.type == "cuda" else {}))
     model.train()
     batches = iter(loader)
     window = {"loss": 0.0, "correct": 0, "targets": 0, "tokens": 0, "lengths": [], "t": time.time()}
@@ -215,18 +214,10 @@ def train(args: argparse.Namespace, model, loader, device: torch.device, deadlin
         loss_sum = torch.zeros((), device=device)
         correct = torch.zeros((), device=device, dtype=torch.long)
         for mb in micros:
-            input_ids = mb["input_ids"].to(device, non_blocking=True)  # [B, T]
-            positions = mb["positions"].to(device, non_blocking=True)  # [N] into B * T
-            labels = mb["labels"].to(device, non_blocking=True)  # [N]
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-                hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, T, H]
-                picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)  # [N, H]
-                logits = model.lm_head(picked).float()  # [N, V]
-            loss = F.cross_entropy(logits, labels, reduction="sum")
-            # each micro-batch weighs the same: one 32K-token sample counts as much as 64 short ones
-            (loss / (len(labels) * args.accum)).backward()
-            loss_sum += loss.detach()
-            correct += (logits.argmax(-1) == labels).sum()
+            with attention():  # each micro-batch weighs the same: one 32K sample as much as 64 short ones
+                loss, right = micro_step(model, mb, device, 1.0 / args.accum)
+            loss_sum += loss
+            correct += right
             window["tokens"] += mb["tokens"]
             window["lengths"].append(mb["length"])
         norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -240,7 +231,7 @@ def train(args: argparse.Namespace, model, loader, device: torch.device, deadlin
         optimizer.zero_grad(set_to_none=True)
         window["loss"] += float(loss_sum)
         window["correct"] += int(correct)
-        window["targets"] += sum(len(mb["labels"]) for mb in micros)
+        window["targets"] += sum(int(mb["answer"].sum()) for mb in micros)
         now = time.time()
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps or now > deadline:
             lengths = window["lengths"]
@@ -279,7 +270,7 @@ def evaluate(args: argparse.Namespace, model, tokenizer, device: torch.device, h
     model.eval()
     lengths = sorted({min(n, args.max_len) for n in EVAL_LENGTHS})
     results: dict[str, dict[int, float]] = {}
-    for task in TASKS:
+    for task in args.tasks:
         for length in lengths:
             scores = []
             for seed in range(args.eval_samples):
@@ -307,7 +298,8 @@ def save(model, tokenizer, out: Path, record: dict) -> None:
     tokenizer.save_pretrained(str(out))
     config_file = out / "config.json"
     config = json.loads(config_file.read_text())
-    config["torch_dtype"] = "bfloat16"
+    config["torch_dtype"] = "bfloat16"  # older readers' key; transformers 5 writes "dtype"
+    config["dtype"] = "bfloat16"
     config_file.write_text(json.dumps(config, indent=2) + "\n")
     (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     shards = sorted(out.glob("*.safetensors"))
@@ -316,8 +308,8 @@ def save(model, tokenizer, out: Path, record: dict) -> None:
     print(f"saved {out}: {len(shards)} safetensors shard(s), largest {largest / 2**20:.1f} MiB, "
           f"{total / 2**20:.1f} MiB in all", flush=True)
     if total > 32 * 2**20 or largest > 15 * 10**6:
-        print(f"warning: the checkpoint exceeds its budget (32 MiB in all, 15 MB a shard); shrink --hidden, "
-              f"--intermediate or --layers", flush=True)
+        print("warning: the checkpoint exceeds its budget (32 MiB in all, 15 MB a shard); shrink --hidden, "
+              "--intermediate or --layers", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -329,13 +321,12 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit(f"--device {args.device}: CUDA is not available here; pass --device cpu")
     tokenizer = build_probe_tokenizer()
-    for task in TASKS:  # every task must fit the shortest length before the workers start
+    for task in args.tasks:  # every task must fit the shortest length before the workers start
         try:
             make_sample(task, tokenizer, args.min_len, 0)
         except ValueError as exc:
             sys.exit(f"--min-len {args.min_len} is too small: {exc}")
     plan = micro_plan(args)
-    loader = make_loader(plan, args.workers, pin=device.type == "cuda")
     hard_stop = t0 + args.time_limit_min * 60
     deadline = hard_stop - min(EVAL_RESERVE_S, args.time_limit_min * 60 * 0.2)
     model = build_model(args, tokenizer).to(device)
@@ -344,16 +335,22 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.heads}/{args.kv_heads}x{args.head_dim}; {args.steps} steps x {args.accum} micro-batches of "
           f"{args.micro_tokens} tokens, lengths {args.min_len}-{args.max_len}; device {device}, "
           f"{args.workers} data workers", flush=True)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-    progress = train(args, model, loader, device, deadline, t0)
-    model.to(torch.bfloat16)
-    results = evaluate(args, model, tokenizer, device, hard_stop)
+    attention = fast_attention(model, args, device, plan)
+    loader = make_loader(plan, args.workers, pin=device.type == "cuda", tail_weight=args.tail_weight)
+    progress = train(args, model, loader, device, attention, deadline, t0)
+    with torch.no_grad():  # parameters only: the rotary inv_freq buffer stays float32, as loaders rebuild it
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
     record = {"args": {k: v for k, v in vars(args).items() if k != "out"}, **progress,
-              "train_seed_base": TRAIN_SEED_BASE, "eval_seeds": list(range(args.eval_samples)),
-              "eval": {task: {str(n): s for n, s in row.items()} for task, row in results.items()},
-              "seconds": round(time.time() - t0, 1)}
-    save(model, tokenizer, out, record)
+              "train_seed_base": TRAIN_SEED_BASE, "train_seconds": round(time.time() - t0, 1)}
+    save(model, tokenizer, out, record)  # before the evaluation, which only adds its scores
+    try:
+        results = evaluate(args, model, tokenizer, device, hard_stop)
+        record["eval"] = {task: {str(n): score for n, score in row.items()} for task, row in results.items()}
+        record["eval_seeds"] = list(range(args.eval_samples))
+        (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    except Exception as exc:  # the checkpoint is saved; a failing sanity check must not lose it
+        print(f"evaluation failed ({type(exc).__name__}: {exc}); the checkpoint is saved, run task=ruler", flush=True)
     print(f"done in {time.time() - t0:.0f}s{' (stopped early)' if progress['stopped_early'] else ''}; "
           "prove it with task=ruler (docs/probe.md)", flush=True)
 

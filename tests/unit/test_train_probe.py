@@ -24,6 +24,13 @@ def train_probe():
 
 
 @pytest.fixture(scope="module")
+def probe_data(train_probe):
+    import importlib
+
+    return importlib.import_module("probe_data")  # tools/ is on sys.path once train_probe is loaded
+
+
+@pytest.fixture(scope="module")
 def trained(train_probe, tmp_path_factory):
     import contextlib
     import io
@@ -74,25 +81,25 @@ def test_checkpoint_generates_in_sparsekv(trained):
     assert len(result[0].token_ids) == 4
 
 
-def test_plan_is_seeded_held_out_and_follows_the_curriculum(train_probe):
+def test_plan_is_seeded_held_out_and_follows_the_curriculum(train_probe, probe_data):
     args = train_probe.parse_args(["--steps", "20", "--max-len", "8192", "--min-len", "512", "--accum", "2",
                                    "--ramp", "0.5"])
-    plan = train_probe.micro_plan(args)
-    assert plan == train_probe.micro_plan(args) and len(plan) == 40
-    assert plan != train_probe.micro_plan(train_probe.parse_args(["--seed", "1", "--steps", "20", "--max-len",
+    plan = probe_data.micro_plan(args)
+    assert plan == probe_data.micro_plan(args) and len(plan) == 40
+    assert plan != probe_data.micro_plan(train_probe.parse_args(["--seed", "1", "--steps", "20", "--max-len",
                                                                   "8192", "--min-len", "512", "--accum", "2",
                                                                   "--ramp", "0.5"]))
     lengths = [length for length, _ in plan]
     assert lengths[:2] == [512, 512] and max(lengths[20:]) == 8192 and 8192 not in lengths[:10]
     for length, samples in plan:
         assert len(samples) == args.micro_tokens // length
-        assert all(seed >= train_probe.TRAIN_SEED_BASE for _, seed in samples)
+        assert all(seed >= probe_data.TRAIN_SEED_BASE for _, seed in samples)
 
 
-def test_micro_batch_targets_are_the_answer_then_eos(train_probe):
+def test_micro_batch_targets_are_the_answer_then_eos(probe_data):
     from sparsekv.tasks.ruler.generators import answer_text, make_sample
 
-    dataset = train_probe.MicroBatches([(512, [("niah_single", 10**9 + 1), ("variable_tracking", 10**9 + 2)])])
+    dataset = probe_data.MicroBatches([(512, [("niah_single", 10**9 + 1), ("variable_tracking", 10**9 + 2)])])
     batch = dataset[0]
     tok = dataset.tokenizer
     width = batch["input_ids"].shape[1]
@@ -105,6 +112,26 @@ def test_micro_batch_targets_are_the_answer_then_eos(train_probe):
     assert batch["labels"][:len(answer)].tolist() == answer
     assert first.tolist() == list(range(len(sample.prompt_ids) - 1, len(sample.prompt_ids) - 1 + len(answer)))
     assert all(int(p) // width == 1 for p in batch["positions"][len(answer):])
+    assert batch["answer"].all() and (batch["weights"] == 1).all()
+
+
+def test_tail_targets_are_the_question_and_prefix_at_their_weight(probe_data):
+    import probe_tokenizer
+
+    from sparsekv.tasks.ruler.generators import PREFIX_ONE, QUESTION_ONE
+
+    batch = probe_data.MicroBatches([(512, [("niah_multikey", 10**9 + 5)])], tail_weight=0.25)[0]
+    same = probe_data.MicroBatches([(512, [("niah_multikey", 10**9 + 5)])], tail_weight=1.0)[0]
+    assert same["answer"].tolist() == batch["answer"].tolist() and (same["weights"] == 1).all()
+    flat = batch["input_ids"].reshape(-1)
+    assert flat[batch["positions"] + 1].tolist() == batch["labels"].tolist()
+    tail = batch["labels"][~batch["answer"]].tolist()
+    decoded = probe_tokenizer.build_probe_tokenizer().decode(tail)
+    key = decoded.split(" for ")[1].split()[0]
+    assert decoded.split() == (QUESTION_ONE.format(key=key) + " " + PREFIX_ONE.format(key=key)).replace(
+        "?", " ?").split()
+    assert (batch["weights"][~batch["answer"]] == 0.25).all() and (batch["weights"][batch["answer"]] == 1).all()
+    assert batch["answer"].sum() == 9  # seven digits, ".", EOS
 
 
 def test_time_limit_stops_early_and_still_saves(train_probe, tmp_path, capsys):

@@ -116,7 +116,8 @@ def _encode(tokenizer, text: str, chat_template: bool) -> list[int]:
     if not chat_template:
         return list(tokenizer(text)["input_ids"])
     messages = [{"role": "user", "content": intro_context_question}]
-    head = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # enable_thinking=False: templates with a reasoning mode (Qwen3) open the answer directly
+    head = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
     return list(tokenizer(head + prefix, add_special_tokens=False)["input_ids"])
 
 
