@@ -330,7 +330,10 @@ class CudaGraphRunner(DecodeGraphRunner):
 
     def _capture(self, bs: int) -> None:
         ids, positions, slots = self._views(bs)
-        slots.fill_(self.scratch_slot)  # the warm-up and capture runs write only the scratch slot
+        # a later capture's views overlap the inputs of earlier steps (ids, positions, slots of another batch
+        # size): token 0 at position 0, written only to the scratch slot
+        ids.zero_(), positions.zero_()
+        slots.fill_(self.scratch_slot)
         self.context_lens[:bs].zero_()
         context = self._context(bs, [])
         self.graphs[bs] = self.capturer.capture(functools.partial(self._forward, ids, positions, context))

@@ -72,6 +72,7 @@ class SegmentedGraphRunner(DecodeGraphRunner):
 
     def _capture(self, bs: int) -> None:
         ids, positions = self.inputs[:2 * bs].view(2, bs)
+        ids.zero_(), positions.zero_()  # overlaps earlier steps' inputs of another batch size (lazy capture)
         hidden, attn_out = self.hidden[:bs], self.attn_out[:bs]
         capture = self.capturer.capture
         embed, rope = capture(functools.partial(self._embed, ids, positions, hidden))
