@@ -34,6 +34,7 @@ from typing import Iterator, Protocol
 import torch
 
 from sparsekv.kernels.block_gather import gather_host_blocks, slab_word_offsets
+from sparsekv.kvcache.cached_loads import CachedLoads
 from sparsekv.kvcache.gpu_block_cache import GpuBlockCache
 from sparsekv.kvcache.host_pool import HostPool
 from sparsekv.kvcache.host_quant import FP8_DTYPE, Fp8Ring
@@ -78,7 +79,7 @@ class _Streams:
             self.waited[key] = self.offloads[layer]
 
 
-class OffloadEngine:
+class OffloadEngine(CachedLoads):
     def __init__(self, host: HostPool, num_gpu_blocks: int, prefill_tokens: int, max_num_seqs: int,
                  device: torch.device, model_dtype: torch.dtype | None = None, cache_slots_per_layer: int = 0):
         self.host = host
@@ -145,106 +146,10 @@ class OffloadEngine:
             if self._step_start is not None:
                 self._step_start.record(torch.cuda.current_stream(self.device))
 
-    def cache_slots(self, layer: int, cpu_blocks: list[int]) -> list[int | None]:
-        """The GPU block cache slot of each block (None: not cached), misses loaded from the host; the compute
-        stream waits for those loads and the layer's write-throughs before it reads the cache."""
-        stats = self.transfer_stats if self.capture is None else self.capture.moved
-        slots, loads = self.cache.lookup(layer, cpu_blocks, stats)
-        if loads:
-            self._load_cache(layer, loads)
-        elif self.streams.cuda and self.capture is None:
-            self.streams.wait_offloaded(torch.cuda.current_stream(self.device), layer)
-        return slots
-
     def decode_pool(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode buffer as paged K/V [max_seqs * L, block_size, KVH, D]: block row * L + layer is a sequence's
         unfinished block of one layer."""
         return self.decode_k.flatten(0, 1), self.decode_v.flatten(0, 1)
-
-    def cached_block_groups(self, layer: int, cpu_blocks: list[int], group_size: int | None = None
-                            ) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[int], int | None]]:
-        """Like stream_block_groups through the GPU block cache: yields (k, v [n * block_size, KVH, D], blocks,
-        first ring slot or None) in the order of `cpu_blocks`. Without group_size a group is a run of blocks in
-        consecutive cache slots, or up to half the ring of blocks the cache could not take; with group_size every
-        group is exactly the next group_size blocks, read in place when they sit in consecutive cache slots, else
-        copied into the ring (cached blocks device to device). The caller calls record_slots_compute_done for a
-        group with a ring slot after reading it."""
-        slots = self.cache_slots(layer, cpu_blocks)
-        size = group_size or max(1, self.num_slots // 2)
-        groups: list[tuple[list[int], list[int | None]]] = []
-        if group_size is not None:
-            groups = [(cpu_blocks[i:i + size], slots[i:i + size]) for i in range(0, len(cpu_blocks), size)]
-        else:
-            start = 0
-            while start < len(cpu_blocks):
-                end = start + 1
-                if slots[start] is None:
-                    while end < len(cpu_blocks) and end - start < size and slots[end] is None:
-                        end += 1
-                else:
-                    while end < len(cpu_blocks) and slots[end] == slots[end - 1] + 1:
-                        end += 1
-                groups.append((cpu_blocks[start:end], slots[start:end]))
-                start = end
-        in_flight = max(1, self.num_slots // size)
-        pending: deque[tuple[list[int], int | None, int | None]] = deque()  # (blocks, cache slot, ring slot)
-        ring_pending = 0
-        for blocks, group_slots in groups:
-            in_place = all(slot is not None for slot in group_slots) and all(
-                b == a + 1 for a, b in zip(group_slots, group_slots[1:]))
-            if not in_place:
-                while ring_pending == in_flight:
-                    item = pending.popleft()
-                    ring_pending -= item[2] is not None
-                    yield self._group_view(*item)
-                pending.append((blocks, None, self._issue_group(layer, blocks, size, group_slots)))
-                ring_pending += 1
-            else:
-                pending.append((blocks, group_slots[0], None))
-        while pending:
-            yield self._group_view(*pending.popleft())
-
-    def _group_view(self, blocks: list[int], cache_slot: int | None, ring_slot: int | None):
-        n = len(blocks)
-        if cache_slot is not None:
-            return (self.cache.k[cache_slot:cache_slot + n].flatten(0, 1),
-                    self.cache.v[cache_slot:cache_slot + n].flatten(0, 1), blocks, None)
-        self.wait_slots(ring_slot, n)
-        return (*self.get_kv_for_slots(ring_slot, n), blocks, ring_slot)
-
-    def _load_cache(self, layer: int, loads: list[tuple[int, int]]) -> None:
-        """Copy host blocks into their cache slots; the compute stream waits for them (and for the layer's
-        write-throughs) before anything reads the cache."""
-        s = self.streams
-        if not s.cuda:
-            self._copy_into_cache(layer, loads)
-        else:
-            compute = torch.cuda.current_stream(self.device)
-            with torch.cuda.stream(s.h2d):  # a reloaded slot was last read before this step began
-                capture = self.capture
-                s.h2d.wait_event(capture.fork_event(compute) if capture is not None else self._step_start)
-                if capture is None:
-                    s.wait_offloaded(s.h2d, layer)
-                self._copy_into_cache(layer, loads)
-            compute.wait_stream(s.h2d)
-            if self.capture is None:
-                s.wait_offloaded(compute, layer)
-        self._count_loads(len(loads))
-
-    def _copy_into_cache(self, layer: int, loads: list[tuple[int, int]]) -> None:
-        """One copy per run of host blocks consecutive in one slab and in the cache."""
-        k, v = self.cache.k, self.cache.v
-        start = 0
-        while start < len(loads):
-            end = start + 1
-            while (end < len(loads) and loads[end][1] == loads[end - 1][1] + 1
-                   and self.host.contiguous(loads[end - 1][0], loads[end][0])):
-                end += 1
-            host_k, host_v = self.host.blocks(layer, loads[start][0], end - start)
-            first = loads[start][1]
-            k[first:first + end - start].copy_(host_k, non_blocking=True)
-            v[first:first + end - start].copy_(host_v, non_blocking=True)
-            start = end
 
     def gather_block_groups(self, layer: int, block_ids: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         """Like stream_block_groups for host block ids held in a device tensor [n] int64: yields (first_slot, ids)
@@ -326,14 +231,6 @@ class OffloadEngine:
             self._copy_runs(layer, first, host_blocks)
         self._count_loads(len(blocks) if cache_slots is None else sum(b is not None for b in host_blocks))
         return first
-
-    def _copy_cached(self, first: int, blocks: list[int], cache_slots: list[int | None]) -> list[int | None]:
-        """Copy the cached blocks of a ring group from the cache; returns `blocks` with those replaced by None."""
-        for i, slot in enumerate(cache_slots):
-            if slot is not None:
-                self.k_slots[first + i].copy_(self.cache.k[slot], non_blocking=True)
-                self.v_slots[first + i].copy_(self.cache.v[slot], non_blocking=True)
-        return [None if slot is not None else block for block, slot in zip(blocks, cache_slots)]
 
     def _count_loads(self, blocks: int) -> None:
         stats = self.transfer_stats if self.capture is None else self.capture.moved
@@ -467,27 +364,6 @@ class OffloadEngine:
             self._write_through(layer, cpu_block, k, v)
         self.transfer_stats["d2h_bytes"] += 2 * n * self.block_bytes // self.block_size
         self.transfer_stats["d2h_blocks"] += 1
-
-    def _write_through(self, layer: int, cpu_block: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """An offloaded block's rows also go to its GPU block cache entry (readers wait for layer_offloaded)."""
-        slot = self.cache.write_slot(layer, cpu_block) if self.cache is not None else None
-        if slot is not None:
-            n = k.shape[0]
-            self.cache.k[slot, :n].copy_(k, non_blocking=True)
-            self.cache.v[slot, :n].copy_(v, non_blocking=True)
-
-    @property
-    def cache_stats(self) -> dict[str, int]:
-        """GPU block cache counters in blocks (hits, misses loaded from the host, overflow read through the ring,
-        evictions, write-throughs) and its size; empty without a cache."""
-        cache = self.cache
-        if cache is None:
-            return {}
-        stats = {key: value for key, value in self.transfer_stats.items() if key.startswith("cache_")}
-        stats.update(cache_evicted_blocks=cache.stats["cache_evicted_blocks"],
-                     cache_written_blocks=cache.stats["cache_written_blocks"], cache_slots=cache.num_slots,
-                     cache_bytes=cache.bytes)
-        return stats
 
     # ---- captured decode steps (the graph runner drives these through OffloadKVStore)
     def start_capture(self, capture: RingCapture) -> None:
