@@ -8,9 +8,9 @@ decode buffer (block row * L + layer of each sequence), and the two partials mer
 
 Selections: None per sequence (full attention) builds the slot table on the host. A selecting policy chooses for
 the whole batch in one call per layer (SparsePolicy.select_blocks_batch); its device-tensor choices are mapped to
-slots on the device through a host block -> slot table, so nothing waits for the host. Every device tensor made here is one per distinct content
-(OffloadEngine.device_block_ids), so a captured decode step replays with the tables it was captured with, and a
-layout (OffloadKVStore.decode_layout) fixes their content.
+slots on the device through a host block -> slot table, so nothing waits for the host. Every device tensor made
+here is one per distinct content (OffloadEngine.device_block_ids), so a captured decode step replays with the tables
+it was captured with, and a layout (OffloadKVStore.decode_layout) fixes their content.
 """
 from __future__ import annotations
 
