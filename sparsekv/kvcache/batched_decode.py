@@ -6,11 +6,11 @@ row of cache slot ids, and the paged decode kernel attends all rows at once over
 lengths; a sequence with no full block has length 0). The unfinished blocks are a second paged call over the
 decode buffer (block row * L + layer of each sequence), and the two partials merge by log-sum-exp.
 
-Selections: None per sequence (full attention) builds the slot table on the host. A selecting policy still chooses
-per sequence (the policy API sees one query); its device-tensor choices are mapped to slots on the device through a
-host block -> slot table, so nothing waits for the host. Every device tensor made here is one per distinct content
-(OffloadEngine.device_block_ids), so a captured decode step replays with the tables it was captured with, and a
-layout (OffloadKVStore.decode_layout) fixes their content.
+Selections: None per sequence (full attention) builds the slot table on the host. A selecting policy chooses for
+the whole batch in one call per layer (SparsePolicy.select_blocks_batch); its device-tensor choices are mapped to
+slots on the device through a host block -> slot table, so nothing waits for the host. Every device tensor made
+here is one per distinct content (OffloadEngine.device_block_ids), so a captured decode step replays with the tables
+it was captured with, and a layout (OffloadKVStore.decode_layout) fixes their content.
 """
 from __future__ import annotations
 

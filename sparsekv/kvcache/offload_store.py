@@ -261,9 +261,7 @@ class OffloadKVStore(KVStore):
         engine = self.engine
         engine.write_decode_tokens(layer, self.decode_slots[layer], k, v)
         if self.batched_blocks is not None:  # the whole batch in one paged call over the cache
-            selections = None if self.decode_attends_all else [
-                self._selection(layer, q[b:b + 1], scale, seq, blocks)
-                for b, (seq, blocks) in enumerate(zip(context.seqs, self.batched_blocks))]
+            selections = None if self.decode_attends_all else self._selections(layer, q, scale, context.seqs)
             out = batched_decode_attention(engine, layer, q, scale, self.batched_blocks, self.decode_slots[layer],
                                            self.tail_lengths, selections)
         else:
@@ -278,15 +276,16 @@ class OffloadKVStore(KVStore):
             engine.offload_decode_buffer_async(layer, row, block)
         return out
 
-    def _selection(self, layer: int, q: torch.Tensor, scale: float, seq: Sequence, blocks: list[int]
-                   ) -> list[int] | torch.Tensor:
-        """The decode policy's checked choice among a sequence's full blocks (batched decode)."""
-        if not blocks:
-            return []
-        n = len(seq)
-        ctx = PolicyContext(phase="decode", layer=layer, query=q, candidates=blocks, block_size=self.block_size,
-                            query_start=n - 1, kv_len=n, softmax_scale=scale, ids_source=self.engine.device_block_ids)
-        return self.decode_policy.checked_selection(ctx, self.readers[layer])
+    def _selections(self, layer: int, q: torch.Tensor, scale: float, seqs: list[Sequence]
+                    ) -> list[list[int] | torch.Tensor]:
+        """The decode policy's checked choices among each sequence's full blocks (batched decode), one policy call
+        for the sequences that have any."""
+        ctxs = {b: PolicyContext(phase="decode", layer=layer, query=q[b:b + 1], candidates=blocks,
+                                 block_size=self.block_size, query_start=len(seq) - 1, kv_len=len(seq),
+                                 softmax_scale=scale, ids_source=self.engine.device_block_ids)
+                for b, (seq, blocks) in enumerate(zip(seqs, self.batched_blocks)) if blocks}
+        chosen = dict(zip(ctxs, self.decode_policy.checked_selections(list(ctxs.values()), self.readers[layer])))
+        return [chosen.get(b, []) for b in range(len(seqs))]
 
     def _decode_one(self, layer: int, q: torch.Tensor, scale: float, seq: Sequence) -> torch.Tensor:
         n = len(seq)

@@ -21,7 +21,8 @@ import torch
 
 from sparsekv.kernels import flash_attn_with_lse, merge_attention_outputs
 from sparsekv.kernels.decode_attention import DecodePartials
-from sparsekv.policies.context import KVGroup, KVLayout, KVReader, PolicyContext, Selection, check_selection
+from sparsekv.policies.context import (KVGroup, KVLayout, KVReader, PolicyContext, PolicySelectionError, Selection,
+                                       check_selection)
 
 
 @dataclass
@@ -83,6 +84,23 @@ class SparsePolicy:
         """select_blocks, validated, with None resolved to the candidates."""
         selection = check_selection(self, ctx, self.select_blocks(ctx), reader.check_selections)
         return ctx.candidates if selection is None else selection
+
+    def select_blocks_batch(self, ctxs: list[PolicyContext]) -> list[Selection]:
+        """select_blocks for one layer's decode contexts of a whole batch (one per sequence, each with candidates):
+        one selection per context, in order, by the same rules. Default: select_blocks on each; a policy overrides
+        it to choose for every sequence in one device computation."""
+        return [self.select_blocks(ctx) for ctx in ctxs]
+
+    def checked_selections(self, ctxs: list[PolicyContext], reader: KVReader) -> list[list[int] | torch.Tensor]:
+        """select_blocks_batch, each selection validated as by checked_selection, None resolved to the candidates."""
+        selections = self.select_blocks_batch(ctxs)
+        if not isinstance(selections, (list, tuple)) or len(selections) != len(ctxs):
+            count = len(selections) if isinstance(selections, (list, tuple)) else type(selections).__name__
+            raise PolicySelectionError(f"{type(self).__name__}.select_blocks_batch: returned {count} selections "
+                                       f"for {len(ctxs)} contexts; return a list with one selection per context")
+        checked = (check_selection(self, ctx, selection, reader.check_selections)
+                   for ctx, selection in zip(ctxs, selections))
+        return [ctx.candidates if selection is None else selection for ctx, selection in zip(ctxs, checked)]
 
     # ---- computation
     def compute_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,

@@ -8,12 +8,14 @@ import pytest
 from sparsekv import LLM, SamplingParams
 from sparsekv.graphs.cuda_graph import attach_graph_runner
 from sparsekv.kvcache import batched_decode
+from sparsekv.policies.quest import QuestPolicy
 from tests.conftest import random_prompt
 
 CPU = ["device=cpu", "dtype=float32", "graph=eager"]
 OFFLOAD = ["offload=cpu", "offload.host_pool_gib=0.05", "offload.block_size=16", "offload.num_gpu_blocks=2",
            "offload.prefill_chunk_size=32"]
 QUEST = ["policy=quest", "policy.topk_blocks=2", "policy.dense_layers=1", "policy.token_budget=null"]
+QUEST_MIDDLE = ["policy=quest", "policy.topk_blocks=3", "policy.dense_layers=1", "policy.token_budget=null"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 PROMPTS = [random_prompt(n, seed=n) for n in (90, 7, 41, 130, 16)]  # 0 to 8 full blocks, partial and whole tails
 CACHE = "offload.gpu_cache_gib=0.001"  # far more than these prompts need
@@ -39,14 +41,18 @@ def count_batched(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("policy", [[], QUEST], ids=["full", "quest"])
+@pytest.mark.parametrize("policy", [[], QUEST, QUEST_MIDDLE], ids=["full", "quest", "quest_middle"])
 @pytest.mark.parametrize("cache", ["offload.gpu_cache_gib=0", CACHE])
-def test_mixed_length_batch_equals_one_by_one(qwen3_ckpt, policy, cache, count_batched):
+def test_mixed_length_batch_equals_one_by_one(qwen3_ckpt, policy, cache, count_batched, monkeypatch):
     alone = [run(qwen3_ckpt, [prompt], *policy, cache)[1][0] for prompt in PROMPTS]
     count_batched.clear()
+    rows = []  # per layer and step: how many sequences Quest chose for in one batched computation
+    padded = QuestPolicy._select_padded
+    monkeypatch.setattr(QuestPolicy, "_select_padded", lambda self, ctxs: rows.append(len(ctxs)) or padded(self, ctxs))
     llm, together = run(qwen3_ckpt, PROMPTS, *policy, cache)
     assert together == alone
     assert bool(count_batched) == (cache == CACHE)
+    assert bool(rows) == (bool(policy) and cache == CACHE)  # the 90- and 130-token prompts select together
     if cache == CACHE:  # every decode step of several sequences: one call per layer for the batch
         assert max(count_batched) == len(PROMPTS)
         # Quest's choices were served from the cache: nothing came from the host in decode

@@ -21,6 +21,8 @@ below `dense_layers` and sequences with at most `threshold_blocks` full blocks l
 choice stays on the device (select_blocks returns a device tensor): the chosen blocks are gathered from pinned host
 memory by a kernel, so no layer waits for the host. In decode, scores and choice are one kernel launch (quest_select
 in sparsekv/policies/quest/quest_score.py); score_blocks and sparsekv.policies.scorer.top_blocks are its reference.
+A batched decode step chooses for all of its selecting sequences at once (select_blocks_batch): their candidates
+padded to the longest, the same scores over the padded rows, one top-k per row.
 
 Decode only: prefill runs full attention (the factory pairs the phases), while the hooks still record the metadata
 of every prompt block.
@@ -33,7 +35,7 @@ from typing import ClassVar, Optional
 import torch
 
 from sparsekv.policies.block_metadata import BlockMetadata
-from sparsekv.policies.context import KVLayout, PolicyContext
+from sparsekv.policies.context import KVLayout, PolicyContext, Selection
 from sparsekv.policies.quest.quest_score import quest_block_shares, quest_select
 from sparsekv.policies.base import SparsePolicy
 from sparsekv.policies.scorer import top_blocks
@@ -134,3 +136,50 @@ class QuestPolicy(SparsePolicy):
             return quest_select(ctx.query[0], self._kmax.data[ctx.layer], self._kmin.data[ctx.layer], ids,
                                 ctx.query.shape[-1] ** -0.5, keep)
         return top_blocks(ids, self.block_scores(ctx.query, ids, ctx.layer), keep, 1, 1)
+
+    def select_blocks_batch(self, ctxs: list[PolicyContext]) -> list[Selection]:
+        """select_blocks for a batch's decode contexts of one layer: the same choices (as sets), the selecting
+        sequences' in one computation over their candidates padded to the longest (memory: rows * longest * KVH * D
+        fp32 per table)."""
+        rows = [i for i, ctx in enumerate(ctxs) if self._selects(ctx)]
+        if len(rows) < 2 or any(ctxs[i].query.shape[0] != 1 or ctxs[i].layer != ctxs[0].layer for i in rows):
+            return super().select_blocks_batch(ctxs)
+        chosen = self._select_padded([ctxs[i] for i in rows])  # [R, keep]
+        out: list[Selection] = [None] * len(ctxs)
+        for row, i in enumerate(rows):
+            out[i] = chosen[row]
+        return out
+
+    def _selects(self, ctx: PolicyContext) -> bool:
+        n = len(ctx.candidates)
+        return ctx.layer >= self.dense_layers and n > self.threshold_blocks and n > self.budget_blocks(ctx.block_size)
+
+    def _select_padded(self, ctxs: list[PolicyContext]) -> torch.Tensor:
+        """[R, keep] chosen ids of R selecting decode contexts: sink, newest, then the best of the middle."""
+        if self._kmax is None or self._kmin is None:
+            raise RuntimeError("QuestPolicy.initialize() must run before blocks are selected")
+        first = ctxs[0]
+        keep, width = self.budget_blocks(first.block_size), max(len(ctx.candidates) for ctx in ctxs)
+        padded = [block for ctx in ctxs for block in [*ctx.candidates, *[-1] * (width - len(ctx.candidates))]]
+        if first.ids_source is not None:  # the store's copy, one per distinct content: graph replays read it
+            flat = first.ids_source(padded)
+        else:
+            flat = torch.tensor(padded, dtype=torch.int64).to(first.query.device, non_blocking=True)
+        ids = flat.view(len(ctxs), width)  # [R, N], -1 past each row's candidates
+        valid = ids >= 0
+        safe = ids.clamp(min=0)
+        query = torch.cat([ctx.query for ctx in ctxs]).float()  # [R, H, D]
+        kv_heads, dim = self._kmax.data.shape[-2:]
+        q = query.view(len(ctxs), kv_heads, -1, dim)  # [R, KVH, G, D]
+        kmax = self._kmax.data[first.layer][safe].float()  # [R, N, KVH, D]
+        kmin = self._kmin.data[first.layer][safe].float()
+        bound = (torch.einsum("rkgd,rnkd->rkgn", q.clamp(min=0), kmax)
+                 + torch.einsum("rkgd,rnkd->rkgn", q.clamp(max=0), kmin))  # [R, KVH, G, N]
+        bound = bound.masked_fill(~valid[:, None, None, :], float("-inf"))
+        share = torch.softmax(bound * dim ** -0.5, dim=3)  # per query head, over the row's candidates
+        scores = share.amax(dim=2).sum(dim=1)  # [R, N]
+        newest = valid.sum(dim=1, keepdim=True) - 1  # [R, 1] position of each row's newest block
+        position = torch.arange(width, device=ids.device)
+        middle = valid & (position > 0) & (position[None, :] != newest)
+        best = torch.topk(scores.masked_fill(~middle, float("-inf")), keep - 2, dim=1, sorted=False).indices
+        return torch.cat([ids[:, :1], ids.gather(1, newest), ids.gather(1, best)], dim=1)
