@@ -36,7 +36,7 @@ import torch
 
 from sparsekv.policies.block_metadata import BlockMetadata
 from sparsekv.policies.context import KVLayout, PolicyContext, Selection
-from sparsekv.policies.quest.quest_score import quest_block_shares, quest_select
+from sparsekv.policies.quest.quest_score import quest_block_shares, quest_row_shares, quest_select
 from sparsekv.policies.base import SparsePolicy
 from sparsekv.policies.scorer import top_blocks
 
@@ -168,16 +168,10 @@ class QuestPolicy(SparsePolicy):
         ids = flat.view(len(ctxs), width)  # [R, N], -1 past each row's candidates
         valid = ids >= 0
         safe = ids.clamp(min=0)
-        query = torch.cat([ctx.query for ctx in ctxs]).float()  # [R, H, D]
-        kv_heads, dim = self._kmax.data.shape[-2:]
-        q = query.view(len(ctxs), kv_heads, -1, dim)  # [R, KVH, G, D]
-        kmax = self._kmax.data[first.layer][safe].float()  # [R, N, KVH, D]
-        kmin = self._kmin.data[first.layer][safe].float()
-        bound = (torch.einsum("rkgd,rnkd->rkgn", q.clamp(min=0), kmax)
-                 + torch.einsum("rkgd,rnkd->rkgn", q.clamp(max=0), kmin))  # [R, KVH, G, N]
-        bound = bound.masked_fill(~valid[:, None, None, :], float("-inf"))
-        share = torch.softmax(bound * dim ** -0.5, dim=3)  # per query head, over the row's candidates
-        scores = share.amax(dim=2).sum(dim=1)  # [R, N]
+        query = torch.cat([ctx.query for ctx in ctxs])  # [R, H, D]
+        layer = first.layer
+        scores = quest_row_shares(query, self._kmax.data[layer][safe], self._kmin.data[layer][safe],
+                                  query.shape[-1] ** -0.5, valid).sum(dim=1)  # [R, N]
         newest = valid.sum(dim=1, keepdim=True) - 1  # [R, 1] position of each row's newest block
         position = torch.arange(width, device=ids.device)
         middle = valid & (position > 0) & (position[None, :] != newest)

@@ -33,14 +33,24 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: quest_select's f
 def quest_block_shares_reference(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, block_ids: torch.Tensor,
                                  scale: float) -> torch.Tensor:
     """q [H, D], kmax/kmin [blocks, KVH, D], block_ids [n] int64 -> [KVH, n] fp32."""
-    hi = kmax.index_select(0, block_ids).float()  # [n, KVH, D]
-    lo = kmin.index_select(0, block_ids).float()
-    heads, dim = q.shape
-    kv_heads = hi.shape[1]
-    qg = q.float().view(kv_heads, heads // kv_heads, dim)  # [KVH, G, D]
-    bound = (torch.einsum("kgd,nkd->kgn", qg.clamp(min=0), hi)
-             + torch.einsum("kgd,nkd->kgn", qg.clamp(max=0), lo))  # [KVH, G, n]
-    return torch.softmax(bound * scale, dim=2).amax(dim=1)  # [KVH, n]
+    hi = kmax.index_select(0, block_ids)[None]  # [1, n, KVH, D]
+    lo = kmin.index_select(0, block_ids)[None]
+    return quest_row_shares(q[None], hi, lo, scale)[0]
+
+
+def quest_row_shares(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, scale: float,
+                     valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of (query, candidate blocks): q [R, H, D], hi/lo [R, n, KVH, D] (the blocks' key max/min), valid [R, n]
+    (False: padding, share 0) -> [R, KVH, n] fp32, each block's softmax share of the upper bounds
+    sum_i max(q_i * kmax_i, q_i * kmin_i), the max over the query heads of a KV head."""
+    rows, heads, dim = q.shape
+    kv_heads = hi.shape[2]
+    qg = q.float().view(rows, kv_heads, heads // kv_heads, dim)  # [R, KVH, G, D]
+    bound = (torch.einsum("rkgd,rnkd->rkgn", qg.clamp(min=0), hi.float())
+             + torch.einsum("rkgd,rnkd->rkgn", qg.clamp(max=0), lo.float()))  # [R, KVH, G, n]
+    if valid is not None:
+        bound = bound.masked_fill(~valid[:, None, None, :], float("-inf"))
+    return torch.softmax(bound * scale, dim=3).amax(dim=2)  # [R, KVH, n]
 
 
 @jit
