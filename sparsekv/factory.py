@@ -195,8 +195,8 @@ def gpu_cache_slots(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device
             4 * spec.intermediate_size + 8 * spec.hidden_size + 6 * spec.num_attention_heads * spec.head_dim
         ) * dtype.itemsize
         gib = max(0.0, (free - buffers - activations - GPU_CACHE_MARGIN) / GIB)
-    elif device.type == "cuda" and gib * GIB > torch.cuda.mem_get_info(device)[0]:
-        raise ValueError(f"offload.gpu_cache_gib={gib:g} exceeds the {format_bytes(torch.cuda.mem_get_info(device)[0])}"
+    elif device.type == "cuda" and gib * GIB > (free := torch.cuda.mem_get_info(device)[0]):
+        raise ValueError(f"offload.gpu_cache_gib={gib:g} exceeds the {format_bytes(free)}"
                          " of free device memory after the weights; lower it, or use auto")
     slots = min(useful, int(gib * GIB // (layers * block_bytes)))
     return slots if slots >= 1 else 0
