@@ -231,10 +231,6 @@ def build_kv_store(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device:
     if host_dtype == dtype:  # the GPU block cache holds model-dtype blocks: none with the fp8 host tier
         cache_slots = gpu_cache_slots(cfg, spec, dtype, device, max_model_len, host_pool_blocks(host_pool_gib,
                                                                                                  block_bytes))
-    elif parse_gpu_cache_gib(offload.get("gpu_cache_gib", "auto")) not in (None, 0.0):
-        raise ValueError(f"offload.gpu_cache_gib={offload.gpu_cache_gib} cannot be used with offload.host_dtype="
-                         f"{offload.host_dtype}: the GPU block cache holds model-dtype blocks; set "
-                         "offload.gpu_cache_gib=0 (or auto) or offload.host_dtype=auto")
     store = OffloadKVStore(spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, offload.block_size,
                            offload.num_gpu_blocks, chunk, cfg.scheduler.max_num_seqs, host_pool_gib, dtype,
                            device, prefill_policy, decode_policy, initial_prefill_buffer,
