@@ -121,17 +121,22 @@ def pdl_supported(device: torch.device) -> bool:
     return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def exact_fp32_options(dtype: torch.dtype) -> dict:
-    """Launch keyword arguments that make a kernel's tl.dot exact for float32 inputs (IEEE, not Triton's TF32
-    default): dtype=float32 is the correctness mode, compared token for token with HF transformers. 16-bit launches
-    get nothing, so their compiled kernels are unchanged."""
-    return {"default_dot_input_precision": "ieee"} if dtype == torch.float32 else {}
-
-
 def pdl_launch_options(pdl: bool) -> dict:
     """Launch keyword arguments for a kernel with a ``USE_PDL: tl.constexpr`` parameter: USE_PDL and, with
     ``pdl`` (KernelChoice.pdl, or :func:`pdl_supported`), Triton's ``launch_pdl``."""
     return {"USE_PDL": True, "launch_pdl": True} if pdl else {"USE_PDL": False}
+
+
+@jit
+def exact_dot(a, b, acc):
+    """``tl.dot(a, b, acc)`` that keeps float32 operands in IEEE float32. Triton's tl.dot rounds float32 inputs
+    to TF32 unless told otherwise (its default_dot_input_precision launch option does not reach tl.dot), which
+    leaves a relative error near 1e-3: enough to flip greedy tokens against HF in dtype=float32, the correctness
+    mode. 16-bit operands compile to the same tl.dot as before."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
 
 
 @jit

@@ -12,7 +12,7 @@ import math
 import torch
 from typing import TYPE_CHECKING
 
-from ._dispatch import (INTERPRET, alloc_output, attention_backend, cdiv, default_kernels, exact_fp32_options, jit,
+from ._dispatch import (INTERPRET, alloc_output, attention_backend, cdiv, default_kernels, exact_dot, jit,
                         tl)
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ def _attn_block_step(
         v = tl.load(v_src)
     if FUSED_SCALE:
         # Raw scores; the scale goes into the exp2 argument (one FMA per score) and needs qk_scale > 0.
-        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+        s = exact_dot(q, tl.trans(k), None)  # [BLOCK_M, BLOCK_N]
         if MASKED:
             keep = cols[None, :] < Sk
             if IS_CAUSAL:
@@ -92,10 +92,10 @@ def _attn_block_step(
         p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = exact_dot(p.to(v.dtype), v, acc)
         l_i = l_i * alpha + tl.sum(p, 1)
     else:
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        s = exact_dot(q, tl.trans(k), None) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         if MASKED:
             keep = cols[None, :] < Sk
             if IS_CAUSAL:
@@ -118,7 +118,7 @@ def online_softmax_step(acc, m_i, l_i, s, v, SHIFT_EMPTY_ROWS: tl.constexpr):
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + exact_dot(p.to(v.dtype), v, None)
     return acc, m_new, l_i
 
 
@@ -258,7 +258,7 @@ def _launch_flash_fwd(q, k, v, o, lse, scale: float, causal: bool, config: tuple
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
         Sq, Sk, scale * LOG2E,
         GROUP=H // KVH, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=causal,
-        FUSED_SCALE=scale > 0, USE_TMA=tma, num_warps=warps, num_stages=stages, **exact_fp32_options(q.dtype),
+        FUSED_SCALE=scale > 0, USE_TMA=tma, num_warps=warps, num_stages=stages,
     )
 
 

@@ -21,7 +21,7 @@ import functools
 from typing import TYPE_CHECKING
 
 import torch
-from ._dispatch import (INTERPRET, alloc_output, cdiv, choose_splits, default_kernels, exact_fp32_options, jit,
+from ._dispatch import (INTERPRET, alloc_output, cdiv, choose_splits, default_kernels, exact_dot, jit,
                         next_power_of_2, tl)
 from .attention import (
     SUPPORTED_HEAD_DIMS, _empty_result, check_qkv, flash_attn_with_lse, online_softmax_step,
@@ -99,9 +99,9 @@ def _decode_split_kernel(
             v_scale = tl.load(VS + blk, mask=t_ok, other=0.0)
             k = k.to(q.dtype)  # exact: fp8 fits in q's dtype; the scale goes on the scores
             v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
-            s = tl.dot(q, tl.trans(k)) * (k_scale * qk_scale)[None, :]
+            s = exact_dot(q, tl.trans(k), None) * (k_scale * qk_scale)[None, :]
         else:
-            s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_R, BLOCK_N], log2 units
+            s = exact_dot(q, tl.trans(k), None) * qk_scale  # [BLOCK_R, BLOCK_N], log2 units
         if IS_CAUSAL:
             s = tl.where(t_ok[None, :] & (tok[None, :] <= last_key[:, None]), s, float("-inf"))
         else:
@@ -179,8 +179,7 @@ def _launch(q, k, v, out, out_strides, lse, lse_strides, scale: float, causal: b
         Sq, Sk, q if length is None else length, scale * LOG2E, split_len,
         *((q, q, 0, 1) if scales is None else (*scales, scales[0].stride(0), Sk // scales[0].shape[0])),
         GROUP=H // KVH, BLOCK_R=block_r, HEAD_DIM=D, BLOCK_N=block_n, IS_CAUSAL=bool(causal), DIRECT=direct,
-        SK_ON_DEVICE=length is not None, SCALED=scales is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-        **exact_fp32_options(q.dtype))
+        SK_ON_DEVICE=length is not None, SCALED=scales is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from ._dispatch import (
-    INTERPRET, alloc_output, cdiv, choose_splits, default_kernels, exact_fp32_options, jit, next_power_of_2,
+    INTERPRET, alloc_output, cdiv, choose_splits, default_kernels, exact_dot, jit, next_power_of_2,
     pdl_launch_options, pdl_wait, tl,
 )
 from .attention import SUPPORTED_HEAD_DIMS, flash_attn_with_lse_reference
@@ -149,13 +149,13 @@ def _paged_decode_split_kernel(
                     mask=t_ok[:, None], other=0.0)  # [BLOCK_N, D]
         v = tl.load(v_base + page[:, None] * stride_vblk + slot[:, None] * stride_vslot,
                     mask=t_ok[:, None], other=0.0)  # [BLOCK_N, D]
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
+        s = exact_dot(q, tl.trans(k), None) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: tok[0] < end is always valid
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + exact_dot(p.to(v.dtype), v, None)
         m_i = m_new
 
     has_keys = l_i > 0.0
@@ -340,7 +340,7 @@ def paged_decode_attention(
     pdl = pdl_launch_options(kernels.pdl)
     common = dict(GROUP=group, BLOCK_G=max(MIN_GROUP_ROWS, next_power_of_2(group)), HEAD_DIM=D,
                   PAGE_SIZE=page_size, BLOCK_N=block_n, BLOCK_H=next_power_of_2(group), CHUNK=REDUCE_CHUNK,
-                  num_warps=NUM_WARPS, num_stages=stages, **pdl, **exact_fp32_options(q.dtype))
+                  num_warps=NUM_WARPS, num_stages=stages, **pdl)
     args = (q, k_cache, v_cache, block_tables, context_lens)
     strides = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride())
     out_strides = (*o.stride(), *lse.stride())

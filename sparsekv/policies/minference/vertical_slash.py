@@ -42,7 +42,7 @@ import math
 
 import torch
 
-from sparsekv.kernels._dispatch import HAS_TRITON, alloc_output, jit, next_power_of_2, tl, triton_interpret, use_triton
+from sparsekv.kernels._dispatch import HAS_TRITON, alloc_output, exact_dot, jit, next_power_of_2, tl, triton_interpret, use_triton
 from sparsekv.kernels.attention import _empty_result, check_qkv, masked_attention_rows, online_softmax_step
 from .vertical_slash_index import offset_range, slash_mask, vertical_slash_index
 
@@ -105,7 +105,7 @@ def _slash_tiles(
                     mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
                     mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        s = exact_dot(q, tl.trans(k), None) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         diag = pos[:, None] - cols[None, :]  # offset of each (row, key)
         if LOOKUP:  # scattered selection: keep the keys on a selected diagonal only
             w = tl.load(words + NUM_WORDS * t)
@@ -190,7 +190,7 @@ def _vs_fwd_kernel(
                     mask=kv_mask, other=0.0)
         v = tl.load(v_base + idx[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
                     mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = exact_dot(q, tl.trans(k), None) * qk_scale
         diag = pos[:, None] - idx[None, :]
         keep = col_ok[None, :] & (diag >= 0)
         on_slash = tl.load(smask + (diag - d_lo), mask=keep & (diag >= d_lo) & (diag < d_hi), other=0)

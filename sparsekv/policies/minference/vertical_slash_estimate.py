@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from sparsekv.kernels._dispatch import HAS_TRITON, cdiv, jit, next_power_of_2, tl, triton_interpret, use_triton
+from sparsekv.kernels._dispatch import HAS_TRITON, cdiv, exact_dot, jit, next_power_of_2, tl, triton_interpret, use_triton
 from sparsekv.kernels.attention import check_qkv
 
 __all__ = ["last_rows_lse", "vertical_slash_masses", "vertical_slash_masses_reference"]
@@ -78,7 +78,7 @@ def _row_stats_kernel(
         cols = start + offs_k
         k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd,
                     mask=(cols < hi)[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_L, BLOCK_K], log2 units
+        s = exact_dot(q, tl.trans(k), None) * qk_scale  # [BLOCK_L, BLOCK_K], log2 units
         s = tl.where((cols[None, :] <= pos[:, None]) & (cols < hi)[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -130,7 +130,7 @@ def _masses_kernel(
         key_ok = keys < hi
         k = tl.load(k_base + keys[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd,
                     mask=key_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_L, BLOCK_K], log2 units
+        s = exact_dot(q, tl.trans(k), None) * qk_scale  # [BLOCK_L, BLOCK_K], log2 units
         seen = row_ok[:, None] & key_ok[None, :] & (keys[None, :] <= pos[:, None])
         p = tl.where(seen, tl.exp2(tl.minimum(s - lse2[:, None], P_CAP)), 0.0)  # [BLOCK_L, BLOCK_K]
         tl.store(col_base + keys, tl.sum(p, 0), mask=key_ok)

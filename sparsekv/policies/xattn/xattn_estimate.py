@@ -30,7 +30,8 @@ columns for the kernels; other layouts run the reference.
 from __future__ import annotations
 
 import torch
-from sparsekv.kernels._dispatch import HAS_TRITON, alloc_output, cdiv, jit, next_power_of_2, tl, triton_interpret, use_triton
+from sparsekv.kernels._dispatch import (HAS_TRITON, alloc_output, cdiv, exact_dot, jit, next_power_of_2, tl,
+                                       triton_interpret, use_triton)
 
 __all__ = ["xattn_block_mass", "xattn_block_mass_reference"]
 
@@ -86,7 +87,7 @@ def _block_lse_kernel(
             k_rows = cols * STRIDE + t  # [BLOCK_N] rows of k
             kt = tl.load(k_base + k_rows[:, None].to(tl.int64) * stride_kn,
                          mask=(k_rows < S)[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            acc = tl.dot(qt, tl.trans(kt), acc)
+            acc = exact_dot(qt, tl.trans(kt), acc)
         s = tl.where(cols[None, :] <= rows_abs[:, None], acc * qk_scale, float("-inf"))  # log2 units, causal
         m = tl.max(s, 1)  # [BLOCK_M]
         m = tl.where(m == float("-inf"), 0.0, m)
