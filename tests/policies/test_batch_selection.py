@@ -130,7 +130,10 @@ def test_gpu_quest_batch_does_not_sync():
     cached: dict[tuple, torch.Tensor] = {}  # one device copy per id list, as the store's ids_source keeps them
 
     def ids_source(blocks):
-        return cached.setdefault(tuple(blocks), torch.tensor(list(blocks), device=dev))
+        key = tuple(blocks)
+        if key not in cached:  # setdefault would build (and copy) a new tensor on every call
+            cached[key] = torch.tensor(list(blocks), device=dev)
+        return cached[key]
 
     def contexts():
         return [replace(make_ctx("decode", 0, queries[b:b + 1], list(range(b, 20 + 10 * b)), BS, 64 * BS),
