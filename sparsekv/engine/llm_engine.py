@@ -233,8 +233,9 @@ class LLMEngine:
                               seq.finish_reason) for i, seq in enumerate(seqs)]
 
     def warm_up(self) -> float:
-        """One short greedy request (a prefill and a decode step), so that kernels compile (Triton, cuBLAS) and
-        batch size 1's decode graph is captured here rather than inside the first request's figures. The run's
+        """Two short requests, greedy and sampled (a prefill and a decode step each), so that kernels compile
+        (Triton, cuBLAS, the sampler's) and batch size 1's decode graph is captured here rather than inside the first
+        request's figures. The run's
         figures and counters are reset after it; returns its seconds (startup["warmup_seconds"])."""
         num_tokens = min(WARMUP_PROMPT_TOKENS, self.max_seq_len - 2)
         if num_tokens < 1 or -(-num_tokens // self.kv_store.block_size) > self.kv_store.num_blocks:
@@ -243,6 +244,10 @@ class LLMEngine:
         start = time.perf_counter()
         prompt = [1 + i % (self.spec.vocab_size - 1) for i in range(num_tokens)]
         self.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        # and a sampled one: top-k / top-p / multinomial kernels load lazily on first use, which a CLI run
+        # (sampled by default) would otherwise pay inside its prefill figure
+        self.generate([prompt], SamplingParams(temperature=1.0, top_k=2, top_p=0.9, seed=0, max_tokens=2,
+                                               ignore_eos=True))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start

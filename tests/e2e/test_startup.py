@@ -86,7 +86,13 @@ def test_warm_up_captures_batch_one_and_resets_the_figures(qwen3_ckpt):
     llm = LLM(str(qwen3_ckpt), overrides=overrides)
     engine = llm.engine
     attach_graph_runner(engine, "cudagraph", llm.config.graph, emulate=True)
+    sampled_rows = []
+    sample_row = engine.runner.sampler._sample_row
+    engine.runner.sampler._sample_row = lambda logits, p, seq_id: sampled_rows.append(p) or sample_row(logits, p,
+                                                                                                         seq_id)
     assert engine.warm_up() > 0
+    # the sampled path (top-k, top-p, multinomial) ran too, so a sampled request loads no kernel in its figures
+    assert sampled_rows and all(p.top_k > 0 and p.top_p < 1.0 for p in sampled_rows)
     runner = engine.runner.graph_runner
     assert engine.graph_stats["batch_sizes"] == [1] and engine.startup["warmup_capture_seconds"] > 0
     assert engine.stats.decode_steps == 0 and engine.stats.prompt_tokens == 0
