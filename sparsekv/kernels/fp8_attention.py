@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._dispatch import INTERPRET, alloc_output, cdiv, default_kernels, exact_fp32_options, jit, tl
+from ._dispatch import alloc_output, cdiv, default_kernels, exact_fp32_options, jit, tl
 from .attention import (DECODE_MAX_SQ, LOG2E, SUPPORTED_HEAD_DIMS, _empty_result, dense_tile_config,
                         flash_attn_with_lse, flash_attn_with_lse_reference)
 from .fp8_kv import FP8_DTYPE
