@@ -9,8 +9,10 @@ quantize_block(x [n, KVH, D], out [>= n, KVH, D] fp8, scale_out [KVH] fp32)     
 quantize_kv_block(k, v [n, KVH, D], out [2, n, KVH, D] fp8, scales [2, KVH] fp32)   at offload: K and V of one block
     in one Triton launch (reference: quantize_block on each)
 dequantize_blocks(x8 [nb, bs, KVH, D] fp8, scales [nb, KVH] fp32, out [nb, bs, KVH, D]) a ring group for a reader
-    that wants model-dtype K/V: one Triton launch (reference: dequantize_blocks_reference)
-The decode split kernel (decode_attention.DecodePartials.add(..., scales=)) dequantizes ring slots on load instead.
+    that computes on model-dtype K/V itself (MInference's prefill): one Triton launch (reference:
+    dequantize_blocks_reference)
+The prefill kernel (fp8_attention.flash_attn_fp8_with_lse) and the decode split kernel
+(decode_attention.DecodePartials.add(..., scales=)) dequantize ring slots on load instead.
 """
 from __future__ import annotations
 

@@ -6,9 +6,10 @@
   scales     pinned float32 slabs [L, blocks_per_slab, KVH] beside each HostPool slab (K and V), and a ring of
              scales [2, num_slots, KVH] on the GPU beside the ring slots, loaded with the blocks (copy engines or
              the gather kernel, the same paths as the blocks)
-  dequantize on the GPU as the ring is read: the decode split kernel reads fp8 slots and scales directly
-             (RingReader.scaled_groups); readers that want model-dtype K/V (prefill, compute policies) get the group
-             dequantized into a ring-sized scratch by one kernel launch (RingReader.groups)
+  dequantize on the GPU as the ring is read: the prefill kernel (kernels/fp8_attention.py) and the decode split
+             kernel read fp8 slots and scales directly (RingReader.scaled_groups); readers that compute on
+             model-dtype K/V themselves (MInference's prefill) get the group dequantized into a ring-sized scratch by
+             one kernel launch (RingReader.groups)
 The ring engine calls this; policies never see it.
 """
 from __future__ import annotations

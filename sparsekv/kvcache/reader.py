@@ -16,11 +16,13 @@ Scales = tuple[torch.Tensor, torch.Tensor]  # K and V scales [n_blocks, KVH] flo
 class RingReader:
     """groups() yields KVGroups in the order of `blocks`; each is loaded (copy engines for a host list, the gather
     kernel for a device tensor) and waited for before it is yielded, the next one loads meanwhile, and its slots are
-    released for reloading when the caller advances (or stops). With fp8 host blocks (offload.host_dtype) groups()
-    yields them dequantized to the model dtype; scaled_groups() yields the fp8 slots and their scales, for kernels
-    that dequantize on load. With a GPU block cache (model-dtype host blocks only), a host list's cached blocks are
-    read in place and its groups may be shorter than group_size (runs of consecutive cache slots); an explicit
-    group_size still gives exactly group_size blocks per group."""
+    released for reloading when the caller advances (or stops). With fp8 host blocks (offload.host_dtype)
+    scaled_groups() yields the fp8 slots and their scales, for kernels that dequantize on load (the base policy's
+    prefill and decode); groups() yields them dequantized to the model dtype into a ring-sized scratch, one launch
+    per group, for readers that compute on K/V themselves (MInference's prefill). With a GPU block cache
+    (model-dtype host blocks only), a host list's cached blocks are read in place and its groups may be shorter
+    than group_size (runs of consecutive cache slots); an explicit group_size still gives exactly group_size blocks
+    per group."""
     __slots__ = ("engine", "layer", "tail", "check_selections")
 
     def __init__(self, engine: OffloadEngine, layer: int, tail=None, check_selections: bool = False):

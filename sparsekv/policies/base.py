@@ -15,13 +15,14 @@ policy (MInference) overrides compute_chunked_prefill / compute_chunked_decode a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Iterator, Sequence
+from typing import ClassVar
 
 import torch
 
 from sparsekv.kernels import flash_attn_with_lse, merge_attention_outputs
 from sparsekv.kernels.decode_attention import DecodePartials
-from sparsekv.policies.context import (KVGroup, KVLayout, KVReader, PolicyContext, PolicySelectionError, Selection,
+from sparsekv.kernels.fp8_attention import flash_attn_fp8_with_lse
+from sparsekv.policies.context import (KVLayout, KVReader, PolicyContext, PolicySelectionError, Selection,
                                        check_selection)
 
 
@@ -119,8 +120,11 @@ class SparsePolicy:
         """offload=cpu: q [n, H, D], k/v [n, KVH, D] of this chunk -> [n, H, D]."""
         out, lse = flash_attn_with_lse(q, k, v, ctx.softmax_scale, causal=True)
         if ctx.candidates:
-            for group in reader.groups(self.checked_selection(ctx, reader)):
-                group_out, group_lse = flash_attn_with_lse(q, group.k, group.v, ctx.softmax_scale, causal=False)
+            for group, scales in reader.scaled_groups(self.checked_selection(ctx, reader)):
+                if scales is None:
+                    group_out, group_lse = flash_attn_with_lse(q, group.k, group.v, ctx.softmax_scale, causal=False)
+                else:  # fp8 host blocks: dequantized by the kernel, on load
+                    group_out, group_lse = flash_attn_fp8_with_lse(q, group.k, group.v, scales, ctx.softmax_scale)
                 out, lse = merge_attention_outputs(group_out, group_lse, out, lse)
         return out
 
@@ -138,12 +142,8 @@ class SparsePolicy:
 
 class DecodeReader(KVReader):
     """A decode step's reader also holds the sequence's unfinished block: (k, v [n, KVH, D], length [1] on the
-    device or None); see OffloadKVStore.decode_tail. scaled_groups() is groups() with each group's fp8 scales
-    (K and V [n, KVH] float32; None for model-dtype blocks); see sparsekv.kvcache.reader.RingReader."""
+    device or None); see OffloadKVStore.decode_tail."""
     tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
-
-    def scaled_groups(self, blocks: Sequence[int] | torch.Tensor, group_size: int | None = None
-                      ) -> Iterator[tuple[KVGroup, tuple[torch.Tensor, torch.Tensor] | None]]: ...
 
 
 def _ratio(counts) -> float | None:

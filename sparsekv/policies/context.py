@@ -85,6 +85,13 @@ class KVReader(Protocol):
 
     def groups(self, blocks: Sequence[int] | torch.Tensor, group_size: int | None = None) -> Iterator[KVGroup]: ...
 
+    def scaled_groups(self, blocks: Sequence[int] | torch.Tensor, group_size: int | None = None
+                      ) -> Iterator[tuple[KVGroup, tuple[torch.Tensor, torch.Tensor] | None]]:
+        """groups() with each group's fp8 scales: with fp8 host blocks (offload.host_dtype) the group's K/V are
+        fp8 and come with their K and V scales [n, KVH] float32, for kernels that dequantize on load; model-dtype
+        blocks come with None."""
+        ...
+
     def num_groups(self, num_blocks: int, group_size: int | None = None) -> int: ...
 
 

@@ -59,13 +59,81 @@ def test_fp8_greedy_decode_stays_close(qwen3_ckpt, backend, request):
         store = llm.engine.kv_store
         assert store.host.dtype == FP8_DTYPE and store.engine.kv_slots.dtype == FP8_DTYPE
         assert store.engine.prefill_k.dtype == torch.float32  # the chunk being written stays in the model dtype
-        assert store.engine.fp8._scratch is not None  # prefill read earlier chunks dequantized per ring group
+        assert store.engine.fp8._scratch is None  # prefill and decode dequantize in their kernels, on load
         diverged = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), len(want))
         for a, b in zip(want_logits[:diverged + 1], got_logits[:diverged + 1]):
             assert (a - b).norm() / a.norm() < 0.15
         same += sum(a == b for a, b in zip(want, got))
         total += len(want)
     assert same >= 0.75 * total
+
+
+def _dequantize_then_attend(self, q, k, v, ctx, reader):
+    """The base policy's chunked prefill as it ran before the prefill kernel read fp8: every ring group dequantized
+    to the model dtype (RingReader.groups, one dequantize launch per group), then dense attention."""
+    from sparsekv.kernels import flash_attn_with_lse, merge_attention_outputs
+
+    out, lse = flash_attn_with_lse(q, k, v, ctx.softmax_scale, causal=True)
+    for group in reader.groups(self.checked_selection(ctx, reader)) if ctx.candidates else ():
+        group_out, group_lse = flash_attn_with_lse(q, group.k, group.v, ctx.softmax_scale, causal=False)
+        out, lse = merge_attention_outputs(group_out, group_lse, out, lse)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_prefill_dequantizes_on_load(qwen3_ckpt, backend, request, monkeypatch):
+    """Offloaded prefill over fp8 host blocks reads the fp8 ring slots and their scales in the attention kernel:
+    no separate dequantize launch runs (prefill or decode), and the tokens and logits equal those of dequantizing
+    each ring group first and attending in the model dtype: bit for bit on the torch path (the same dequantized
+    values, the same attention), within float32 rounding on the Triton path. Chunks of 32 keys (two blocks) run the
+    prefill kernel, not the few-row split kernel."""
+    from sparsekv.kernels import fp8_attention
+    from sparsekv.kvcache import host_quant
+    from sparsekv.policies.base import SparsePolicy
+
+    if backend == "triton":
+        request.getfixturevalue("triton_kernels")
+    calls = {"dequantize": 0, "fp8_prefill_kernel": 0}
+
+    def counted(module, name: str, key: str) -> None:
+        original = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    counted(host_quant, "dequantize_blocks", "dequantize")
+    counted(fp8_attention, "_launch_fp8", "fp8_prefill_kernel")
+    layout = [*CPU, "offload=cpu", "offload.host_pool_gib=0.05", "offload.block_size=16", "offload.num_gpu_blocks=4",
+              "offload.prefill_chunk_size=32", "offload.host_dtype=float8_e4m3fn"]
+    prompt, greedy = PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    runs = {}
+    for path in ("on_load", "dequantize_first"):
+        if path == "dequantize_first":
+            monkeypatch.setattr(SparsePolicy, "compute_chunked_prefill", _dequantize_then_attend)
+        llm = LLM(str(qwen3_ckpt), overrides=layout)
+        sampler, logits = llm.engine.runner.sampler, []
+        sample = sampler.sample
+
+        def recording(step_logits, *args, **kwargs):
+            logits.append(step_logits[0].clone())
+            return sample(step_logits, *args, **kwargs)
+
+        sampler.sample = recording
+        calls.update(dequantize=0, fp8_prefill_kernel=0)
+        tokens = llm.generate([prompt], greedy)[0].token_ids
+        runs[path] = (tokens, logits, dict(calls))
+    (got, got_logits, got_calls), (want, want_logits, want_calls) = runs["on_load"], runs["dequantize_first"]
+    assert got_calls["dequantize"] == 0 and want_calls["dequantize"] > 0  # the counter sees the old path's launches
+    assert (got_calls["fp8_prefill_kernel"] > 0) == (backend == "triton")
+    assert got == want
+    for a, b in zip(want_logits, got_logits):
+        if backend == "torch":
+            assert torch.equal(a, b)
+        else:
+            assert (a - b).norm() / a.norm() < 1e-4
 
 
 def test_bench_counts_fp8_bytes(tmp_path, monkeypatch):
