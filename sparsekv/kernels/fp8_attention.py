@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._dispatch import alloc_output, cdiv, default_kernels, exact_fp32_options, jit, tl
+from ._dispatch import alloc_output, cdiv, default_kernels, exact_dot, jit, tl
 from .attention import (DECODE_MAX_SQ, LOG2E, SUPPORTED_HEAD_DIMS, _empty_result, dense_tile_config,
                         flash_attn_with_lse, flash_attn_with_lse_reference)
 from .fp8_kv import FP8_DTYPE
@@ -49,7 +49,7 @@ def _fp8_block_loop(
         v_scale = tl.load(vs_ptr + blk)
         k = tl.load(k_ptrs).to(q.dtype)  # [BLOCK_N, D]; exact: every e4m3 value fits q's dtype
         v = tl.load(v_ptrs).to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * (k_scale * qk_scale)  # [BLOCK_M, BLOCK_N], log2 units
+        s = exact_dot(q, tl.trans(k), None) * (k_scale * qk_scale)  # [BLOCK_M, BLOCK_N], log2 units
         if MASKED:
             cols = start_n + offs_n  # [BLOCK_N]
             s = tl.where(cols[None, :] <= offs_m[:, None] + causal_off, s, float("-inf"))
@@ -60,7 +60,7 @@ def _fp8_block_loop(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v) * v_scale
+        acc = acc * alpha[:, None] + exact_dot(p.to(q.dtype), v, None) * v_scale
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -189,7 +189,7 @@ def _launch_fp8(q, k, v, scales: Scales, o, lse, scale: float, causal: bool,
         *q.stride(), *k.stride(), *v.stride(), k_scale.stride(0), *o.stride(), *lse.stride(),
         Sq, Sk, scale * LOG2E, block_size,
         GROUP=H // KVH, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=bool(causal),
-        num_warps=warps, num_stages=stages, **exact_fp32_options(q.dtype))
+        num_warps=warps, num_stages=stages)
 
 
 def flash_attn_fp8_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: Scales,
