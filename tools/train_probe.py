@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(TOOLS.parent / "sparsekv" / "checkpoints" / "probe"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=1600)
+    p.add_argument("--steps", type=int, default=1550)
     p.add_argument("--max-len", type=int, default=32768, help="longest context, in tokens")
     p.add_argument("--min-len", type=int, default=512, help="shortest context, in tokens")
     p.add_argument("--tasks", default=",".join(TASK_WEIGHTS), help="comma-separated tasks to train on")
@@ -143,7 +143,7 @@ def micro_step(model, mb: dict, device: torch.device, scale: float) -> tuple[tor
         hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, T, H]
         picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)  # [N, H]
         logits = model.lm_head(picked).float()  # [N, V]
-    weights = mb["weights"].to(device, non_blocking=True)  # [N]: answer 1 (first tokens --lead-weight), tail --tail-weight
+    weights = mb["weights"].to(device, non_blocking=True)  # [N]: answer 1 (its first tokens --lead-weight), tail
     answer = mb["answer"].to(device, non_blocking=True)  # [N]
     losses = F.cross_entropy(logits, labels, reduction="none")  # [N]
     ((losses * weights).sum() * scale / answer.sum().clamp(min=1)).backward()
