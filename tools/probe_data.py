@@ -12,7 +12,10 @@ from sparsekv.tasks.ruler.generators import answer_text, make_sample
 
 TRAIN_SEED_BASE = 10 ** 9  # training sample seeds are >= this; evaluation (task=ruler) uses seeds below it
 QUESTION_WORDS = ["What", "Question"]  # the first word of every task's question (never in a haystack)
-# multikey (key matching among distractors) and variable_tracking (chain following) lag the others
+# The mix moves from START_WEIGHTS (plenty of the copy-everything tasks, which get retrieval off its plateau) to
+# TASK_WEIGHTS (multikey's key matching and variable_tracking's chain, which lag) over the length ramp.
+START_WEIGHTS = {"niah_single": 1.0, "niah_multikey": 1.5, "niah_multivalue": 1.5, "niah_multiquery": 1.5,
+                 "variable_tracking": 2.0, "common_words": 0.75}
 TASK_WEIGHTS = {"niah_single": 0.5, "niah_multikey": 3.0, "niah_multivalue": 0.75, "niah_multiquery": 1.0,
                 "variable_tracking": 3.0, "common_words": 0.5}
 
@@ -28,10 +31,12 @@ def length_buckets(min_len: int, max_len: int) -> list[int]:
 def micro_plan(args: argparse.Namespace) -> list[tuple[int, list[tuple[str, int]]]]:
     """Per micro-batch: its context length and its (task, seed) samples, a pure function of the arguments."""
     buckets = length_buckets(args.min_len, args.max_len)
-    tasks, weights = args.tasks, [TASK_WEIGHTS[t] for t in args.tasks]
+    tasks = args.tasks
     plan = []
     for step in range(args.steps):
-        reach = args.min_len * (args.max_len / args.min_len) ** min(1.0, step / (args.ramp * args.steps))
+        progress = min(1.0, step / (args.ramp * args.steps))
+        reach = args.min_len * (args.max_len / args.min_len) ** progress
+        weights = [START_WEIGHTS[t] + (TASK_WEIGHTS[t] - START_WEIGHTS[t]) * progress for t in tasks]
         allowed = [b for b in buckets if b <= reach * 1.0001] or buckets[:1]
         for j in range(args.accum):
             rng = random.Random(f"probe:{args.seed}:{step}:{j}")
