@@ -132,10 +132,11 @@ class Ranks:
         self.engine_id += 1
         return self.engine_id
 
-    def close(self) -> None:
+    def close(self, at_exit: bool = False) -> None:
         """Drop rank 0's graphs, tell the workers to exit, destroy the group, join the workers. Bounded: a worker
         stuck in a collective (rank 0 was interrupted mid-step) cannot take the command; it is killed with a
-        warning after JOIN_SECONDS (1 s when the command did not go out), and rank 0 still exits."""
+        warning after JOIN_SECONDS (1 s when the command did not go out), and rank 0 still exits. at_exit: also
+        reset every CUDA graph still alive in the process (one the caller keeps a reference to)."""
         import torch.distributed as dist
 
         if self.closed:
@@ -143,11 +144,13 @@ class Ranks:
         self.closed = True  # before the workers exit: the watcher takes their exit as the expected one
         for engine in list(self.engines):
             engine.drop_graphs()
-        release_device_memory(self.device_type)
+        release_device_memory(self.device_type, reset_graphs=at_exit)
         told = run_bounded(lambda: dist.broadcast_object_list([("exit", self.engine_id, ())], src=0,
                                                               group=self.commands), TELL_SECONDS)
         if told:  # the workers destroy theirs meanwhile; the ranks' communicators are gone together
             destroy_group(0)
+        else:  # a collective may be pending: destroying would wait on it
+            abort_group()
         deadline = time.monotonic() + (JOIN_SECONDS if told else 1.0)
         for process in self.processes:
             try:
@@ -175,13 +178,22 @@ def run_bounded(fn: Callable[[], Any], seconds: float) -> bool:
     return done.wait(seconds)
 
 
-def release_device_memory(device_type: str) -> None:
-    """Free what dropped engines and graphs held, and let their queued work finish, before the group goes."""
+def release_device_memory(device_type: str, reset_graphs: bool = False) -> None:
+    """Free what dropped engines and graphs held, and let their queued work finish, before the group goes.
+    reset_graphs (the process is ending): reset every CUDA graph still alive, wherever it is referenced."""
     import gc
 
     gc.collect()
     if device_type == "cuda" and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+        if reset_graphs:
+            for obj in gc.get_objects():
+                if isinstance(obj, torch.cuda.CUDAGraph):
+                    obj.reset()
+        # a collective left pending by an interrupted step never completes: do not wait on it forever
+        if not run_bounded(torch.cuda.synchronize, DESTROY_SECONDS):
+            log.warning("tensor-parallel shutdown: the device's queued work did not finish within %.0f s (a "
+                        "collective left pending?); going on", DESTROY_SECONDS)
+            return
         torch.cuda.empty_cache()
 
 
@@ -195,8 +207,15 @@ def destroy_group(rank: int) -> bool:
         return True
     log.warning("tensor-parallel rank %d: destroy_process_group did not return within %.0f s; aborting the "
                 "process group instead", rank, DESTROY_SECONDS)
+    return abort_group()
+
+
+def abort_group() -> bool:
+    """Abort the process group's communicators without waiting on peers or pending collectives (bounded)."""
+    import torch.distributed as dist
+
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    return abort is not None and run_bounded(abort, DESTROY_SECONDS)
+    return dist.is_initialized() and abort is not None and run_bounded(abort, DESTROY_SECONDS)
 
 
 _RANKS: Ranks | None = None
@@ -228,7 +247,7 @@ def driver_ranks(size: int, device_type: str) -> Ranks:
         _RANKS = Ranks(tp, device_type, commands)
     else:
         _RANKS = _spawn(size, device_type)
-    atexit.register(_RANKS.close)  # before torch's own exit handlers (atexit runs last-registered first)
+    atexit.register(_RANKS.close, at_exit=True)  # before torch's own exit handlers (last registered runs first)
     return _RANKS
 
 

@@ -70,7 +70,7 @@ def finish(rank: int, device_type: str) -> None:
     process group is destroyed (bounded; see launch.destroy_group)."""
     from sparsekv.distributed.launch import destroy_group, release_device_memory
 
-    release_device_memory(device_type)
+    release_device_memory(device_type, reset_graphs=True)
     destroy_group(rank)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sparsekv.distributed import launch
 from sparsekv.distributed.launch import Ranks
 from sparsekv.distributed.state import TensorParallel
 
@@ -72,6 +73,9 @@ def test_close_kills_a_worker_that_cannot_take_the_exit_command(caplog, monkeypa
         raise RuntimeError("connection reset by peer")
 
     monkeypatch.setattr(dist, "broadcast_object_list", stuck_rank)
+    ended = []  # this test process's own group (other tests' workers) stays as it is
+    monkeypatch.setattr(launch, "abort_group", lambda: ended.append("abort"))
+    monkeypatch.setattr(launch, "destroy_group", lambda rank: ended.append("destroy"))
     stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     ranks = Ranks(TensorParallel(rank=0, size=2), "cpu", commands=None, processes=[stuck])
     start = time.monotonic()
@@ -80,3 +84,4 @@ def test_close_kills_a_worker_that_cannot_take_the_exit_command(caplog, monkeypa
     assert time.monotonic() - start < 15
     assert stuck.poll() is not None
     assert f"worker pid {stuck.pid} did not exit" in caplog.text
+    assert ended == ["abort"]  # a pending collective would keep destroy_process_group waiting
