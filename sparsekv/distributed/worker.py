@@ -59,10 +59,16 @@ def worker_main(rank: int, size: int, device_type: str, init_method: str, parent
     except BaseException:  # noqa: BLE001 - printed, then the process ends with an error code
         print(f"sparsekv tensor-parallel rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         os._exit(1)
-    finish(rank, device_type)
+    code = 0
+    try:
+        finish(rank, device_type)
+    except BaseException:  # noqa: BLE001 - the process ends either way
+        print(f"sparsekv tensor-parallel rank {rank} failed to shut down cleanly:\n{traceback.format_exc()}",
+              file=sys.stderr)
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # no interpreter teardown: nothing of torch's is left to destroy, and nothing can block
+    os._exit(code)  # no interpreter teardown: nothing of torch's is left to destroy, and nothing can block
 
 
 def finish(rank: int, device_type: str) -> None:
