@@ -26,7 +26,8 @@
 #                   of Qwen3-4B on a 125 GiB host: prefill ~25 min, over a 10-minute limit; CAPACITY_CAP=868352
 #                   fits one)                                                                                  ~27 min
 #   tp              2 GPUs: TP=1 beside TP=2 per model of TP_MODELS (default "qwen3_8b llama3_8b", dummy weights):
-#                   resident decode at 4K, offloaded full decode at 128K, 32K resident prefill  ~8 min per model
+#                   resident decode at 4K, offloaded full decode at 128K (no GPU block cache: every step loads
+#                   the KV over PCIe), 32K resident prefill; 6 runs, ~5 min per model (at most 45+85+40 s a pair)
 #   summary         $OUT/tables.md (tools/bench_table.py) and $OUT/records.tgz
 #
 # Each run goes to $OUT/records/<section>/<row>/: the task's record (bench.json or quality.json), run.json (the
@@ -262,12 +263,12 @@ section_tp() {  # tensor parallelism over 2 GPUs; each TP=2 row is compared with
         for tp in 1 2; do
             local P=(model="$model" model.load_format=dummy parallel.tensor_parallel_size=$tp)
             ref=""; [ "$tp" = 2 ] && ref="tp/$model-"
-            VS="${ref:+${ref}none-4k-tp1}" bench tp "$model-none-4k-tp$tp" "${P[@]}" offload=none graph=cudagraph \
-                task.context=4096 task.decode_steps="${DECODE_STEPS:-64}"
-            VS="${ref:+${ref}cpu-128k-tp1}" BENCH_TIMEOUT=300 bench tp "$model-cpu-128k-tp$tp" "${P[@]}" offload=cpu \
-                task.context=131072 task.decode_steps="$steps"
-            VS="${ref:+${ref}none-32k-prefill-tp1}" bench tp "$model-none-32k-prefill-tp$tp" "${P[@]}" offload=none \
-                task.context=32768 scheduler.max_num_batched_tokens=32768 task.decode_steps=4
+            VS="${ref:+${ref}none-4k-tp1}" BENCH_TIMEOUT=45 bench tp "$model-none-4k-tp$tp" "${P[@]}" offload=none \
+                graph=cudagraph task.context=4096 task.decode_steps="${DECODE_STEPS:-64}"
+            VS="${ref:+${ref}cpu-128k-tp1}" BENCH_TIMEOUT=85 bench tp "$model-cpu-128k-tp$tp" "${P[@]}" offload=cpu \
+                offload.gpu_cache_gib=0 task.context=131072 task.decode_steps="$steps"
+            VS="${ref:+${ref}none-32k-prefill-tp1}" BENCH_TIMEOUT=40 bench tp "$model-none-32k-prefill-tp$tp" \
+                "${P[@]}" offload=none task.context=32768 scheduler.max_num_batched_tokens=32768 task.decode_steps=4
         done
     done
 }

@@ -14,6 +14,12 @@ from sparsekv.engine.sequence import Sequence
 from sparsekv.sampling_params import SamplingParams
 
 
+def drop_graphs(engine: LLMEngine) -> None:
+    """Release the engine's captured decode graphs (eager decode from here on). Runs before destroy_process_group:
+    a graph that captured an NCCL collective keeps the communicator's destruction waiting."""
+    engine.runner.graph_runner = None
+
+
 class TensorParallelSampler(Sampler):
     """Greedy rows agree on every rank (argmax of the same all-gathered logits). A batch with a sampled row takes
     rank 0's tokens: rank 0 samples (its seeded generators), the others receive them."""
@@ -37,6 +43,7 @@ class DistributedEngine(LLMEngine):
 
     def attach(self, ranks: Ranks, engine_id: int) -> None:
         self.ranks, self.engine_id = ranks, engine_id
+        ranks.engines.add(self)  # its graphs are dropped before the group is destroyed (Ranks.close)
         self._quiet = False
         self._numbers: dict[int, int] = {}  # seq_id -> request number the workers know it by
         self._next_number = 0
@@ -91,6 +98,9 @@ class DistributedEngine(LLMEngine):
     def reserve(self, num_tokens: int) -> float:
         self._send("reserve", num_tokens)
         return super().reserve(num_tokens)
+
+    def drop_graphs(self) -> None:
+        drop_graphs(self)
 
     def close(self) -> None:
         """Hand the workers' GPU memory back now (a new engine's build does it too)."""

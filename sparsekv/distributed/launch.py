@@ -8,6 +8,9 @@ Two ways in, one shape afterwards: rank 0 drives, ranks 1..N-1 are workers waiti
   torchrun  (RANK / WORLD_SIZE / LOCAL_RANK set, WORLD_SIZE = tensor_parallel_size): every process runs the same
             command; rank 0 goes on as the driver, the others turn into workers inside build_engine and exit when
             rank 0 does.
+Shutdown (Ranks.close, at exit or when a group of another size is needed): every rank drops its engines' captured
+CUDA graphs before destroy_process_group - a live graph that captured an NCCL collective keeps ncclCommDestroy waiting
+forever - then rank 0 joins the workers with a timeout and kills, with a warning, one that does not exit.
 Model collectives run on the default group (NCCL on CUDA, gloo on CPU). Commands run on a separate gloo group:
 rank 0 broadcasts a pickled (name, engine id, args) tuple with broadcast_object_list; a worker blocks in the same
 call until the next command comes. See sparsekv/distributed/worker.py for the commands.
@@ -22,17 +25,23 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from sparsekv.distributed.allreduce import resolve_all_reduce
 from sparsekv.distributed.state import TensorParallel
 
 log = logging.getLogger(__name__)
 
 COMMAND_TIMEOUT = datetime.timedelta(days=30)  # workers wait this long for rank 0's next command
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+TELL_SECONDS = 10.0  # the exit command reaches every worker (each waits in the command broadcast)
+DESTROY_SECONDS = 20.0  # destroy_process_group on one rank
+JOIN_SECONDS = 40.0  # a told worker's exit: its engine dropped, its group destroyed
 
 
 def under_torchrun() -> bool:
@@ -85,7 +94,8 @@ def init_group(rank: int, size: int, local_rank: int, device_type: str, init_met
         kwargs["device_id"] = torch.device("cuda", local_rank)
     dist.init_process_group(backend_for(device_type), init_method=init_method, rank=rank, world_size=size, **kwargs)
     commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
-    tp = TensorParallel(rank=rank, size=size, group=dist.group.WORLD, local_rank=local_rank, control=commands)
+    tp = TensorParallel(rank=rank, size=size, group=dist.group.WORLD, local_rank=local_rank, control=commands,
+                        reduce=resolve_all_reduce(dist.group.WORLD, device_type))
     probe = torch.ones(1, device=torch.device("cuda", local_rank) if device_type == "cuda" else "cpu")
     tp.all_reduce(probe)
     if int(probe.item()) != size:
@@ -103,6 +113,7 @@ class Ranks:
     processes: list = field(default_factory=list)
     engine_id: int = 0
     closed: bool = False
+    engines: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # rank 0's live DistributedEngines
 
     def send(self, name: str, *args: Any) -> None:
         import torch.distributed as dist
@@ -121,33 +132,90 @@ class Ranks:
         self.engine_id += 1
         return self.engine_id
 
-    def close(self) -> None:
-        """Tell the workers to exit and wait for them. A worker stuck in a collective (rank 0 was interrupted
-        mid-step) cannot take the command: after a short wait it is killed, and rank 0 still exits."""
+    def close(self, at_exit: bool = False) -> None:
+        """Drop rank 0's graphs, tell the workers to exit, destroy the group, join the workers. Bounded: a worker
+        stuck in a collective (rank 0 was interrupted mid-step) cannot take the command; it is killed with a
+        warning after JOIN_SECONDS (1 s when the command did not go out), and rank 0 still exits. at_exit: also
+        reset every CUDA graph still alive in the process (one the caller keeps a reference to)."""
         import torch.distributed as dist
 
         if self.closed:
             return
         self.closed = True  # before the workers exit: the watcher takes their exit as the expected one
-        told = threading.Event()
-
-        def tell() -> None:
-            try:
-                dist.broadcast_object_list([("exit", self.engine_id, ())], src=0, group=self.commands)
-                told.set()
-            except Exception:  # noqa: BLE001 - a worker already gone: nothing to tell
-                pass
-
-        thread = threading.Thread(target=tell, daemon=True)
-        thread.start()
-        thread.join(timeout=10)
+        for engine in list(self.engines):
+            engine.drop_graphs()
+        release_device_memory(self.device_type, reset_graphs=at_exit)
+        told = run_bounded(lambda: dist.broadcast_object_list([("exit", self.engine_id, ())], src=0,
+                                                              group=self.commands), TELL_SECONDS)
+        if told:  # the workers destroy theirs meanwhile; the ranks' communicators are gone together
+            destroy_group(0)
+        else:  # a collective may be pending: destroying would wait on it
+            abort_group()
+        deadline = time.monotonic() + (JOIN_SECONDS if told else 1.0)
         for process in self.processes:
             try:
-                process.wait(timeout=30 if told.is_set() else 1)
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                log.warning("tensor-parallel worker pid %d did not exit %s; killing it", process.pid,
+                            f"within {JOIN_SECONDS:.0f} s of the exit command" if told else
+                            "(the exit command could not be sent: a rank is stuck in a collective)")
                 process.kill()
-        if told.is_set() and dist.is_initialized():
-            dist.destroy_process_group()
+                process.wait(timeout=10)
+
+
+def run_bounded(fn: Callable[[], Any], seconds: float) -> bool:
+    """fn() in a daemon thread; True when it returned within `seconds` (False: it raised or is still running)."""
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            fn()
+            done.set()
+        except Exception as exc:  # noqa: BLE001 - a peer already gone: the caller's fallback applies
+            log.debug("tensor-parallel shutdown step failed: %s", exc)
+
+    threading.Thread(target=target, name="sparsekv-tp-shutdown", daemon=True).start()
+    return done.wait(seconds)
+
+
+def release_device_memory(device_type: str, reset_graphs: bool = False) -> None:
+    """Free what dropped engines and graphs held, and let their queued work finish, before the group goes.
+    reset_graphs (the process is ending): reset every CUDA graph still alive, wherever it is referenced."""
+    import gc
+
+    gc.collect()
+    if device_type == "cuda" and torch.cuda.is_initialized():
+        if reset_graphs:
+            for obj in gc.get_objects():
+                if isinstance(obj, torch.cuda.CUDAGraph):
+                    obj.reset()
+        # a collective left pending by an interrupted step never completes: do not wait on it forever
+        if not run_bounded(torch.cuda.synchronize, DESTROY_SECONDS):
+            log.warning("tensor-parallel shutdown: the device's queued work did not finish within %.0f s (a "
+                        "collective left pending?); going on", DESTROY_SECONDS)
+            return
+        torch.cuda.empty_cache()
+
+
+def destroy_group(rank: int) -> bool:
+    """destroy_process_group, bounded; on timeout abort the communicators (no wait on peers) and warn."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return True
+    if run_bounded(dist.destroy_process_group, DESTROY_SECONDS):
+        return True
+    log.warning("tensor-parallel rank %d: destroy_process_group did not return within %.0f s; aborting the "
+                "process group instead", rank, DESTROY_SECONDS)
+    return abort_group()
+
+
+def abort_group() -> bool:
+    """Abort the process group's communicators without waiting on peers or pending collectives (bounded)."""
+    import torch.distributed as dist
+
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    return dist.is_initialized() and abort is not None and run_bounded(abort, DESTROY_SECONDS)
 
 
 _RANKS: Ranks | None = None
@@ -179,7 +247,7 @@ def driver_ranks(size: int, device_type: str) -> Ranks:
         _RANKS = Ranks(tp, device_type, commands)
     else:
         _RANKS = _spawn(size, device_type)
-    atexit.register(_RANKS.close)
+    atexit.register(_RANKS.close, at_exit=True)  # before torch's own exit handlers (last registered runs first)
     return _RANKS
 
 

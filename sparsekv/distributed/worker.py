@@ -13,7 +13,7 @@ Commands (name, engine id, args):
     add_request (number, token_ids, params) / step () / abort (number,) / drain () / reserve (num_tokens,)
     release ()                    drop the engine (its GPU memory) until the next build
     call (fn, args)               fn(tp, *args), outside any engine (Ranks.call: collectives checked on every rank)
-    exit ()
+    exit ()                       drop the engine and its graphs, destroy the process group, end the process
 A build that fails on any rank before its collectives (bad config on this machine, a checkpoint that does not
 load) is reported on the command group: rank 0 raises the error, the workers stay for the next command. Any other
 exception in a worker is printed with its traceback and ends the worker: rank 0 would otherwise wait in a
@@ -59,12 +59,32 @@ def worker_main(rank: int, size: int, device_type: str, init_method: str, parent
     except BaseException:  # noqa: BLE001 - printed, then the process ends with an error code
         print(f"sparsekv tensor-parallel rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         os._exit(1)
+    code = 0
+    try:
+        finish(rank, device_type)
+    except BaseException:  # noqa: BLE001 - the process ends either way
+        print(f"sparsekv tensor-parallel rank {rank} failed to shut down cleanly:\n{traceback.format_exc()}",
+              file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown: nothing of torch's is left to destroy, and nothing can block
+
+
+def finish(rank: int, device_type: str) -> None:
+    """After `exit`: the engine is gone (serve returned); its memory and queued work are released before the
+    process group is destroyed (bounded; see launch.destroy_group)."""
+    from sparsekv.distributed.launch import destroy_group, release_device_memory
+
+    release_device_memory(device_type, reset_graphs=True)
+    destroy_group(rank)
 
 
 def serve(tp, commands) -> None:
     """Run rank 0's commands until `exit`."""
     import torch.distributed as dist
 
+    from sparsekv.distributed.engine import drop_graphs
     from sparsekv.plugins import get_plugin_manager
 
     get_plugin_manager()  # plugins' models and policies, as in rank 0's process
@@ -74,6 +94,8 @@ def serve(tp, commands) -> None:
         dist.broadcast_object_list(box, src=0, group=commands)
         name, sent_id, args = box[0]
         if name == "exit":
+            if engine is not None:
+                drop_graphs(engine)
             return
         if name == "call":  # Ranks.call: a function on every rank, outside any engine
             args[0](tp, *args[1])
@@ -120,10 +142,8 @@ def run_torchrun_worker(size: int, device_type: str) -> None:
     if device_type == "cpu":
         _threads(size)
     tp, commands = init_group(int(os.environ["RANK"]), size, int(os.environ["LOCAL_RANK"]), device_type, "env://")
-    try:
-        serve(tp, commands)
-    finally:
-        torch.distributed.destroy_process_group()
+    serve(tp, commands)
+    finish(tp.rank, device_type)
     sys.exit(0)
 
 

@@ -43,9 +43,9 @@ def kv_element_bytes(dtype: torch.dtype, host_dtype: str = "auto", block_size: i
 
 def per_gpu_spec(spec, tensor_parallel_size: int = 1):
     """The dimensions one GPU of a tensor-parallel run holds (its attention heads, KV heads, MLP columns). Per GPU:
-    the HBM floor reads weights/N + KV/N bytes a step (the weights as the rank's model counts them); the PCIe floor
-    of offloaded decode is KV/N over one GPU's H2D rate, i.e. the whole KV over the ranks' summed H2D bandwidth
-    (each GPU on its own link); the prefill floor divides the FLOPs by N GPUs' GEMM rate."""
+    the HBM floor reads weights/N + KV/N bytes a step (the weights as the rank's model counts them). The PCIe floor
+    of offloaded decode is the whole KV over the ranks' summed H2D bandwidth (aggregate_h2d_gbps: each GPU loads
+    its heads' KV/N on its own link); the prefill floor divides the FLOPs by N GPUs' GEMM rate."""
     from sparsekv.distributed.sharding import rank_spec
 
     return rank_spec(spec, tensor_parallel_size)
@@ -221,6 +221,52 @@ def d2h_gbps(pinned: bool = True, nbytes: int = GIB, device="cuda") -> float | N
     del dst, src
     _release()
     return numel * 4 / seconds / 1e9
+
+
+RANK_H2D_BYTES = GIB // 4  # per rank, measured while every rank copies: enough for a steady rate
+
+
+def _rank_h2d(tp, nbytes: int) -> list[float | None]:
+    """On every rank at once (Ranks.call): this rank's pinned H2D rate on its own GPU, started together after a
+    barrier so the copies share the host's memory and root complex as the ranks' KV loads do; every rank's figure
+    gathered. Never raises (a worker that raised would end): a failed measurement is None."""
+    import torch.distributed as dist
+
+    gbps: float | None = None
+    try:
+        dist.barrier(group=tp.control)
+        gbps = h2d_gbps(pinned=True, nbytes=nbytes, device=torch.device("cuda", tp.local_rank))
+    except Exception:  # noqa: BLE001 - reported as a missing figure
+        gbps = None
+    gathered: list[float | None] = [None] * tp.size
+    dist.all_gather_object(gathered, gbps, group=tp.control)
+    return gathered
+
+
+def ranks_h2d_gbps(tensor_parallel_size: int, device_type: str, nbytes: int = RANK_H2D_BYTES
+                   ) -> list[float | None] | None:
+    """Each rank's pinned H2D GB/s, measured concurrently on the run's tensor-parallel ranks (started here, reused
+    by the engine build); rank r's figure at [r]. None on CPU, with one rank, or on a torchrun rank other than 0
+    (it joins rank 0's measurement from build_engine)."""
+    import os
+
+    from sparsekv.distributed.launch import check_launch, driver_ranks, under_torchrun
+
+    if device_type != "cuda" or tensor_parallel_size < 2 or not torch.cuda.is_available():
+        return None
+    if under_torchrun() and int(os.environ["RANK"]) != 0:
+        return None
+    check_launch(tensor_parallel_size, device_type)
+    return driver_ranks(tensor_parallel_size, device_type).call(_rank_h2d, nbytes)
+
+
+def aggregate_h2d_gbps(h2d_gbps: float | None, per_rank: list[float | None] | None,
+                       tensor_parallel_size: int = 1) -> float | None:
+    """The H2D rate the ranks' KV loads share: the sum of the per-rank figures measured together when every rank
+    has one, else one GPU's rate x N (each GPU on its own link)."""
+    if per_rank and len(per_rank) == tensor_parallel_size and all(g is not None for g in per_rank):
+        return float(sum(per_rank))
+    return h2d_gbps * tensor_parallel_size if h2d_gbps is not None else None
 
 
 def measure_floors(device="cuda", dtype: torch.dtype = torch.bfloat16, pageable: bool = True) -> dict:

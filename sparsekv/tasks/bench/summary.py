@@ -34,22 +34,25 @@ def print_table(f: dict) -> None:
     weights = f" [{f['load_format']}]" if f.get("load_format") else ""
     print(f"bench {f['name']}: model={f['model']}{weights} offload={f['offload']} policy={f['policy']}{density} on {on}, "
           f"{f['dtype']}, batch {f['batch_size']}, context {f['context']}, {f['decode_steps']} decode steps")
+    tp = int(f.get("tensor_parallel_size") or 1)
+    per_gpu = " per GPU" if tp > 1 else ""
+    gpus = f" of {tp} GPUs" if tp > 1 else ""
     rows = [("", "achieved", "floor", "ratio"),
             (f"prefill {f['prompt_tokens']} tok",
              f"{_fmt(f['prefill_seconds'], '.3f', ' s')} = {_fmt(f['prefill_tok_s'], ',.0f', ' tok/s')}"
-             f" ({_fmt(f['prefill_tflops'], '.4g', ' TFLOP/s')})",
+             f" ({_fmt(f['prefill_tflops'], '.4g', ' TFLOP/s')}{per_gpu})",
              _fmt(f["prefill_floor_s"], ".3f", " s"), _fmt(f["prefill_ratio"], ".2f", "x")),
             ("decode (median step)",
              f"{_fmt(f['decode_ms_per_token'], '.2f', ' ms/token')} = {_fmt(f['decode_tok_s'], ',.1f', ' tok/s')}"
              f" (mean {_fmt(f['decode_ms_per_token_mean'], '.2f', ' ms')})",
              _fmt(f["decode_floor_ms"], ".2f", " ms"), _fmt(f["decode_ratio"], ".2f", "x"))]
     if f.get("decode_hbm_floor_ms") is not None:
-        rows.append(("  HBM floor", f"{_fmt(f['decode_bytes_per_step'] / 1e9, '.2f', ' GB/step')}",
+        rows.append((f"  HBM floor{per_gpu}", f"{_fmt(f['decode_bytes_per_step'] / 1e9, '.2f', ' GB/step')}",
                      _fmt(f["decode_hbm_floor_ms"], ".2f", " ms"), ""))
     if f.get("decode_pcie_floor_ms") is not None:
-        rows.append(("  PCIe floor (KV of context / H2D)", "", _fmt(f["decode_pcie_floor_ms"], ".2f", " ms"), ""))
+        rows.append((f"  PCIe floor (KV of context / H2D{gpus})", "", _fmt(f["decode_pcie_floor_ms"], ".2f", " ms"), ""))
     if f.get("decode_loaded_floor_ms") is not None:
-        rows.append(("  PCIe floor (bytes loaded / H2D)", _fmt(f["decode_h2d_bytes_per_step"] / 1e9, ".3f", " GB/step"),
+        rows.append((f"  PCIe floor (bytes loaded / H2D{gpus})", _fmt(f["decode_h2d_bytes_per_step"] / 1e9, ".3f", " GB/step"),
                      _fmt(f["decode_loaded_floor_ms"], ".2f", " ms"), _fmt(f["decode_loaded_ratio"], ".2f", "x")))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
@@ -58,6 +61,11 @@ def print_table(f: dict) -> None:
         print(f"  ceilings: GEMM {_fmt(floors['matmul_tflops'], '.0f')} TFLOP/s ({floors['matmul_dtype']}), "
               f"HBM {_fmt(floors['hbm_gbps'], ',.0f')} GB/s, H2D {_fmt(floors['h2d_gbps'], '.1f')} GB/s pinned "
               f"({_fmt(floors.get('h2d_pageable_gbps'), '.1f')} pageable), D2H {_fmt(floors['d2h_gbps'], '.1f')} GB/s")
+        if tp > 1:
+            ranks = ", ".join(_fmt(g, ".1f") for g in f.get("h2d_gbps_per_rank") or [])
+            measured = f"measured together per rank [{ranks}] GB/s" if ranks else "one GPU's rate x N"
+            print(f"  {tp} GPUs: GEMM ceiling and HBM floor per GPU; aggregate H2D "
+                  f"{_fmt(f.get('h2d_gbps_aggregate'), '.1f')} GB/s ({measured})")
     else:
         print("  ceilings: not measured on this device (floors and ratios need CUDA)")
     build = f.get("gpu_build_peak_gib")

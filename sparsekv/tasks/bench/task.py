@@ -16,6 +16,12 @@ Floors:
                loads less than the context) / measured pinned H2D bandwidth; without counts, the context's KV bytes
 The decode ratio is held against the larger (binding) of the decode floors.
 
+Tensor parallelism (parallel.tensor_parallel_size=N): the prefill and HBM floors are one GPU's (FLOPs over N GPUs'
+GEMM rate, weights/N + KV/N bytes over one GPU's HBM), and prefill_tflops is per GPU (the model's FLOPs / time / N),
+held against one GPU's ceiling. The PCIe floor is the whole KV over the aggregate H2D rate: every rank measures its
+own pinned H2D at the same time (floors.h2d_gbps_per_rank) and the rates are summed; the store's loaded-byte counts
+are rank 0's, i.e. its heads' share, x N.
+
 Decode ms/step is the median of engine.stats.step_seconds. Synchronous decode times a step from its launch to the
 device's completion; overlapped decode (scheduler.async_decode, offload=none; "async_decode" in the record) times
 it from the previous step's completion to its own, as the host sees them: the interval between consecutive steps,
@@ -28,7 +34,7 @@ import statistics
 import sys
 from typing import Any
 
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from sparsekv.tasks.common import enum_value, policy_warnings, print_warnings, run_identity
 
@@ -153,6 +159,9 @@ def run(cfg: DictConfig) -> dict:
 
     # Ceilings first, while the device memory is still free (offload=none takes most of it for the KV pool).
     floors = fl.measure_floors(device, dtype=dtype) if task.measure_floors else None
+    tp_size = int(OmegaConf.select(cfg, "parallel.tensor_parallel_size", default=1))
+    if floors is not None and tp_size > 1:  # the ranks' H2D measured together (starts the workers the build reuses)
+        floors["h2d_gbps_per_rank"] = fl.ranks_h2d_gbps(tp_size, device.type)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -231,13 +240,17 @@ def run(cfg: DictConfig) -> dict:
     wbytes = fl.weight_bytes(engine.model, skip_untied_embedding=True)
     decode_context = context + steps // 2  # the KV length at the median decode step
     flops = fl.prefill_flops(spec, context, batch=batch)
-    # tensor parallelism: the floors of one GPU (its weights, its KV heads; prefill on N GPUs' GEMM rate)
+    # tensor parallelism: the floors of one GPU (its weights, its KV heads; prefill on N GPUs' GEMM rate) and the
+    # PCIe floor of the whole KV over the ranks' summed H2D rate
     tp_size = figures["tensor_parallel_size"]
     gpu_spec = fl.per_gpu_spec(spec, tp_size)
     dbytes = fl.decode_bytes(gpu_spec, decode_context, batch, dtype_bytes, wbytes)
-    kv_context_bytes = batch * decode_context * fl.kv_bytes_per_token(gpu_spec, dtype_bytes)
+    kv_context_bytes = batch * decode_context * fl.kv_bytes_per_token(spec, dtype_bytes)  # all ranks' KV heads
     floor = (lambda key: floors.get(key) if floors else None)
-    matmul, hbm, h2d = floor("matmul_tflops"), floor("hbm_gbps"), floor("h2d_gbps")
+    matmul, hbm = floor("matmul_tflops"), floor("hbm_gbps")
+    h2d = fl.aggregate_h2d_gbps(floor("h2d_gbps"), floor("h2d_gbps_per_rank"), tp_size)
+    figures["h2d_gbps_per_rank"] = floor("h2d_gbps_per_rank")
+    figures["h2d_gbps_aggregate"] = h2d
 
     # ---- bytes the KV store says it moved (offload stores that count them)
     loaded_floor_s = None  # offloaded: the bytes the store loaded per step over the measured H2D rate
@@ -249,7 +262,7 @@ def run(cfg: DictConfig) -> dict:
                                   "raw": end_transfers}
         h2d_keys = [k for k in (per_step or {}) if "h2d" in k.lower() and "byte" in k.lower()]
         if h2d_keys and h2d:
-            loaded = sum(per_step[k] for k in h2d_keys)
+            loaded = sum(per_step[k] for k in h2d_keys) * tp_size  # rank 0 counts its heads' share
             figures["decode_h2d_bytes_per_step"] = loaded
             loaded_floor_s = loaded / (h2d * 1e9)
             figures["decode_loaded_floor_ms"] = 1e3 * loaded_floor_s
@@ -273,7 +286,8 @@ def run(cfg: DictConfig) -> dict:
         "weight_bytes": wbytes,
         "kv_bytes_per_token": fl.kv_bytes_per_token(spec, dtype_bytes),
         "prefill_flops": flops,
-        "prefill_tflops": flops / stats.prefill_seconds / 1e12 if stats.prefill_seconds else None,
+        # per GPU: the whole model's FLOPs over the time, shared by the N GPUs (held against one GPU's ceiling)
+        "prefill_tflops": flops / stats.prefill_seconds / 1e12 / tp_size if stats.prefill_seconds else None,
         "prefill_floor_s": prefill_floor_s,
         "prefill_ratio": _ratio(stats.prefill_seconds, prefill_floor_s),
         "decode_context": decode_context,
