@@ -15,6 +15,16 @@
 #   quality         the sparse prefill presets' density, error and needle hits at 32K on planted inputs       ~6 min
 #   memory          GPU peak and host RSS of offloaded runs at 32K, 128K and 512K                             ~6 min
 #   capacity        the longest context the default host pool holds (prefill alone ~6 min)                    ~10 min
+#   hierarchy       KV memory hierarchy: Qwen3-4B 128K full decode with the GPU block cache off / auto and the
+#                   fp8 host tier; batched Quest (quest_2k, every layer selecting) at 122,880 tokens on Llama-3.1-8B
+#                   dims, batch 1 / 2 / 4, beside full attention at batch 4                                   ~8 min
+#   hierarchy_512k  Qwen3-4B 512K full decode with the GPU block cache off / auto (each prefill ~3 min)       ~9 min
+#   hierarchy_batch the batched Quest curve's wide end: fp8 host tier at 122,880 tokens, batch 8 / 12 beside
+#                   full at batch 8 (122K x 24 sequences needs 183 GiB of fp8 host KV: more than a 125 GiB host),
+#                   and batch 24 at 32K (last: the first row a tight limit drops)                             ~9 min
+#   capacity_fp8    the longest context the default host pool holds with the fp8 host tier (about 1.5M tokens
+#                   of Qwen3-4B on a 125 GiB host: prefill ~25 min, over a 10-minute limit; CAPACITY_CAP=868352
+#                   fits one)                                                                                  ~27 min
 #   tp              2 GPUs: TP=1 beside TP=2 per model of TP_MODELS (default "qwen3_8b llama3_8b", dummy weights):
 #                   resident decode at 4K, offloaded full decode at 128K, 32K resident prefill  ~8 min per model
 #   summary         $OUT/tables.md (tools/bench_table.py) and $OUT/records.tgz
@@ -23,7 +33,9 @@
 # exact command, the date, the row it is compared with) and run.log. A failing run is logged and the script goes on.
 # Settings: DECODE_STEPS (default 64 for `decode`, 16 elsewhere), BENCH_TIMEOUT (default 150 s per run),
 # TEST_TIMEOUT (default 560 s), BENCH_MODEL_ARGS (default "model=qwen3_4b model.load_format=dummy";
-# "model=tiny device=cpu" gives a dry run of the script without a GPU).
+# "model=tiny device=cpu" gives a dry run of the script without a GPU; it also replaces llama3_8b in `hierarchy*`).
+# HIER_CONTEXT (131072), HIER_LONG_CONTEXT (524288), HIER_BATCH_CONTEXT (122880) and HIER_WIDE_CONTEXT (32768) set
+# the contexts of the hierarchy sections (a CPU dry run passes small ones).
 set -u
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -46,6 +58,8 @@ case ":${PYTHONPATH:-}:" in *":$PWD:"*) ;; *) export PYTHONPATH="$PWD${PYTHONPAT
 read -ra MODEL <<< "${BENCH_MODEL_ARGS:-model=qwen3_4b model.load_format=dummy}"
 STRUCTURED=(model=qwen3_4b model.load_format=dummy_structured)
 [ -n "${BENCH_MODEL_ARGS:-}" ] && STRUCTURED=("${MODEL[@]}")
+LLAMA=(model=llama3_8b model.load_format=dummy)
+[ -n "${BENCH_MODEL_ARGS:-}" ] && LLAMA=("${MODEL[@]}")
 
 status() {  # status NAME RC SECONDS
     printf '%-40s rc=%-4s %6ss\n' "$1" "$2" "$3" | tee -a "$OUT/status.log"
@@ -187,6 +201,61 @@ print(min(${CAPACITY_CAP:-786432}, (pool_tokens - 16384) // 16384 * 16384))")
         task.context="$ctx" task.decode_steps=16
 }
 
+section_hierarchy() {  # GPU block cache off / auto, fp8 host tier, batched Quest decode against full attention
+    local steps="${DECODE_STEPS:-16}" ctx="${HIER_CONTEXT:-131072}" bctx="${HIER_BATCH_CONTEXT:-122880}" b
+    local C=(offload=cpu task.context="$ctx" task.decode_steps="$steps")
+    # batch 1 with the cache off: the offloaded decode path against the offload section's figure (no regression)
+    VS=offload/cpu-128k-hf bench hierarchy cpu-128k-cache-off "${MODEL[@]}" "${C[@]}" offload.gpu_cache_gib=0
+    VS=hierarchy/cpu-128k-cache-off bench hierarchy cpu-128k-cache-auto "${MODEL[@]}" "${C[@]}" \
+        offload.gpu_cache_gib=auto
+    # fp8 host blocks: half the bytes per step (the record's decode_h2d_bytes_per_step, decode_pcie_floor_ms)
+    VS=hierarchy/cpu-128k-cache-off bench hierarchy cpu-128k-fp8 "${MODEL[@]}" "${C[@]}" offload.gpu_cache_gib=0 \
+        offload.host_dtype=float8_e4m3fn
+    # batched Quest at ~122K (ShadowKV's shape), every layer selecting; full attention beside the widest batch
+    local Q=("${LLAMA[@]}" offload=cpu task.context="$bctx" task.decode_steps="$steps" offload.gpu_cache_gib=auto)
+    BENCH_TIMEOUT=200 bench hierarchy "llama-122k-full-b4" "${Q[@]}" task.batch_size=4
+    for b in 1 2 4; do
+        VS=hierarchy/llama-122k-full-b4 BENCH_TIMEOUT=200 bench hierarchy "llama-122k-quest-b$b" "${Q[@]}" \
+            policy=quest_2k policy.dense_layers=0 task.batch_size=$b
+    done
+}
+
+section_hierarchy_512k() {  # 512K full decode (72 GiB of host KV): the GPU block cache holds part of it
+    local steps="${DECODE_STEPS:-8}" ctx="${HIER_LONG_CONTEXT:-524288}"
+    local C=(offload=cpu task.context="$ctx" task.decode_steps="$steps")
+    BENCH_TIMEOUT=290 bench hierarchy cpu-512k-cache-off "${MODEL[@]}" "${C[@]}" offload.gpu_cache_gib=0
+    VS=hierarchy/cpu-512k-cache-off BENCH_TIMEOUT=290 bench hierarchy cpu-512k-cache-auto "${MODEL[@]}" "${C[@]}" \
+        offload.gpu_cache_gib=auto
+}
+
+section_hierarchy_batch() {  # wide batches: the fp8 host tier holds twice the sequences (15.0 -> 7.5 GiB each at 122K)
+    local steps="${DECODE_STEPS:-8}" bctx="${HIER_BATCH_CONTEXT:-122880}" wctx="${HIER_WIDE_CONTEXT:-32768}" b
+    local F=("${LLAMA[@]}" offload=cpu task.decode_steps="$steps" offload.gpu_cache_gib=0
+             offload.host_dtype=float8_e4m3fn)
+    for b in 8 12; do
+        VS=hierarchy/llama-122k-fp8-full-b8 BENCH_TIMEOUT=240 bench hierarchy "llama-122k-fp8-quest-b$b" "${F[@]}" \
+            task.context="$bctx" policy=quest_2k policy.dense_layers=0 task.batch_size=$b
+    done
+    BENCH_TIMEOUT=200 bench hierarchy "llama-122k-fp8-full-b8" "${F[@]}" task.context="$bctx" task.batch_size=8
+    VS=hierarchy/llama-122k-quest-b4 BENCH_TIMEOUT=150 bench hierarchy "llama-32k-quest-b24" "${LLAMA[@]}" offload=cpu \
+        task.context="$wctx" task.decode_steps="$steps" policy=quest_2k policy.dense_layers=0 task.batch_size=24
+}
+
+section_capacity_fp8() {  # the longest prompt the default host pool holds with fp8 host blocks (+ 16 decode steps)
+    local ctx
+    ctx=$(python3 -c "
+import torch
+from sparsekv.kvcache.host_quant import host_block_bytes
+from sparsekv.kvcache.offload_store import host_pool_blocks
+block = host_block_bytes(36, 1024, 8, 128, torch.float8_e4m3fn)  # Qwen3-4B, fp8 K/V + a float32 scale per KV head
+pool_tokens = host_pool_blocks(None, block) * 1024  # the default pool: 0.9 x available - 4 GiB
+print(min(${CAPACITY_CAP:-4194304}, (pool_tokens - 16384) // 16384 * 16384))")
+    echo "== capacity_fp8: default host pool, fp8 -> context $ctx" | tee -a "$OUT/status.log"
+    VS=capacity/cpu-770048 BENCH_TIMEOUT="${BENCH_TIMEOUT_CAPACITY:-1800}" bench capacity "cpu-fp8-$ctx" \
+        "${MODEL[@]}" offload=cpu offload.host_dtype=float8_e4m3fn offload.gpu_cache_gib=0 task.context="$ctx" \
+        task.decode_steps=16
+}
+
 section_tp() {  # tensor parallelism over 2 GPUs; each TP=2 row is compared with the TP=1 row of the same shape
     local steps="${DECODE_STEPS:-16}" model tp ref
     for model in ${TP_MODELS:-qwen3_8b llama3_8b}; do
@@ -208,7 +277,8 @@ section_summary() {
     tar czf "$OUT/records.tgz" -C "$OUT" records
 }
 
-SECTIONS="info tests decode offload quest prefill sparse_prefill quality memory capacity tp summary"
+SECTIONS="info tests decode offload quest prefill sparse_prefill quality memory capacity"
+SECTIONS="$SECTIONS hierarchy hierarchy_512k hierarchy_batch capacity_fp8 tp summary"
 [ $# -gt 0 ] || set -- info decode offload quest prefill sparse_prefill memory summary
 for SECTION in "$@"; do
     case " $SECTIONS " in
