@@ -198,10 +198,11 @@ class OffloadEngine(CachedLoads):
         return self._slab_offsets
 
     def _allocate_slots(self, size: int) -> int:
-        """The first of `size` consecutive ring slots, the next ones round the ring."""
-        if self.next_slot + size > self.num_slots:
-            self.next_slot = 0
-        first = self.next_slot
+        """The first of `size` consecutive ring slots, the next ones round the ring. Starts are multiples of `size`:
+        a pipeline of groups of one size then cycles through disjoint slots even after a load of another size."""
+        first = -(-self.next_slot // size) * size
+        if first + size > self.num_slots:
+            first = 0
         self.next_slot = (first + size) % self.num_slots
         return first
 
