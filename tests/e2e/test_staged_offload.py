@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from sparsekv import LLM, SamplingParams
+from sparsekv.graphs.cuda_graph import attach_graph_runner
 from sparsekv.kvcache import staged_decode
 from sparsekv.kvcache.offload_engine import OffloadEngine
+from sparsekv.kvcache.offload_store import OffloadKVStore
 from tests.conftest import random_prompt
 
 CPU = ["device=cpu", "dtype=float32", "graph=eager"]
@@ -94,3 +96,29 @@ def test_one_ring_read_per_layer_for_the_batch(qwen3_ckpt, policy, staged_calls)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert calls and max(calls) == len(prompts)
     assert max(reads) == 1  # one read for the whole batch's blocks of a layer, not one per sequence
+
+
+@pytest.mark.parametrize("policy", [[], QUEST], ids=["full", "quest"])
+@pytest.mark.parametrize("graph", ["cudagraph", "segmented"])
+def test_staged_batch_under_emulated_graphs(qwen3_ckpt, graph, policy, staged_calls):
+    prompts = [random_prompt(n, seed=n) for n in LENGTHS[:5]]
+    want = tokens(qwen3_ckpt, prompts, *OFFLOAD, NO_CACHE, *policy)
+    calls, _ = staged_calls
+    calls.clear()
+    llm = LLM(str(qwen3_ckpt), overrides=CPU + OFFLOAD + [NO_CACHE] + policy)
+    attach_graph_runner(llm.engine, graph, llm.config.graph, emulate=True)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    assert calls and llm.engine.runner.graph_runner.replayed_steps > 0
+
+
+@pytest.mark.parametrize("policy", [[], QUEST], ids=["full", "quest"])
+def test_staged_batch_with_fp8_host_blocks_equals_per_sequence_pipelines(qwen3_ckpt, policy, staged_calls,
+                                                                          monkeypatch):
+    fp8 = [*OFFLOAD, NO_CACHE, "offload.host_dtype=float8_e4m3fn", *policy]
+    prompts = [random_prompt(n, seed=n) for n in LENGTHS[:4]]
+    calls, _ = staged_calls
+    calls.clear()
+    staged = tokens(qwen3_ckpt, prompts, *fp8)
+    assert max(calls) == len(prompts)
+    monkeypatch.setattr(OffloadKVStore, "_batched_blocks", lambda self, seqs: None)  # a pipeline per sequence
+    assert staged == tokens(qwen3_ckpt, prompts, *fp8)
