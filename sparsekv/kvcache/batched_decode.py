@@ -40,10 +40,17 @@ def batched_decode_attention(engine: OffloadEngine, layer: int, q: torch.Tensor,
     cache = engine.cache
     o_cached, lse_cached = paged_decode_attention(
         q, cache.k, cache.v, table.view(batch, width), lengths, scale, max_context_len=width * bs)  # [B, H, D], [H, B]
-    k_pool, v_pool = engine.decode_pool()
-    o_tail, lse_tail = paged_decode_attention(
-        q, k_pool, v_pool, (decode_slots // bs).view(batch, 1), tail_lengths, scale, max_context_len=bs)
+    o_tail, lse_tail = tail_attention(engine, q, scale, decode_slots, tail_lengths)
     return merge_attention_outputs(o_cached, lse_cached, o_tail, lse_tail)[0]
+
+
+def tail_attention(engine: OffloadEngine, q: torch.Tensor, scale: float, decode_slots: torch.Tensor,
+                   tail_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's unfinished block (the decode buffer) in one paged call -> (o [B, H, D], lse [H, B])."""
+    bs = engine.block_size
+    k_pool, v_pool = engine.decode_pool()
+    return paged_decode_attention(q, k_pool, v_pool, (decode_slots // bs).view(q.shape[0], 1), tail_lengths, scale,
+                                  max_context_len=bs)
 
 
 def _host_table(engine: OffloadEngine, blocks: list[list[int]], slots: list[int]

@@ -29,7 +29,7 @@ the ring as before, and offloaded blocks are written through into the cache on t
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterator, Protocol
+from typing import Iterator
 
 import torch
 
@@ -38,45 +38,7 @@ from sparsekv.kvcache.cached_loads import CachedLoads
 from sparsekv.kvcache.gpu_block_cache import GpuBlockCache
 from sparsekv.kvcache.host_pool import HostPool
 from sparsekv.kvcache.host_quant import FP8_DTYPE, Fp8Ring
-
-
-class RingCapture(Protocol):
-    """A CUDA-graph capture in progress, as the engine sees it (the graph runner owns it: OffloadStepCapture in
-    sparsekv/graphs/offload_graph.py)."""
-    moved: dict[str, int]  # transfers issued during the capture: they happen at each replay, not now
-
-    def fork_event(self, stream: "torch.cuda.Stream") -> "torch.cuda.Event":
-        """An event recorded on the capturing stream at the capture's start: a slot's first load waits for it."""
-
-
-class _Streams:
-    """CUDA streams and events; on CPU every copy is synchronous and these are no-ops."""
-
-    def __init__(self, device: torch.device, num_slots: int, num_layers: int):
-        self.cuda = device.type == "cuda"
-        if not self.cuda:
-            return
-        self.h2d = torch.cuda.Stream(device)
-        self.d2h = torch.cuda.Stream(device)
-        self.slot_loaded = [torch.cuda.Event() for _ in range(num_slots)]
-        # the event after the attention that last read each slot; the slots of one group share one event, taken
-        # round-robin from a pool (a re-recorded event only makes a later wait more conservative, never wrong)
-        self.slot_free: list[torch.cuda.Event | None] = [None] * num_slots
-        self.free_pool = [torch.cuda.Event() for _ in range(2 * num_slots)]
-        self.free_next = 0
-        self.layer_offloaded = [torch.cuda.Event() for _ in range(num_layers)]
-        self.layer_written = [torch.cuda.Event() for _ in range(num_layers)]
-        # offloads issued per layer, and the count each stream last waited for: a stream that already waited for
-        # the layer's latest offload skips the wait (one CUDA call less per layer and group on the decode path)
-        self.offloads = [0] * num_layers
-        self.waited: dict[tuple[int, int], int] = {}
-
-    def wait_offloaded(self, stream: torch.cuda.Stream, layer: int) -> None:
-        """Make `stream` wait until the layer's offloads so far reached the host."""
-        key = (stream.cuda_stream, layer)
-        if self.waited.get(key) != self.offloads[layer]:
-            stream.wait_event(self.layer_offloaded[layer])
-            self.waited[key] = self.offloads[layer]
+from sparsekv.kvcache.ring_streams import RingCapture, Streams
 
 
 class OffloadEngine(CachedLoads):
@@ -97,7 +59,7 @@ class OffloadEngine(CachedLoads):
         self.decode_k = torch.empty((max_num_seqs, L, bs, kvh, d), dtype=dtype, device=device)
         self.decode_v = torch.empty_like(self.decode_k)
         self._decode_kv_rows = (self.decode_k.view(-1, kvh, d), self.decode_v.view(-1, kvh, d))  # [max_seqs*L*bs, ...]
-        self.streams = _Streams(device, num_gpu_blocks, L)
+        self.streams = Streams(device, num_gpu_blocks, L)
         self.next_slot = 0
         # one of K or V, one layer, as stored on the host (fp8: with its scales)
         self.block_bytes = bs * kvh * d * host.dtype.itemsize + (self.fp8.scale_bytes if self.fp8 else 0)
@@ -198,10 +160,11 @@ class OffloadEngine(CachedLoads):
         return self._slab_offsets
 
     def _allocate_slots(self, size: int) -> int:
-        """The first of `size` consecutive ring slots, the next ones round the ring."""
-        if self.next_slot + size > self.num_slots:
-            self.next_slot = 0
-        first = self.next_slot
+        """The first of `size` consecutive ring slots, the next ones round the ring. Starts are multiples of `size`:
+        a pipeline of groups of one size then cycles through disjoint slots even after a load of another size."""
+        first = -(-self.next_slot // size) * size
+        if first + size > self.num_slots:
+            first = 0
         self.next_slot = (first + size) % self.num_slots
         return first
 

@@ -15,6 +15,7 @@ from sparsekv.kvcache.host_pool import GIB, HostPool
 from sparsekv.kvcache.host_quant import host_block_bytes
 from sparsekv.kvcache.offload_engine import OffloadEngine, RingCapture
 from sparsekv.kvcache.reader import RingReader
+from sparsekv.kvcache.staged_decode import staged_decode_attention
 from sparsekv.policies.base import SparsePolicy
 from sparsekv.policies.context import KVLayout, PolicyContext
 
@@ -62,6 +63,7 @@ class OffloadKVStore(KVStore):
         self.free_rows = list(range(max_num_seqs))
         self.filled: list[int] = []  # decode: batch indices whose block fills this step
         self.batched_blocks: list[list[int]] | None = None  # decode: per sequence its full blocks, when batched
+        self.batched_in_cache = False  # decode, batched: the GPU block cache holds every block of the batch
         self.num_layers, self.max_num_seqs = num_layers, max_num_seqs
         # captured decode steps (bind_static_decode_inputs): each step's decode slots and tail lengths
         self.static_decode_inputs: torch.Tensor | None = None
@@ -217,16 +219,18 @@ class OffloadKVStore(KVStore):
                                   for b, seq in enumerate(context.seqs)}  # each [1]
 
     def _batched_blocks(self, seqs: list[Sequence]) -> list[list[int]] | None:
-        """Each sequence's full host blocks when this decode step attends the whole batch at once
-        (sparsekv/kvcache/batched_decode.py): a decode policy with the standard pipeline, a GPU block cache that can
-        hold the batch's blocks of a layer, and several sequences or a selecting policy (whose device-side choice
-        the cache can serve only this way); else None (one attention call per sequence)."""
+        """Each sequence's full host blocks when this decode step attends the whole batch at once, with a decode
+        policy that has the standard pipeline: through the GPU block cache when it can hold the batch's blocks of a
+        layer (batched_decode.py; also for one sequence of a selecting policy, whose device-side choice the cache
+        serves only this way), else through the ring (staged_decode.py) for several sequences; None: one sequence
+        through its own pipeline (one sequence with full attention reads its cached runs in place already)."""
         cache = self.engine.cache
-        # one sequence with full attention reads its cached runs in place already (cached_block_groups)
-        if cache is None or not self.decode_pipeline_standard or (len(seqs) < 2 and self.decode_attends_all):
+        self.batched_in_cache = False
+        if not self.decode_pipeline_standard or (len(seqs) < 2 and (cache is None or self.decode_attends_all)):
             return None
         blocks = [self.full_blocks(seq) for seq in seqs]
-        return blocks if sum(map(len, blocks)) <= cache.slots_per_layer else None
+        self.batched_in_cache = cache is not None and sum(map(len, blocks)) <= cache.slots_per_layer
+        return blocks if self.batched_in_cache or len(seqs) > 1 else None
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                context: Context) -> torch.Tensor:
@@ -260,10 +264,14 @@ class OffloadKVStore(KVStore):
     def _decode(self, layer: int, q, k, v, scale: float, context: Context) -> torch.Tensor:
         engine = self.engine
         engine.write_decode_tokens(layer, self.decode_slots[layer], k, v)
-        if self.batched_blocks is not None:  # the whole batch in one paged call over the cache
+        if self.batched_blocks is not None:  # the whole batch at once: over the cache, else through the ring
             selections = None if self.decode_attends_all else self._selections(layer, q, scale, context.seqs)
-            out = batched_decode_attention(engine, layer, q, scale, self.batched_blocks, self.decode_slots[layer],
-                                           self.tail_lengths, selections)
+            if self.batched_in_cache:
+                out = batched_decode_attention(engine, layer, q, scale, self.batched_blocks,
+                                               self.decode_slots[layer], self.tail_lengths, selections)
+            else:
+                out = staged_decode_attention(self.readers[layer], q, scale, self.batched_blocks,
+                                              self.decode_slots[layer], self.tail_lengths, selections)
         else:
             outs = [self._decode_one(layer, q[b:b + 1], scale, seq) for b, seq in enumerate(context.seqs)]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [B, H, D]

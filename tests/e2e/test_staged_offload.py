@@ -1,0 +1,124 @@
+"""Offloaded decode of a batch without a GPU block cache that holds it (float32, CPU): the whole batch goes through
+the ring with one reader call per layer (sparsekv/kvcache/staged_decode.py) and gives the tokens of GPU-resident
+decode and of the cache path, for sequences of different lengths, full attention and Quest."""
+from __future__ import annotations
+
+import pytest
+
+from sparsekv import LLM, SamplingParams
+from sparsekv.graphs.cuda_graph import attach_graph_runner
+from sparsekv.kvcache import staged_decode
+from sparsekv.kvcache.offload_engine import OffloadEngine
+from sparsekv.kvcache.offload_store import OffloadKVStore
+from tests.conftest import random_prompt
+
+CPU = ["device=cpu", "dtype=float32", "graph=eager"]
+OFFLOAD = ["offload=cpu", "offload.host_pool_gib=0.05", "offload.block_size=16", "offload.num_gpu_blocks=4",
+           "offload.prefill_chunk_size=32"]
+QUEST = ["policy=quest", "policy.topk_blocks=2", "policy.dense_layers=1", "policy.token_budget=null"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+LENGTHS = (90, 7, 41, 130, 16, 64, 33, 100)  # 0 to 8 full blocks, partial and whole tails
+BATCHES = {1: LENGTHS[:1], 3: LENGTHS[:3], 8: LENGTHS}
+NO_CACHE = "offload.gpu_cache_gib=0"
+CACHE = "offload.gpu_cache_gib=0.001"  # far more than these prompts need
+
+
+def tokens(path, prompts, *overrides: str) -> list[list[int]]:
+    llm = LLM(str(path), overrides=CPU + list(overrides))
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+@pytest.fixture
+def staged_calls(monkeypatch):
+    """The batch size of every staged call, and per staged call how many ring reads it started."""
+    calls: list[int] = []
+    reads: list[int] = []
+    current: list[int | None] = [None]
+    original = staged_decode.staged_decode_attention
+
+    def counting(reader, q, *args):
+        calls.append(q.shape[0])
+        current[0] = 0
+        try:
+            return original(reader, q, *args)
+        finally:
+            reads.append(current[0])
+            current[0] = None
+
+    for name in ("stream_block_groups", "gather_block_groups", "cached_block_groups"):
+        def counted(self, *args, _method=getattr(OffloadEngine, name), **kwargs):
+            if current[0] is not None:
+                current[0] += 1
+            return _method(self, *args, **kwargs)
+
+        monkeypatch.setattr(OffloadEngine, name, counted)
+    monkeypatch.setattr("sparsekv.kvcache.offload_store.staged_decode_attention", counting)
+    return calls, reads
+
+
+@pytest.mark.parametrize("policy", [[], QUEST], ids=["full", "quest"])
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_staged_batch_equals_resident_and_cache(qwen3_ckpt, policy, batch, staged_calls):
+    prompts = [random_prompt(n, seed=n) for n in BATCHES[batch]]
+    resident = tokens(qwen3_ckpt, prompts, "offload.block_size=16", *policy)
+    cached = tokens(qwen3_ckpt, prompts, *OFFLOAD, CACHE, *policy)
+    calls, _ = staged_calls
+    calls.clear()
+    staged = tokens(qwen3_ckpt, prompts, *OFFLOAD, NO_CACHE, *policy)
+    assert staged == resident
+    assert staged == cached
+    # several sequences decode together through the ring; one sequence keeps its own pipeline
+    assert (max(calls, default=0) == batch) if batch > 1 else not calls
+
+
+@pytest.mark.parametrize("policy", [[], QUEST], ids=["full", "quest"])
+def test_cache_too_small_for_the_batch_goes_through_the_ring(qwen3_ckpt, policy, staged_calls):
+    prompts = [random_prompt(n, seed=n) for n in LENGTHS]
+    want = tokens(qwen3_ckpt, prompts, *OFFLOAD, NO_CACHE, *policy)
+    calls, _ = staged_calls
+    calls.clear()
+    llm = LLM(str(qwen3_ckpt), overrides=CPU + OFFLOAD + ["offload.gpu_cache_gib=0.0001"] + policy)
+    cache = llm.engine.kv_store.engine.cache
+    full_blocks = sum(n // 16 for n in LENGTHS)
+    assert cache is not None and 0 < cache.slots_per_layer < full_blocks
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    assert max(calls) == len(prompts)
+    assert llm.engine.kv_store.transfer_stats["cache_hit_blocks"] > 0  # the ring took cached blocks from the cache
+
+
+@pytest.mark.parametrize("policy", [[], QUEST], ids=["full", "quest"])
+def test_one_ring_read_per_layer_for_the_batch(qwen3_ckpt, policy, staged_calls):
+    prompts = [random_prompt(n, seed=n) for n in LENGTHS]
+    calls, reads = staged_calls
+    llm = LLM(str(qwen3_ckpt), overrides=CPU + OFFLOAD + [NO_CACHE] + policy)
+    reads.clear()
+    calls.clear()
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert calls and max(calls) == len(prompts)
+    assert max(reads) == 1  # one read for the whole batch's blocks of a layer, not one per sequence
+
+
+@pytest.mark.parametrize("policy", [[], QUEST], ids=["full", "quest"])
+@pytest.mark.parametrize("graph", ["cudagraph", "segmented"])
+def test_staged_batch_under_emulated_graphs(qwen3_ckpt, graph, policy, staged_calls):
+    prompts = [random_prompt(n, seed=n) for n in LENGTHS[:5]]
+    want = tokens(qwen3_ckpt, prompts, *OFFLOAD, NO_CACHE, *policy)
+    calls, _ = staged_calls
+    calls.clear()
+    llm = LLM(str(qwen3_ckpt), overrides=CPU + OFFLOAD + [NO_CACHE] + policy)
+    attach_graph_runner(llm.engine, graph, llm.config.graph, emulate=True)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    assert calls and llm.engine.runner.graph_runner.replayed_steps > 0
+
+
+@pytest.mark.parametrize("policy", [[], QUEST], ids=["full", "quest"])
+def test_staged_batch_with_fp8_host_blocks_equals_per_sequence_pipelines(qwen3_ckpt, policy, staged_calls,
+                                                                          monkeypatch):
+    fp8 = [*OFFLOAD, NO_CACHE, "offload.host_dtype=float8_e4m3fn", *policy]
+    prompts = [random_prompt(n, seed=n) for n in LENGTHS[:4]]
+    calls, _ = staged_calls
+    calls.clear()
+    staged = tokens(qwen3_ckpt, prompts, *fp8)
+    assert max(calls) == len(prompts)
+    monkeypatch.setattr(OffloadKVStore, "_batched_blocks", lambda self, seqs: None)  # a pipeline per sequence
+    assert staged == tokens(qwen3_ckpt, prompts, *fp8)
