@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from sparsekv.distributed import launch
+from tests.e2e.test_cli import cli_env
 from sparsekv.distributed.launch import Ranks
 from sparsekv.distributed.state import TensorParallel
 
@@ -21,6 +22,7 @@ SCRIPT = """
 import sys
 from sparsekv import LLM, SamplingParams
 from sparsekv.distributed import launch
+from tests.e2e.test_cli import cli_env
 llm = LLM(sys.argv[1], ["dtype=float32", "parallel.tensor_parallel_size=2", "offload=none", "offload.block_size=16",
                         *sys.argv[2:]])
 out = llm.generate([[5, 6, 7, 8] * 10], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), progress=False)
@@ -38,7 +40,7 @@ def _alive(pid: int) -> bool:
 
 
 def run_and_exit(ckpt: Path, *overrides: str, bound: float) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**cli_env(), "OMP_NUM_THREADS": "1"}  # the caller's PYTHONPATH kept (dependencies installed there)
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(ckpt), *overrides], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=bound)
