@@ -12,12 +12,8 @@ from sparsekv.tasks.ruler.generators import answer_text, make_sample
 
 TRAIN_SEED_BASE = 10 ** 9  # training sample seeds are >= this; evaluation (task=ruler) uses seeds below it
 QUESTION_WORDS = ["What", "Question"]  # the first word of every task's question (never in a haystack)
-# The mix moves from START_WEIGHTS (plenty of the copy-everything tasks, which get retrieval off its plateau) to
-# TASK_WEIGHTS (multikey's key matching and variable_tracking's chain, which lag) over the length ramp.
-START_WEIGHTS = {"niah_single": 1.0, "niah_multikey": 1.5, "niah_multivalue": 1.5, "niah_multiquery": 1.5,
-                 "variable_tracking": 2.0, "common_words": 0.75}
-TASK_WEIGHTS = {"niah_single": 0.5, "niah_multikey": 3.0, "niah_multivalue": 0.75, "niah_multiquery": 1.0,
-                "variable_tracking": 3.0, "common_words": 0.5}
+TASK_WEIGHTS = {"niah_single": 1.0, "niah_multikey": 1.5, "niah_multivalue": 1.5, "niah_multiquery": 1.5,
+                "variable_tracking": 2.0, "common_words": 0.75}
 
 
 def length_buckets(min_len: int, max_len: int) -> list[int]:
@@ -31,12 +27,10 @@ def length_buckets(min_len: int, max_len: int) -> list[int]:
 def micro_plan(args: argparse.Namespace) -> list[tuple[int, list[tuple[str, int]]]]:
     """Per micro-batch: its context length and its (task, seed) samples, a pure function of the arguments."""
     buckets = length_buckets(args.min_len, args.max_len)
-    tasks = args.tasks
+    tasks, weights = args.tasks, [TASK_WEIGHTS[t] for t in args.tasks]
     plan = []
     for step in range(args.steps):
-        progress = min(1.0, step / (args.ramp * args.steps))
-        reach = args.min_len * (args.max_len / args.min_len) ** progress
-        weights = [START_WEIGHTS[t] + (TASK_WEIGHTS[t] - START_WEIGHTS[t]) * progress for t in tasks]
+        reach = args.min_len * (args.max_len / args.min_len) ** min(1.0, step / (args.ramp * args.steps))
         allowed = [b for b in buckets if b <= reach * 1.0001] or buckets[:1]
         for j in range(args.accum):
             rng = random.Random(f"probe:{args.seed}:{step}:{j}")
@@ -50,16 +44,12 @@ def micro_plan(args: argparse.Namespace) -> list[tuple[int, list[tuple[str, int]
 
 class MicroBatches(torch.utils.data.Dataset):
     """Item m: micro-batch m of the plan as input_ids [B, T] (right-padded) and its targets as flat positions
-    into [B * T] with the token each must predict: the answer and EOS (weight 1; the first token of each answer,
-    after the prefix or a comma, at `lead_weight`: it is where the retrieval choice is made, the rest is copying),
-    and with `tail_weight` the question and answer prefix, whose key and value words repeat the context's (they
-    teach copying)."""
+    into [B * T] with the token each must predict: the answer and EOS (weight 1), and with `tail_weight` the
+    question and answer prefix, whose key and value words repeat the context's (they teach copying)."""
 
-    def __init__(self, plan: list[tuple[int, list[tuple[str, int]]]], tail_weight: float = 0.0,
-                 lead_weight: float = 1.0):
+    def __init__(self, plan: list[tuple[int, list[tuple[str, int]]]], tail_weight: float = 0.0):
         self.plan = plan
         self.tail_weight = tail_weight
-        self.lead_weight = lead_weight
         self.tokenizer = None
 
     def __len__(self) -> int:
@@ -70,7 +60,6 @@ class MicroBatches(torch.utils.data.Dataset):
             self.tokenizer = build_probe_tokenizer()
         tok = self.tokenizer
         question_starts = set(tok.convert_tokens_to_ids(QUESTION_WORDS))
-        comma = tok.convert_tokens_to_ids(",")
         length, samples = self.plan[m]
         rows, spans = [], []
         for task, seed in samples:
@@ -82,7 +71,7 @@ class MicroBatches(torch.utils.data.Dataset):
             spans.append((tail, len(prompt)))
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-        positions, labels, answer, lead = [], [], [], []
+        positions, labels, answer = [], [], []
         for b, (row, (tail, answer_start)) in enumerate(zip(rows, spans)):
             input_ids[b, :len(row)] = torch.tensor(row)
             first = tail if self.tail_weight > 0 else answer_start
@@ -90,10 +79,8 @@ class MicroBatches(torch.utils.data.Dataset):
                 positions.append(b * width + t - 1)
                 labels.append(row[t])
                 answer.append(t >= answer_start)
-                lead.append(t == answer_start or (t > answer_start and row[t - 1] == comma))
         answer_t = torch.tensor(answer, dtype=torch.bool)
         weights = torch.where(answer_t, 1.0, self.tail_weight)
-        weights = torch.where(torch.tensor(lead, dtype=torch.bool), self.lead_weight, weights)
         return {"input_ids": input_ids, "positions": torch.tensor(positions), "labels": torch.tensor(labels),
                 "weights": weights, "answer": answer_t, "length": length, "tokens": sum(len(r) for r in rows)}
 
@@ -102,12 +89,12 @@ def _worker_init(_: int) -> None:
     torch.set_num_threads(1)
 
 
-def make_loader(plan, workers: int, pin: bool, tail_weight: float, lead_weight: float = 1.0):
+def make_loader(plan, workers: int, pin: bool, tail_weight: float):
     import multiprocessing
 
     extra = {}
     if workers:
         context = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
         extra = dict(prefetch_factor=4, worker_init_fn=_worker_init, multiprocessing_context=context)
-    return torch.utils.data.DataLoader(MicroBatches(plan, tail_weight, lead_weight), batch_size=None, shuffle=False,
-                                       num_workers=workers, pin_memory=pin, **extra)
+    return torch.utils.data.DataLoader(MicroBatches(plan, tail_weight), batch_size=None, shuffle=False, num_workers=workers,
+                                       pin_memory=pin, **extra)

@@ -134,18 +134,6 @@ def test_tail_targets_are_the_question_and_prefix_at_their_weight(probe_data):
     assert batch["answer"].sum() == 9  # seven digits, ".", EOS
 
 
-def test_lead_weight_marks_the_first_token_of_each_answer(probe_data):
-    import probe_tokenizer
-
-    batch = probe_data.MicroBatches([(512, [("niah_multiquery", 10**9 + 7)])], lead_weight=4.0)[0]
-    tok = probe_tokenizer.build_probe_tokenizer()
-    labels = batch["labels"].tolist()
-    leads = [i for i, w in enumerate(batch["weights"].tolist()) if w == 4.0]
-    comma = tok.convert_tokens_to_ids(",")
-    assert leads == [0] + [i + 1 for i, label in enumerate(labels) if label == comma]
-    assert len(leads) == 4 and (batch["weights"][[i for i in range(len(labels)) if i not in leads]] == 1).all()
-
-
 def test_time_limit_stops_early_and_still_saves(train_probe, tmp_path, capsys):
     out = tmp_path / "early"
     train_probe.main(["--out", str(out), "--steps", "100000", "--workers", "0", "--time-limit-min", "0.06", *TOY])
