@@ -164,6 +164,25 @@ def test_decode_bytes_and_params_by_hand():
     assert floors.decode_bytes(spec, 131072, 1, 2, weights) / 3.0e12 == pytest.approx(9.1e-3, rel=0.05)
 
 
+def test_budgeted_selection_counts_the_selected_blocks_and_bounds_by_hand():
+    _, spec = qwen3_4b_spec()  # 36 layers, 8 KV heads, head_dim 128
+    # 122,888 tokens in 1024-token blocks: 120 full blocks and 8 tokens in the unfinished one; 2 blocks kept
+    attended, selecting = floors.budgeted_selection(122888, 1024, 36, 2)
+    assert (attended, selecting) == (2 * 1024 + 8, 36)
+    # the first 4 layers attend all 120 blocks
+    attended, selecting = floors.budgeted_selection(122888, 1024, 36, 2, dense_layers=4)
+    assert selecting == 32 and attended == pytest.approx(8 + 1024 * (4 * 120 + 32 * 2) / 36)
+    # a budget or threshold covering every full block: nothing selects, the whole context is attended
+    assert floors.budgeted_selection(122888, 1024, 36, 120) == (122888, 0)
+    assert floors.budgeted_selection(122888, 1024, 36, 2, threshold_blocks=120) == (122888, 0)
+    assert floors.block_bounds_bytes(spec, 122888, 1024, 2, 36, 2) == 2 * 36 * 120 * 2 * 8 * 128 * 2
+    assert floors.block_bounds_bytes(spec, 122888, 1024, 2, 0, 2) == 0
+    kv = 122888 * 147456
+    density = 2056 / 122888
+    assert floors.decode_bytes(spec, 122888, 1, 2, 100, density, 7) == pytest.approx(100 + kv * density + 7)
+    assert floors.decode_bytes(spec, 122888, 1, 2, 100, density) < floors.decode_bytes(spec, 122888, 1, 2, 100) / 50
+
+
 def test_weight_bytes_counts_shared_once_and_can_skip_untied_embedding():
     torch.manual_seed(0)
     tied = torch.nn.ModuleDict({"embed": torch.nn.Embedding(10, 4), "head": torch.nn.Linear(4, 10, bias=False)})
@@ -197,6 +216,16 @@ def test_block_selecting_policy_is_held_to_the_bytes_it_loads(tmp_path, monkeypa
                           "policy.dense_layers=0", "task.context=320", "task.decode_steps=4")
     loaded, context_floor = record["decode_loaded_floor_ms"], record["decode_pcie_floor_ms"]
     assert 0 < loaded < context_floor / 4  # 2 of the 20 blocks per layer
+    # the HBM floor reads the same selection: 2 of the 20 full blocks plus the unfinished block's 2 tokens, and
+    # every full block's key bounds, besides the weights
+    assert record["decode_context"] == 322
+    assert record["decode_kv_density"] == pytest.approx((2 * 16 + 2) / 322)
+    spec = spec_from_model_config(record_cfg_model(record))
+    bounds = spec.num_hidden_layers * 20 * 2 * spec.num_key_value_heads * spec.head_dim * 4
+    assert record["decode_metadata_bytes_per_step"] == bounds
+    kv = (2 * 16 + 2) * record["kv_bytes_per_token"]
+    assert record["decode_bytes_per_step"] == pytest.approx(record["weight_bytes"] + kv + bounds)
+    assert record["decode_hbm_floor_ms"] == pytest.approx(record["decode_bytes_per_step"] / 1000e9 * 1e3)
     assert record["decode_floor_ms"] == pytest.approx(max(loaded, record["decode_hbm_floor_ms"]))
     assert record["decode_ratio"] == pytest.approx(record["decode_ms_per_token"] / record["decode_floor_ms"])
 

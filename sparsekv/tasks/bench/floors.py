@@ -4,8 +4,8 @@ Measured ceilings (CUDA only; each returns None on a CPU device): dense GEMM rat
 pinned host<->device copy bandwidth. Each is timed with CUDA events after a warm-up, on fresh random data
 (never zeros: some GPUs move and multiply zeros faster), and the median of several repeats is reported.
 
-Pure functions (no device, unit-tested on CPU): FLOPs of a prefill, bytes a decode step must read, KV bytes
-per token, bytes of a model's weights. A figure's floor is work / measured rate; a benchmark reports
+Pure functions (no device, unit-tested on CPU): FLOPs of a prefill, bytes a decode step must read (a
+block-selecting policy's selected KV and key bounds only), KV bytes per token, bytes of a model's weights. A figure's floor is work / measured rate; a benchmark reports
 achieved time / floor time (>= 1; 1 means at the physical limit).
 """
 from __future__ import annotations
@@ -89,10 +89,37 @@ def prefill_flops(spec, context: int, chunked: bool | int = False, batch: int = 
     return batch * (linear + attention)
 
 
-def decode_bytes(spec, context: int, batch: int, dtype_bytes: int | torch.dtype, weight_bytes: float) -> float:
+def decode_bytes(spec, context: int, batch: int, dtype_bytes: int | float | torch.dtype, weight_bytes: float,
+                 kv_density: float = 1.0, metadata_bytes: float = 0.0) -> float:
     """Bytes one decode step must read at least: the weights once, plus the KV of `context` tokens for each of
-    the `batch` sequences."""
-    return float(weight_bytes) + batch * context * kv_bytes_per_token(spec, dtype_bytes)
+    the `batch` sequences scaled by `kv_density` (the share of the context's KV a selecting policy attends), plus
+    the policy's per-step `metadata_bytes` (all sequences)."""
+    kv = batch * context * kv_bytes_per_token(spec, dtype_bytes) * kv_density
+    return float(weight_bytes) + kv + float(metadata_bytes)
+
+
+def budgeted_selection(context: int, block_size: int, num_layers: int, budget_blocks: int, dense_layers: int = 0,
+                       threshold_blocks: int = 0) -> tuple[float, int]:
+    """(KV tokens a sequence of `context` tokens attends per layer in one decode step, averaged over the layers;
+    the number of layers that select) under a budgeted block selection (common.BudgetedSelection, e.g. quest).
+    The unfinished block's tokens are always attended; of the full blocks before them a selecting layer attends
+    `budget_blocks`, the first `dense_layers` layers all. No layer selects when the full blocks number at most
+    the budget or `threshold_blocks`."""
+    full = (context - 1) // block_size  # the blocks before the one holding the token being computed
+    tail = context - full * block_size
+    selects = full > budget_blocks and full > threshold_blocks
+    selecting = max(0, num_layers - dense_layers) if selects else 0
+    attended = (num_layers - selecting) * full + selecting * budget_blocks
+    return tail + block_size * attended / num_layers, selecting
+
+
+def block_bounds_bytes(spec, context: int, block_size: int, batch: int, selecting_layers: int,
+                       dtype_bytes: int | torch.dtype = 2) -> float:
+    """Bytes of per-block key bounds a bounds-scoring selection (quest: a minimum and a maximum key per KV head
+    and channel) reads per decode step: every full block of every selecting layer, for each sequence."""
+    full = (context - 1) // block_size
+    per_block = 2 * spec.num_key_value_heads * spec.head_dim * _itemsize(dtype_bytes)
+    return float(batch * selecting_layers * full * per_block)
 
 
 def weight_bytes(model: nn.Module, skip_untied_embedding: bool = False) -> int:

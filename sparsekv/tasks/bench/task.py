@@ -11,7 +11,9 @@ and ratios are None.
 
 Floors:
   prefill      = prefill FLOPs (linear layers + causal attention) / measured dense GEMM rate
-  decode (HBM) = (weight bytes + KV bytes of the context) / measured HBM copy bandwidth, per step
+  decode (HBM) = (weight bytes + KV bytes attended + selection metadata) / measured HBM copy bandwidth, per step;
+               KV attended: the context's, or under a budgeted block selection (quest) its selected blocks' and the
+               unfinished block's (decode_kv_density of the context's), plus every full block's key bounds
   decode (PCIe, offload=cpu) = KV bytes loaded per step (as the store counted them; a block-selecting policy
                loads less than the context) / measured pinned H2D bandwidth; without counts, the context's KV bytes
 The decode ratio is held against the larger (binding) of the decode floors.
@@ -36,7 +38,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from sparsekv.tasks.common import enum_value, policy_warnings, print_warnings, run_identity
+from sparsekv.tasks.common import BudgetedSelection, enum_value, policy_warnings, print_warnings, run_identity
 
 from sparsekv.tasks.bench.summary import print_table, summarize
 
@@ -244,7 +246,17 @@ def run(cfg: DictConfig) -> dict:
     # PCIe floor of the whole KV over the ranks' summed H2D rate
     tp_size = figures["tensor_parallel_size"]
     gpu_spec = fl.per_gpu_spec(spec, tp_size)
-    dbytes = fl.decode_bytes(gpu_spec, decode_context, batch, dtype_bytes, wbytes)
+    # a budgeted block selection (quest) reads its selected blocks' KV and every full block's key bounds, not the
+    # whole context's KV (its selection's length is fixed, so the count is exact)
+    kv_density, selecting_layers, block = 1.0, 0, int(cfg.offload.block_size)
+    decode_policy = policy if policy.supports_decode else None
+    if isinstance(decode_policy, BudgetedSelection):
+        attended, selecting_layers = fl.budgeted_selection(
+            decode_context, block, spec.num_hidden_layers, decode_policy.budget_blocks(block),
+            decode_policy.dense_layers, decode_policy.threshold_blocks)
+        kv_density = attended / decode_context
+    metadata_bytes = fl.block_bounds_bytes(gpu_spec, decode_context, block, batch, selecting_layers, engine.dtype)
+    dbytes = fl.decode_bytes(gpu_spec, decode_context, batch, dtype_bytes, wbytes, kv_density, metadata_bytes)
     kv_context_bytes = batch * decode_context * fl.kv_bytes_per_token(spec, dtype_bytes)  # all ranks' KV heads
     floor = (lambda key: floors.get(key) if floors else None)
     matmul, hbm = floor("matmul_tflops"), floor("hbm_gbps")
@@ -291,6 +303,8 @@ def run(cfg: DictConfig) -> dict:
         "prefill_floor_s": prefill_floor_s,
         "prefill_ratio": _ratio(stats.prefill_seconds, prefill_floor_s),
         "decode_context": decode_context,
+        "decode_kv_density": kv_density,  # share of the context's KV a step attends (HBM floor)
+        "decode_metadata_bytes_per_step": metadata_bytes,  # a selection's key bounds read per step (HBM floor)
         "decode_bytes_per_step": dbytes,
         "decode_gbps": dbytes / decode_median_s / 1e9 if decode_median_s else None,
         "decode_hbm_floor_ms": ms(decode_hbm_floor_s),
