@@ -145,6 +145,21 @@ def _attn_block_loop(
 
 
 @jit
+def causal_key_bounds(start_m, Sq, Sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """For the query rows [start_m, start_m + BLOCK_M) (bottom-right causal alignment): keys [0, full_hi) are
+    visible to every row and need no mask (full_hi a multiple of BLOCK_N), keys [full_hi, hi) are partly visible,
+    keys >= hi to none. Returns (causal_off = Sk - Sq, full_hi, hi)."""
+    causal_off = Sk - Sq
+    if IS_CAUSAL:
+        hi = tl.maximum(tl.minimum(Sk, start_m + BLOCK_M + causal_off), 0)
+        full_hi = tl.maximum(tl.minimum(Sk, start_m + causal_off + 1), 0)
+    else:
+        hi = Sk
+        full_hi = Sk
+    return causal_off, (full_hi // BLOCK_N) * BLOCK_N, hi
+
+
+@jit
 def _flash_fwd_kernel(
     Q, K, V, O, LSE,
     stride_qm, stride_qh, stride_qd,
@@ -180,16 +195,7 @@ def _flash_fwd_kernel(
         v_ptrs = V + kv_head.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn \
             + offs_d[None, :] * stride_vd
 
-    # Keys [0, full_hi) are visible to every row of this block and need no mask;
-    # keys [full_hi, hi) are partly visible; keys >= hi are invisible and skipped.
-    causal_off = Sk - Sq
-    if IS_CAUSAL:
-        hi = tl.maximum(tl.minimum(Sk, start_m + BLOCK_M + causal_off), 0)
-        full_hi = tl.maximum(tl.minimum(Sk, start_m + causal_off + 1), 0)
-    else:
-        hi = Sk
-        full_hi = Sk
-    full_hi = (full_hi // BLOCK_N) * BLOCK_N
+    causal_off, full_hi, hi = causal_key_bounds(start_m, Sq, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -27,6 +27,7 @@ from .attention import (
     SUPPORTED_HEAD_DIMS, _empty_result, check_qkv, flash_attn_with_lse, online_softmax_step,
 )
 from .merge import merge_attention_outputs
+from .fp8_kv import check_fp8_kv, dequantize_kv
 from .paged_attention import MIN_GROUP_ROWS, merge_splits
 
 if TYPE_CHECKING:
@@ -248,10 +249,12 @@ class DecodePartials:
         if k.shape[0] == 0:
             return
         if scales is not None:
-            _check_scales(self.q, k, v, scales, length)
+            if length is not None:
+                raise ValueError("DecodePartials.add: fp8 k/v with scales take no length (whole blocks only)")
+            check_fp8_kv(self.q, k, v, scales, caller="DecodePartials.add")
         if not self.triton:
             if scales is not None:  # the reference dequantizes explicitly
-                k, v = (_dequantize(x, s, self.q.dtype) for x, s in zip((k, v), scales))
+                k, v = (dequantize_kv(x, s, self.q.dtype) for x, s in zip((k, v), scales))
             if length is not None:  # the reference path: a host sync is fine here
                 n = int(length.reshape(-1)[0])
                 k, v = k[:n], v[:n]
@@ -290,33 +293,6 @@ class DecodePartials:
 
     def _release(self) -> None:
         _WORKSPACES[self.key] = (self.o_part, self.lse_part)
-
-
-def _check_scales(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor],
-                  length: torch.Tensor | None) -> None:
-    """check_qkv's checks for fp8 k/v with their scales."""
-    k_scale, v_scale = scales
-    if k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"expected q [Sq, H, D], k/v [Sk, KVH, D] with H a multiple of KVH; got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if not (q.device == k.device == v.device == k_scale.device == v_scale.device):
-        raise ValueError(f"DecodePartials.add: q, k, v and scales on different devices: {q.device}, {k.device}, "
-                         f"{k_scale.device}")
-    nb = k_scale.shape[0] if k_scale.dim() == 2 else 0
-    if k.dtype != torch.float8_e4m3fn or v.dtype != k.dtype or length is not None:
-        raise ValueError(f"DecodePartials.add: scales need float8_e4m3fn k/v and no length; got {k.dtype}, {v.dtype}")
-    if (k_scale.shape != (nb, k.shape[1]) or v_scale.shape != k_scale.shape or v_scale.stride() != k_scale.stride()
-            or k_scale.dtype != torch.float32 or v_scale.dtype != torch.float32 or k_scale.stride(1) != 1
-            or nb == 0 or k.shape[0] % nb):
-        raise ValueError(f"DecodePartials.add: expected k_scale/v_scale [nb, {k.shape[1]}] float32 (same strides, "
-                         f"unit last stride) with nb dividing Sk={k.shape[0]}; got {tuple(k_scale.shape)} "
-                         f"{k_scale.dtype} and {tuple(v_scale.shape)} {v_scale.dtype}")
-
-
-def _dequantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp8 x [nb * bs, KVH, D] with scale [nb, KVH] -> dtype (the reference of the kernel's dequantize-on-load)."""
-    nb = scale.shape[0]
-    return (x.float().unflatten(0, (nb, -1)) * scale[:, None, :, None]).flatten(0, 1).to(dtype)
 
 
 # DecodePartials' split buffers, reused call after call (a decode step makes one per layer and sequence): keyed by

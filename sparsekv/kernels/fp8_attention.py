@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._dispatch import alloc_output, cdiv, default_kernels, exact_dot, jit, tl
-from .attention import (DECODE_MAX_SQ, LOG2E, SUPPORTED_HEAD_DIMS, _empty_result, dense_tile_config,
-                        flash_attn_with_lse, flash_attn_with_lse_reference)
-from .fp8_kv import FP8_DTYPE
+from .attention import (DECODE_MAX_SQ, LOG2E, SUPPORTED_HEAD_DIMS, _empty_result, causal_key_bounds,
+                        dense_tile_config, flash_attn_with_lse, flash_attn_with_lse_reference)
+from .fp8_kv import FP8_DTYPE, check_fp8_kv, dequantize_kv
 
 if TYPE_CHECKING:
     from .backend import KernelChoice
@@ -93,15 +93,7 @@ def _flash_fwd_fp8_kernel(
     k_ptrs = K + kv_head.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = V + kv_head.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
 
-    # keys [0, full_hi) are visible to every row of this block; [full_hi, hi) partly; keys >= hi to none
-    causal_off = Sk - Sq
-    if IS_CAUSAL:
-        hi = tl.maximum(tl.minimum(Sk, start_m + BLOCK_M + causal_off), 0)
-        full_hi = tl.maximum(tl.minimum(Sk, start_m + causal_off + 1), 0)
-    else:
-        hi = Sk
-        full_hi = Sk
-    full_hi = (full_hi // BLOCK_N) * BLOCK_N
+    causal_off, full_hi, hi = causal_key_bounds(start_m, Sq, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -122,37 +114,6 @@ def _flash_fwd_fp8_kernel(
     tl.store(O + head.to(tl.int64) * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od,
              out.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + head.to(tl.int64) * stride_lh + offs_m * stride_lm, lse, mask=row_ok)
-
-
-def check_fp8_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: Scales) -> int:
-    """Shape, dtype and device checks of an fp8 attention call: q [Sq, H, D] (a float dtype of >= 16 bits), k/v
-    [Sk, KVH, D] float8_e4m3fn, scales (k_scale, v_scale) [nb, KVH] float32 with the same strides and nb dividing
-    Sk. Returns the block size Sk / nb."""
-    k_scale, v_scale = scales
-    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2] or k.shape[1] == 0 \
-            or q.shape[1] % k.shape[1]:
-        raise ValueError(f"fp8 attention: expected q [Sq, H, D], k/v [Sk, KVH, D] with H a multiple of KVH; got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.dtype != FP8_DTYPE or v.dtype != FP8_DTYPE or not q.dtype.is_floating_point or q.element_size() < 2:
-        raise ValueError(f"fp8 attention: expected k/v {FP8_DTYPE} and q of a float dtype of 16 bits or more; got "
-                         f"q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if not (q.device == k.device == v.device == k_scale.device == v_scale.device):
-        raise ValueError(f"fp8 attention: q, k, v and scales on different devices: {q.device}, {k.device}, "
-                         f"{v.device}, {k_scale.device}, {v_scale.device}")
-    nb = k_scale.shape[0] if k_scale.dim() == 2 else 0
-    if (k_scale.shape != (nb, k.shape[1]) or v_scale.shape != k_scale.shape or v_scale.stride() != k_scale.stride()
-            or k_scale.dtype != torch.float32 or v_scale.dtype != torch.float32 or k_scale.stride(1) != 1
-            or nb == 0 or k.shape[0] % nb):
-        raise ValueError(f"fp8 attention: expected k_scale/v_scale [nb, {k.shape[1]}] float32 (same strides, unit "
-                         f"last stride) with nb dividing Sk={k.shape[0]}; got {tuple(k_scale.shape)} {k_scale.dtype} "
-                         f"and {tuple(v_scale.shape)} {v_scale.dtype}")
-    return k.shape[0] // nb
-
-
-def dequantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp8 x [nb * bs, KVH, D] with scale [nb, KVH] -> x * scale per block and head, in `dtype` (torch)."""
-    nb = scale.shape[0]
-    return (x.float().unflatten(0, (nb, -1)) * scale[:, None, :, None]).flatten(0, 1).to(dtype)
 
 
 def flash_attn_fp8_with_lse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: Scales,

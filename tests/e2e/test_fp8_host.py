@@ -18,10 +18,10 @@ LAYOUT = ["offload=cpu", "offload.host_pool_gib=0.05", "offload.block_size=16", 
           "offload.prefill_chunk_size=16"]
 
 
-def _generate(ckpt, host_dtype: str, prompt: list[int],
-              run: list[str] = CPU) -> tuple[LLM, list[int], list[torch.Tensor]]:
+def _generate(ckpt, host_dtype: str, prompt: list[int], run: list[str] = CPU, layout: list[str] = LAYOUT,
+              params: SamplingParams = GREEDY) -> tuple[LLM, list[int], list[torch.Tensor]]:
     """Greedy tokens of one prompt (`run`: device, dtype, policy) and the logits each step sampled from."""
-    llm = LLM(str(ckpt), overrides=[*run, *LAYOUT, f"offload.host_dtype={host_dtype}"])
+    llm = LLM(str(ckpt), overrides=[*run, *layout, f"offload.host_dtype={host_dtype}"])
     sampler, logits = llm.engine.runner.sampler, []
     sample = sampler.sample
 
@@ -30,7 +30,7 @@ def _generate(ckpt, host_dtype: str, prompt: list[int],
         return sample(step_logits, *args, **kwargs)
 
     sampler.sample = recording
-    tokens = llm.generate([prompt], GREEDY)[0].token_ids
+    tokens = llm.generate([prompt], params)[0].token_ids
     return llm, tokens, logits
 
 
@@ -106,24 +106,15 @@ def test_fp8_prefill_dequantizes_on_load(qwen3_ckpt, backend, request, monkeypat
 
     counted(host_quant, "dequantize_blocks", "dequantize")
     counted(fp8_attention, "_launch_fp8", "fp8_prefill_kernel")
-    layout = [*CPU, "offload=cpu", "offload.host_pool_gib=0.05", "offload.block_size=16", "offload.num_gpu_blocks=4",
-              "offload.prefill_chunk_size=32", "offload.host_dtype=float8_e4m3fn"]
-    prompt, greedy = PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    layout = ["offload=cpu", "offload.host_pool_gib=0.05", "offload.block_size=16", "offload.num_gpu_blocks=4",
+              "offload.prefill_chunk_size=32"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     runs = {}
     for path in ("on_load", "dequantize_first"):
         if path == "dequantize_first":
             monkeypatch.setattr(SparsePolicy, "compute_chunked_prefill", _dequantize_then_attend)
-        llm = LLM(str(qwen3_ckpt), overrides=layout)
-        sampler, logits = llm.engine.runner.sampler, []
-        sample = sampler.sample
-
-        def recording(step_logits, *args, **kwargs):
-            logits.append(step_logits[0].clone())
-            return sample(step_logits, *args, **kwargs)
-
-        sampler.sample = recording
-        calls.update(dequantize=0, fp8_prefill_kernel=0)
-        tokens = llm.generate([prompt], greedy)[0].token_ids
+        calls.update(dequantize=0, fp8_prefill_kernel=0)  # building the engine on CPU runs no prefill
+        _, tokens, logits = _generate(qwen3_ckpt, "float8_e4m3fn", PROMPTS[0], layout=layout, params=greedy)
         runs[path] = (tokens, logits, dict(calls))
     (got, got_logits, got_calls), (want, want_logits, want_calls) = runs["on_load"], runs["dequantize_first"]
     assert got_calls["dequantize"] == 0 and want_calls["dequantize"] > 0  # the counter sees the old path's launches
