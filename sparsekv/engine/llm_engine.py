@@ -251,6 +251,14 @@ class LLMEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
+        self.reset_figures()
+        self.startup["warmup_seconds"] = seconds
+        self.startup["warmup_capture_seconds"] = float(self.graph_stats.get("capture_seconds", 0.0)) - captured
+        return seconds
+
+    def reset_figures(self) -> None:
+        """Zero the run's figures: timings, the policy's density, graph replay counts and the store's transfer
+        counters (so what follows, a request or a task's cell, is measured on its own)."""
         self.stats = RunStats()
         self.policy.reset_density()
         graph = self.runner.graph_runner
@@ -259,9 +267,6 @@ class LLMEngine:
         transfers = self.kv_store.transfer_stats  # the store's own counters (an empty dict for a resident store)
         for key in transfers:
             transfers[key] = 0
-        self.startup["warmup_seconds"] = seconds
-        self.startup["warmup_capture_seconds"] = float(self.graph_stats.get("capture_seconds", 0.0)) - captured
-        return seconds
 
     def summary(self) -> dict[str, float]:
         """The run's figures in three parts: start-up (weights, KV allocation), compile (kernels: the warm-up less

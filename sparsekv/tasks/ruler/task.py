@@ -135,7 +135,6 @@ def length_summary(cells: list[dict[str, Any]], length: int) -> dict[str, Any]:
 
 
 def run(cfg: DictConfig) -> dict:
-    from sparsekv.engine.llm_engine import RunStats
     from sparsekv.llm import LLM
     from sparsekv.progress import bar
     from sparsekv.tasks.common import write_record
@@ -160,8 +159,7 @@ def run(cfg: DictConfig) -> dict:
     total = sum(len(group) for group in samples.values())
     with bar(total, "ruler", "sample", bool(task.progress)) as progress:
         for (name, length), group in samples.items():
-            engine.stats = RunStats()
-            policy.reset_density()
+            engine.reset_figures()
             outputs, wall = run_cell(llm, group, int(task.batch_size), progress)
             scores = [float(score_output(s, o.text)) for s, o in zip(group, outputs)]
             density = cell_density(policy, block_size, num_layers,
