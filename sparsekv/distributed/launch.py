@@ -32,7 +32,6 @@ from typing import Any, Callable
 
 import torch
 
-from sparsekv.distributed.allreduce import resolve_all_reduce
 from sparsekv.distributed.state import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -94,8 +93,7 @@ def init_group(rank: int, size: int, local_rank: int, device_type: str, init_met
         kwargs["device_id"] = torch.device("cuda", local_rank)
     dist.init_process_group(backend_for(device_type), init_method=init_method, rank=rank, world_size=size, **kwargs)
     commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
-    tp = TensorParallel(rank=rank, size=size, group=dist.group.WORLD, local_rank=local_rank, control=commands,
-                        reduce=resolve_all_reduce(dist.group.WORLD, device_type))
+    tp = TensorParallel(rank=rank, size=size, group=dist.group.WORLD, local_rank=local_rank, control=commands)
     probe = torch.ones(1, device=torch.device("cuda", local_rank) if device_type == "cuda" else "cpu")
     tp.all_reduce(probe)
     if int(probe.item()) != size:
