@@ -1,7 +1,6 @@
 """The engine loop: validate requests, schedule, run, detokenize, and keep the run's figures."""
 from __future__ import annotations
 
-import logging
 import resource
 import time
 from dataclasses import dataclass, field
@@ -13,13 +12,11 @@ from sparsekv.engine.model_runner import ModelRunner
 from sparsekv.engine.overlap import OverlappedDecoder
 from sparsekv.engine.scheduler import ScheduledBatch, Scheduler
 from sparsekv.engine.sequence import Sequence
-from sparsekv.kernels.compile_ahead import compile_ahead_supported, compile_only
 from sparsekv.kvcache.base import format_bytes
 from sparsekv.models.spec import ModelSpec
 from sparsekv.sampling_params import SamplingParams
 
 GIB = 1 << 30
-log = logging.getLogger(__name__)
 WARMUP_PROMPT_TOKENS = 19  # neither 1 nor a multiple of 16: the Triton specializations of a typical prompt length
 
 
@@ -246,8 +243,6 @@ class LLMEngine:
         captured = float(self.graph_stats.get("capture_seconds", 0.0))
         start = time.perf_counter()
         prompt = [1 + i % (self.spec.vocab_size - 1) for i in range(num_tokens)]
-        if self.device.type == "cuda" and compile_ahead_supported():
-            self._compile_ahead(prompt)
         self.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         # and a sampled one: top-k / top-p / multinomial kernels load lazily on first use, which a CLI run
         # (sampled by default) would otherwise pay inside its prefill figure
@@ -260,21 +255,6 @@ class LLMEngine:
         self.startup["warmup_seconds"] = seconds
         self.startup["warmup_capture_seconds"] = float(self.graph_stats.get("capture_seconds", 0.0)) - captured
         return seconds
-
-    def _compile_ahead(self, prompt: list[int]) -> None:
-        """The warm-up's greedy request once with every Triton launch turned into a parallel compile
-        (kernels/compile_ahead.py) and no graph capture: its outputs are garbage and are dropped; what it leaves is
-        the compiled kernels. Best effort: whatever it misses compiles at its first real launch."""
-        graph, self.runner.graph_runner = self.runner.graph_runner, None  # nothing is captured from a no-op pass
-        try:
-            with compile_only():
-                self.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-        except Exception as exc:  # garbage values may trip a check; the real warm-up follows either way
-            log.debug("compile-ahead pass stopped early: %s", exc)
-        finally:
-            self.runner.graph_runner = graph
-            for seq in [*self.scheduler.waiting, *self.scheduler.running]:
-                self.abort(seq)
 
     def reset_figures(self) -> None:
         """Zero the run's figures: timings, the policy's density, graph replay counts and the store's transfer
