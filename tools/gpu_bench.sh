@@ -25,6 +25,10 @@
 #   capacity_fp8    the longest context the default host pool holds with the fp8 host tier (about 1.5M tokens
 #                   of Qwen3-4B on a 125 GiB host: prefill ~25 min, over a 10-minute limit; CAPACITY_CAP=868352
 #                   fits one)                                                                                  ~27 min
+#   ruler_policies  model=probe, task=ruler at 4K / 16K / 32K (RULER_LENGTHS), RULER_SAMPLES (10) prompts per task
+#                   and length, offload none and cpu (RULER_OFFLOADS): full, quest at 1K / 2K / 4K tokens with the
+#                   default 2 dense layers and with every layer selecting, streaming_llm (the plugin in plugins/) at
+#                   2K tokens, minference, minference_band, xattn_bsa, xattn_bsa_090; then task=report over them ~12 min
 #   tp              2 GPUs: TP=1 beside TP=2 per model of TP_MODELS (default "qwen3_8b llama3_8b", dummy weights):
 #                   resident decode at 4K, offloaded full decode at 128K (no GPU block cache: every step loads
 #                   the KV over PCIe), 32K resident prefill; 6 runs, ~5 min per model (at most 45+85+40 s a pair)
@@ -258,6 +262,33 @@ print(min(${CAPACITY_CAP:-4194304}, (pool_tokens - 16384) // 16384 * 16384))")
         task.decode_steps=16
 }
 
+section_ruler_policies() {  # the policies judged on the probe: accuracy per task, density, prefill and decode time
+    local lengths="${RULER_LENGTHS:-[4096,16384,32768]}" samples="${RULER_SAMPLES:-10}" off row args
+    # the streaming_llm plugin of plugins/, installed into a scratch site (its entry point is read from sys.path)
+    local site="$OUT/plugin-site" src="$OUT/plugin-src"
+    rm -rf "$site" "$src" && cp -r "$TOOLS/../plugins/sparsekv-streamingllm" "$src"
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$site" "$src" \
+        || echo "streaming_llm plugin did not install: its rows will fail" | tee -a "$OUT/status.log"
+    local ROWS=("full|policy=full")
+    for budget in 1024 2048 4096; do
+        ROWS+=("quest-$budget|policy=quest policy.token_budget=$budget"
+               "quest-$budget-all-layers|policy=quest policy.token_budget=$budget policy.dense_layers=0")
+    done
+    ROWS+=("streaming_llm-2048|policy=streaming_llm policy.sink_blocks=1 policy.recent_blocks=7"
+           "minference|policy=minference" "minference_band|policy=minference_band"
+           "xattn_bsa|policy=xattn_bsa" "xattn_bsa_090|policy=xattn_bsa_090")
+    for off in ${RULER_OFFLOADS:-none cpu}; do
+        for row in "${ROWS[@]}"; do
+            read -ra args <<< "${row#*|}"
+            PYTHONPATH="$site:$PYTHONPATH" EXTRA=task.progress=false BENCH_TIMEOUT="${RULER_TIMEOUT:-120}" \
+                run_task ruler_policies "${row%%|*}-$off" ruler model=probe offload="$off" "${args[@]}" \
+                "task.lengths=$lengths" task.samples="$samples" task.batch_size="$samples"
+        done
+    done
+    python3 -m sparsekv task=report task.dir="$RECORDS/ruler_policies" hydra.run.dir="$OUT/report-hydra" \
+        > "$OUT/ruler_policies_report.log" 2>&1 || tail -n 20 "$OUT/ruler_policies_report.log"
+}
+
 section_tp() {  # tensor parallelism over 2 GPUs; each TP=2 row is compared with the TP=1 row of the same shape
     local steps="${DECODE_STEPS:-16}" model tp ref
     for model in ${TP_MODELS:-qwen3_8b llama3_8b}; do
@@ -280,7 +311,7 @@ section_summary() {
 }
 
 SECTIONS="info tests decode offload quest prefill sparse_prefill quality memory capacity"
-SECTIONS="$SECTIONS hierarchy hierarchy_512k hierarchy_batch capacity_fp8 tp summary"
+SECTIONS="$SECTIONS hierarchy hierarchy_512k hierarchy_batch capacity_fp8 ruler_policies tp summary"
 [ $# -gt 0 ] || set -- info decode offload quest prefill sparse_prefill memory summary
 for SECTION in "$@"; do
     case " $SECTIONS " in
