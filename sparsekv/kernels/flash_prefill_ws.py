@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ._dispatch import INTERPRET, cdiv, exact_dot, jit, tl
+from .tma import TensorDescriptor, ensure_device_descriptor_allocator, use_tma
 
 __all__ = ["launch_flash_fwd_ws", "ws_supported"]
 
@@ -129,8 +130,6 @@ def ws_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
     """Whether launch_flash_fwd_ws can run this call: a positive scale, TMA-compatible K/V (tma.use_tma), q and o
     with heads * D contiguous rows, and on a GPU 16-bit inputs on sm_90 (the pass is Hopper's; the interpreter runs
     any dtype)."""
-    from .tma import use_tma
-
     if scale <= 0 or not use_tma(q, k, v, o) or q.stride(1) != q.shape[2] or o.stride(1) != o.shape[2]:
         return False
     if INTERPRET:
@@ -145,8 +144,6 @@ def launch_flash_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: to
     softmax scale times log2(e); config = (BLOCK_M, BLOCK_N, num_warps, num_stages), num_warps = 4 for the
     warp-specialized form (the pass adds the producer warp group and splits BLOCK_M over two consumers).
     persistent: one program per SM (3 under the interpreter) walking the tiles heavy-first."""
-    from .tma import TensorDescriptor, ensure_device_descriptor_allocator
-
     Sq, H, D = q.shape
     Sk, KVH, _ = k.shape
     block_m, block_n, warps, stages = config

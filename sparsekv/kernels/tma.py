@@ -40,13 +40,17 @@ def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-_ALLOCATOR_SET = False
-
-
 def ensure_device_descriptor_allocator() -> None:
-    """Give Triton a torch-backed allocator for the global scratch of device-side descriptors (once per process;
-    the interpreter needs none)."""
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET and not INTERPRET:
-        triton.set_allocator(_torch_scratch)
-        _ALLOCATOR_SET = True
+    """Give Triton a torch-backed allocator for the global scratch of device-side descriptors where none is set.
+    Triton keeps the allocator in a ContextVar (per thread), so this runs before every such launch; the
+    interpreter needs none."""
+    if INTERPRET:
+        return
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except (ImportError, AttributeError):  # another Triton layout: set ours every time
+        pass
+    triton.set_allocator(_torch_scratch)
