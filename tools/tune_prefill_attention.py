@@ -12,9 +12,10 @@ Every candidate (kernel x program order x tile config) runs at 32K causal first.
 then time the fastest --finalists of them, the current default (PrefillVariant() on dense_tile_config) and the
 references: SDPA's flash kernel (torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION), K/V repeated to H
 heads outside the timing) and cuDNN's where torch has it. Each candidate's o and lse are compared with SDPA's
-(max abs error), and on causal shapes a small bottom-right call (1008 queries, 2048 keys) with the fp32
-reference (max abs error over max |o|); a candidate over --max-err is marked FAIL and cannot win. Times are triton.testing.do_bench
-medians (it clears L2 between calls); the 128K shape gets a short --rep-ms-long since one call takes ~0.25 s.
+(max abs error, --max-err), and on causal shapes a small bottom-right call (1008 queries, 2048 keys) with the
+fp32 reference (max abs error over max |o|, SMALL_MAX_REL_ERR); a candidate over either is marked FAIL and cannot
+win. Times are triton.testing.do_bench medians (it clears L2 between calls); the 128K shape gets a short
+--rep-ms-long since one call takes ~0.25 s.
 
 Output: a table per shape, the winner per shape, and a PREFILL_VARIANTS_SM90 line with its comment to paste into
 sparsekv/kernels/attention.py (the candidate with the best geometric mean over the causal shapes). --out writes
