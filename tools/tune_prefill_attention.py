@@ -1,6 +1,6 @@
 """Time the dense prefill attention's variants (sparsekv.kernels.attention.PrefillVariant) beside torch SDPA.
 
-    python3 tools/tune_prefill_attention.py --out prefill_tune.json   # H100/H200: about 3-4 minutes
+    python3 tools/tune_prefill_attention.py --out prefill_tune.json   # H100/H200: about 2-3 minutes (4.5 at most)
     python3 tools/tune_prefill_attention.py --quick                   # fewer candidates, no 128K shape
     TRITON_INTERPRET=1 python3 tools/tune_prefill_attention.py --dry-run   # CPU, tiny sizes: checks the script
 
@@ -290,7 +290,7 @@ def main() -> None:
     ap.add_argument("--rep-ms-long", type=float, default=600.0, help="do_bench rep for the 128K shape")
     ap.add_argument("--max-err", type=float, default=2e-2, help="max |o - o_sdpa| of a correct candidate")
     ap.add_argument("--budget-s", type=float, default=270.0, help="skip what is left after this many seconds")
-    ap.add_argument("--candidate-timeout", type=float, default=120.0)
+    ap.add_argument("--candidate-timeout", type=float, default=60.0, help="watchdog: exit 3 past it")
     args = ap.parse_args()
     if args.dry_run:
         args.heads, args.kv_heads, args.head_dim = 4, 2, 32
