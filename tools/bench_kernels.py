@@ -25,6 +25,7 @@ from sparsekv.kernels import attention as A
 from sparsekv.kernels import decode_attention as DA
 from sparsekv.kernels import paged_attention as P
 from sparsekv.kernels._dispatch import cdiv, has_flash_attn
+from sparsekv.kernels.external_attention import flash_attn_package, torch_fused_attention
 
 
 def _bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
@@ -49,11 +50,11 @@ def bench_attention(sq: int, sk: int, causal: bool, h: int = 32, kvh: int = 8, d
     flops = 4.0 * pairs * h * d
     impls = {"triton": functools.partial(A._flash_attn_triton, pdl=False)}
     if not causal or sq == sk:
-        impls["sdpa"] = functools.partial(A._torch_fused_attention, backend="sdpa")
+        impls["sdpa"] = functools.partial(torch_fused_attention, backend="sdpa")
         if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
-            impls["cudnn"] = functools.partial(A._torch_fused_attention, backend="cudnn")
+            impls["cudnn"] = functools.partial(torch_fused_attention, backend="cudnn")
     if has_flash_attn():
-        impls["flash_attn"] = A._flash_attn_package
+        impls["flash_attn"] = flash_attn_package
     res = {}
     for name, fn in impls.items():
         ms = _bench_ms(lambda: fn(q, k, v, scale, causal))

@@ -7,6 +7,7 @@ Rows that see no key give o = 0 and lse = -inf, so partial results merge exactly
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -14,6 +15,10 @@ from typing import TYPE_CHECKING
 
 from ._dispatch import (INTERPRET, alloc_output, attention_backend, cdiv, default_kernels, exact_dot, jit,
                         tl)
+from .attention_checks import check_qkv
+from .external_attention import flash_attn_package, torch_fused_attention
+from .flash_prefill_ws import launch_flash_fwd_ws, program_tile, ws_supported
+from .tma import TensorDescriptor, use_tma  # noqa: F401 - TensorDescriptor: re-exported for the sparse kernels
 
 if TYPE_CHECKING:
     from .backend import KernelChoice
@@ -44,16 +49,30 @@ GPU_CONFIGS_FP32: dict[int, tuple[int, int, int, int]] = {
     256: (32, 32, 4, 2),
 }
 INTERPRET_CONFIG = (16, 16, 4, 1)  # small blocks keep the CPU interpreter fast
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillVariant:
+    """Which dense prefill kernel runs, and how. kernel: 'dense' (_flash_fwd_kernel) or 'ws' (flash_prefill_ws:
+    Hopper warp specialization; calls it cannot run fall back to 'dense'); heavy_first: program order (see
+    flash_prefill_ws.program_tile); persistent ('ws' only): one program per SM walking the tiles heavy-first;
+    config: (BLOCK_M, BLOCK_N, num_warps, num_stages), None = dense_tile_config for 'dense', WS_CONFIG for 'ws'."""
+
+    kernel: str = "dense"
+    heavy_first: bool = False
+    persistent: bool = False
+    config: tuple[int, int, int, int] | None = None
+
+
+WS_CONFIG = (128, 128, 4, 2)  # 4 warps: the pass adds a producer warp group and splits BLOCK_M over two consumers
+# 16-bit inputs on sm_90, per head dim; a head dim not listed runs PrefillVariant(). Filled from the "paste" lines of
+# tools/tune_prefill_attention.py (its comment names the run and the TFLOP/s that chose it).
+PREFILL_VARIANTS_SM90: dict[int, PrefillVariant] = {}
 SUPPORTED_HEAD_DIMS = tuple(GPU_CONFIGS)
 
 # _flash_fwd_kernel scales the scores inside the exp2 argument (one FMA per score; needs softmax_scale > 0) and, on
-# sm_90+ with TMA-compatible layouts, moves q/k/v/o through host-side TMA descriptors ([S, heads * D] views); a call
-# that cannot use either runs the plain code for it (see _launch_flash_fwd).
-try:  # host-side TMA descriptors (Triton >= 3.3)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - old or absent triton
-    TensorDescriptor = None
-
+# sm_90+ with TMA-compatible layouts, moves q/k/v/o through host-side TMA descriptors ([S, heads * D] views, see
+# tma.py); a call that cannot use either runs the plain code for it (see _launch_flash_fwd).
 # Calls with at most this many query rows (decode: 1) run the flash-decoding kernel of decode_attention.py, which
 # splits the keys over many programs and reads each K/V tile once per GQA group, instead of _flash_fwd_kernel's
 # ceil(Sq / BLOCK_M) * H programs that each walk all keys.
@@ -167,14 +186,13 @@ def _flash_fwd_kernel(
     stride_vn, stride_vh, stride_vd,
     stride_om, stride_oh, stride_od,
     stride_lh, stride_lm,
-    Sq, Sk, qk_scale,
+    Sq, Sk, qk_scale, num_heads,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    FUSED_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
+    FUSED_SCALE: tl.constexpr, USE_TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
-    # With USE_TMA, Q/K/V/O are TMA descriptors of [S, heads * D] views.
-    pid_m = tl.program_id(0)
-    head = tl.program_id(1)
+    # With USE_TMA, Q/K/V/O are TMA descriptors of [S, heads * D] views. Grid: see program_tile.
+    pid_m, head = program_tile(tl.cdiv(Sq, BLOCK_M), num_heads, IS_CAUSAL, HEAVY_FIRST)
     kv_head = head // GROUP
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -221,22 +239,6 @@ def _flash_fwd_kernel(
     tl.store(LSE + head.to(tl.int64) * stride_lh + offs_m * stride_lm, lse, mask=row_ok)
 
 
-def _tma_view_ok(t: torch.Tensor) -> bool:
-    """Whether [S, heads, D] tensor t can be read as a TMA [S, heads * D] view: heads and D contiguous, 16-byte
-    aligned base and row stride."""
-    es = t.element_size()
-    return (t.stride(2) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2])
-            and t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0 and (t.shape[2] * es) % 16 == 0)
-
-
-def use_tma(q, k, v, o) -> bool:
-    """Whether the dense kernel can move q/k/v/o through TMA descriptors: triton.tools.tensor_descriptor, sm_90+
-    (or the interpreter) and TMA-compatible layouts."""
-    dev_ok = INTERPRET or (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9)
-    return (TensorDescriptor is not None and dev_ok and o.dtype == q.dtype
-            and all(_tma_view_ok(t) for t in (q, k, v, o)))
-
-
 def effective_attn_variants(q, k, v, o, scale: float, variants: dict[str, bool] | None = None) -> dict[str, bool]:
     """The per-tile code paths a call can use, for kernels that share _attn_block_step
     (sparsekv.kernels.block_sparse_attention): FUSED_SCALE where scale > 0, USE_TMA where :func:`use_tma`; either
@@ -246,9 +248,10 @@ def effective_attn_variants(q, k, v, o, scale: float, variants: dict[str, bool] 
             "USE_TMA": bool(wanted["USE_TMA"]) and use_tma(q, k, v, o)}
 
 
-def _launch_flash_fwd(q, k, v, o, lse, scale: float, causal: bool, config: tuple[int, int, int, int]) -> None:
+def _launch_flash_fwd(q, k, v, o, lse, scale: float, causal: bool, config: tuple[int, int, int, int],
+                      heavy_first: bool = False) -> None:
     """Run _flash_fwd_kernel into o [Sq, H, D] and lse [H, Sq]; config = (BLOCK_M, BLOCK_N, num_warps,
-    num_stages)."""
+    num_stages); heavy_first: program order of program_tile."""
     Sq, H, D = q.shape
     Sk, KVH, _ = k.shape
     block_m, block_n, warps, stages = config
@@ -259,35 +262,28 @@ def _launch_flash_fwd(q, k, v, o, lse, scale: float, causal: bool, config: tuple
             for t, rows in ((q, block_m), (k, block_n), (v, block_n), (o, block_m)))
     else:
         qa, ka, va, oa = q, k, v, o
-    _flash_fwd_kernel[(cdiv(Sq, block_m), H)](
+    grid = (cdiv(Sq, block_m) * H,) if heavy_first else (cdiv(Sq, block_m), H)
+    _flash_fwd_kernel[grid](
         qa, ka, va, oa, lse,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
-        Sq, Sk, scale * LOG2E,
+        Sq, Sk, scale * LOG2E, H,
         GROUP=H // KVH, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=causal,
-        FUSED_SCALE=scale > 0, USE_TMA=tma, num_warps=warps, num_stages=stages,
+        FUSED_SCALE=scale > 0, USE_TMA=tma, HEAVY_FIRST=heavy_first, num_warps=warps, num_stages=stages,
     )
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Shape, dtype and device checks shared by every attention launcher: q [Sq, H, D], k/v [Sk, KVH, D]."""
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(
-            f"expected q [Sq, H, D], k/v [Sk, KVH, D]; got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"head dim mismatch: q {tuple(q.shape)} vs k {tuple(k.shape)}")
-    H, KVH = q.shape[1], k.shape[1]
-    if KVH == 0 or H % KVH != 0:
-        raise ValueError(
-            f"q heads H={H} (q {tuple(q.shape)}) must be a multiple of kv heads KVH={KVH} "
-            f"(k {tuple(k.shape)})")
-    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
-        raise ValueError(
-            f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v on different devices: {q.device}, {k.device}, {v.device}")
+def launch_prefill(q, k, v, o, lse, scale: float, causal: bool, variant: PrefillVariant) -> str:
+    """Run the dense prefill kernel that ``variant`` names into o [Sq, H, D] and lse [H, Sq]; a 'ws' variant that
+    cannot run the call (ws_supported) runs _flash_fwd_kernel with dense_tile_config instead. Returns the kernel
+    that ran ('dense' or 'ws')."""
+    if variant.kernel == "ws" and ws_supported(q, k, v, o, scale):
+        config = INTERPRET_CONFIG if INTERPRET else (variant.config or WS_CONFIG)
+        launch_flash_fwd_ws(q, k, v, o, lse, scale * LOG2E, causal, config, variant.heavy_first,
+                            variant.persistent)
+        return "ws"
+    config = variant.config if variant.kernel == "dense" and variant.config and not INTERPRET else None
+    _launch_flash_fwd(q, k, v, o, lse, scale, causal, config or dense_tile_config(q), variant.heavy_first)
+    return "dense"
 
 
 def dense_tile_config(q: torch.Tensor) -> tuple[int, int, int, int]:
@@ -300,6 +296,13 @@ def dense_tile_config(q: torch.Tensor) -> tuple[int, int, int, int]:
     if q.element_size() <= 2 and D in GPU_CONFIGS_SM90 and torch.cuda.get_device_capability(q.device)[0] >= 9:
         configs = GPU_CONFIGS_SM90
     return configs[D]
+
+
+def prefill_variant(q: torch.Tensor) -> PrefillVariant:
+    """The PrefillVariant for q's dtype, head dim and GPU (PREFILL_VARIANTS_SM90 on sm_90 for 16-bit inputs)."""
+    if INTERPRET or q.element_size() > 2 or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return PrefillVariant()
+    return PREFILL_VARIANTS_SM90.get(q.shape[2], PrefillVariant())
 
 
 def masked_attention_rows(q_rows: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, mask: torch.Tensor,
@@ -355,39 +358,10 @@ def _flash_attn_triton(q, k, v, scale: float, causal: bool, pdl: bool) -> tuple[
         from .decode_attention import decode_attention_triton  # here: decode_attention imports this module
 
         return decode_attention_triton(q, k, v, scale, causal, pdl=pdl)
-    block_m, block_n, warps, stages = dense_tile_config(q)
     o = alloc_output((Sq, H, D), q.dtype, q.device)  # [Sq, H, D]
     lse = alloc_output((H, Sq), torch.float32, q.device)  # [H, Sq]
-    _launch_flash_fwd(q, k, v, o, lse, scale, causal, (block_m, block_n, warps, stages))
+    launch_prefill(q, k, v, o, lse, scale, causal, prefill_variant(q))
     return o, lse
-
-
-def _flash_attn_package(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from flash_attn import flash_attn_func
-
-    out, lse, _ = flash_attn_func(
-        q[None], k[None], v[None], softmax_scale=scale, causal=causal, return_attn_probs=True)
-    lse = lse[0].float()  # [H, Sq]; flash-attn marks rows with no visible key with +inf
-    lse = torch.where(torch.isposinf(lse), float("-inf"), lse)
-    return out[0], lse
-
-
-def _torch_fused_attention(q, k, v, scale: float, causal: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's fused kernels (sdpa: flash; cudnn: cuDNN). They want [B, H, S, D] with equal head counts, and their
-    causal mask is top-left aligned, which equals ours only when Sq == Sk (checked by attention_backend)."""
-    Sq, H = q.shape[0], q.shape[1]
-    KVH = k.shape[1]
-    if H != KVH:
-        k = k.repeat_interleave(H // KVH, dim=1)  # [Sk, H, D]
-        v = v.repeat_interleave(H // KVH, dim=1)
-    q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, H, S, D]
-    if backend == "cudnn":
-        res = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, causal, False,
-                                                                 scale=scale)
-    else:
-        res = torch.ops.aten._scaled_dot_product_flash_attention(q4, k4, v4, 0.0, causal, False, scale=scale)
-    out, lse = res[0], res[1]  # [1, H, Sq, D], natural-log lse with H * Sq entries
-    return out[0].transpose(0, 1).contiguous(), lse.reshape(H, Sq).float().contiguous()
 
 
 def flash_attn_with_lse(
@@ -411,9 +385,9 @@ def flash_attn_with_lse(
         if backend in ("flash_attn", "sdpa", "cudnn"):
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if backend == "flash_attn":
-        return _flash_attn_package(q, k, v, scale, causal)
+        return flash_attn_package(q, k, v, scale, causal)
     if backend in ("sdpa", "cudnn"):
-        return _torch_fused_attention(q, k, v, scale, causal, backend)
+        return torch_fused_attention(q, k, v, scale, causal, backend)
     if backend == "triton":
         return _flash_attn_triton(q, k, v, scale, causal, kernels.pdl)
     return flash_attn_with_lse_reference(q, k, v, scale, causal)

@@ -1,0 +1,56 @@
+"""Tensor Memory Accelerator (TMA) helpers shared by the attention kernels: whether a call's tensors can move
+through TMA descriptors, and the scratch allocator that device-side descriptors need.
+
+Host-side descriptors (triton.tools.tensor_descriptor.TensorDescriptor, Triton >= 3.3) describe q/k/v/o as
+[S, heads * D] views; kernels built with ``tl.make_tensor_descriptor`` create theirs on the device, in global
+scratch memory that Triton asks the allocator set by ``triton.set_allocator`` for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._dispatch import INTERPRET, triton
+
+try:  # host-side TMA descriptors (Triton >= 3.3)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - old or absent triton
+    TensorDescriptor = None
+
+__all__ = ["TensorDescriptor", "ensure_device_descriptor_allocator", "tma_view_ok", "use_tma"]
+
+
+def tma_view_ok(t: torch.Tensor) -> bool:
+    """Whether [S, heads, D] tensor t can be read as a TMA [S, heads * D] view: heads and D contiguous, 16-byte
+    aligned base and row stride."""
+    es = t.element_size()
+    return (t.stride(2) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2])
+            and t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0 and (t.shape[2] * es) % 16 == 0)
+
+
+def use_tma(q, k, v, o) -> bool:
+    """Whether the dense kernels can move q/k/v/o through TMA descriptors: triton.tools.tensor_descriptor, sm_90+
+    (or the interpreter) and TMA-compatible layouts."""
+    dev_ok = INTERPRET or (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9)
+    return (TensorDescriptor is not None and dev_ok and o.dtype == q.dtype
+            and all(tma_view_ok(t) for t in (q, k, v, o)))
+
+
+def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_device_descriptor_allocator() -> None:
+    """Give Triton a torch-backed allocator for the global scratch of device-side descriptors where none is set.
+    Triton keeps the allocator in a ContextVar (per thread), so this runs before every such launch; the
+    interpreter needs none."""
+    if INTERPRET:
+        return
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except (ImportError, AttributeError):  # another Triton layout: set ours every time
+        pass
+    triton.set_allocator(_torch_scratch)
