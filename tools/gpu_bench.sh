@@ -22,6 +22,9 @@
 #   hierarchy_batch the batched Quest curve's wide end: fp8 host tier at 122,880 tokens, batch 8 / 12 beside
 #                   full at batch 8 (122K x 24 sequences needs 183 GiB of fp8 host KV: more than a 125 GiB host),
 #                   and batch 24 at 32K (batch 12 last: the first row a tight limit drops)                             ~9 min
+#   hierarchy_cached_batch  Quest (quest_2k, every layer selecting) at 122,880 tokens with the fp8 host tier and
+#                   the GPU block cache (auto): batch 8 on dummy_structured weights (stable selections) and on dummy
+#                   weights, batch 12 on dummy_structured                                                      ~11 min
 #   capacity_fp8    the longest context the default host pool holds with the fp8 host tier (about 1.5M tokens
 #                   of Qwen3-4B on a 125 GiB host: prefill ~25 min, over a 10-minute limit; CAPACITY_CAP=868352
 #                   fits one)                                                                                  ~27 min
@@ -247,6 +250,21 @@ section_hierarchy_batch() {  # wide batches: the fp8 host tier holds twice the s
         task.context="$bctx" policy=quest_2k policy.dense_layers=0 task.batch_size=12
 }
 
+section_hierarchy_cached_batch() {  # batched Quest with the fp8 host tier and the GPU block cache: selections reused
+    local steps="${DECODE_STEPS:-16}" bctx="${HIER_BATCH_CONTEXT:-122880}" b weights
+    local LLAMA_STRUCTURED=(model=llama3_8b model.load_format=dummy_structured)
+    [ -n "${BENCH_MODEL_ARGS:-}" ] && LLAMA_STRUCTURED=("${MODEL[@]}")
+    local F=(offload=cpu task.context="$bctx" task.decode_steps="$steps" offload.gpu_cache_gib=auto
+             offload.host_dtype=float8_e4m3fn policy=quest_2k policy.dense_layers=0)
+    # planted attention structure (stable selections) first, then random weights (selections change every step)
+    VS=hierarchy/llama-122k-fp8-quest-b8 BENCH_TIMEOUT=240 bench hierarchy "llama-122k-fp8-cache-quest-b8-structured" \
+        "${LLAMA_STRUCTURED[@]}" "${F[@]}" task.batch_size=8
+    VS=hierarchy/llama-122k-fp8-quest-b8 BENCH_TIMEOUT=240 bench hierarchy "llama-122k-fp8-cache-quest-b8" \
+        "${LLAMA[@]}" "${F[@]}" task.batch_size=8
+    VS=hierarchy/llama-122k-fp8-cache-quest-b8-structured BENCH_TIMEOUT=300 bench hierarchy \
+        "llama-122k-fp8-cache-quest-b12-structured" "${LLAMA_STRUCTURED[@]}" "${F[@]}" task.batch_size=12
+}
+
 section_capacity_fp8() {  # the longest prompt the default host pool holds with fp8 host blocks (+ 16 decode steps)
     local ctx
     ctx=$(python3 -c "
@@ -311,7 +329,7 @@ section_summary() {
 }
 
 SECTIONS="info tests decode offload quest prefill sparse_prefill quality memory capacity"
-SECTIONS="$SECTIONS hierarchy hierarchy_512k hierarchy_batch capacity_fp8 ruler_policies tp summary"
+SECTIONS="$SECTIONS hierarchy hierarchy_512k hierarchy_batch capacity_fp8 hierarchy_cached_batch ruler_policies tp summary"
 [ $# -gt 0 ] || set -- info decode offload quest prefill sparse_prefill memory summary
 for SECTION in "$@"; do
     case " $SECTIONS " in
