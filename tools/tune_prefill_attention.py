@@ -1,27 +1,29 @@
-"""Time the dense prefill attention's variants (sparsekv.kernels.attention.PrefillVariant) beside torch SDPA.
+"""Choose the dense prefill attention kernel's tile config (GPU_CONFIGS_SM90 in sparsekv/kernels/attention.py):
+time _flash_fwd_kernel at every (BLOCK_M, BLOCK_N, num_warps, num_stages) of TILE_CONFIGS beside torch SDPA.
 
-    python3 tools/tune_prefill_attention.py --out prefill_tune.json   # H100/H200: about 2-3 minutes (4.5 at most)
-    python3 tools/tune_prefill_attention.py --quick                   # fewer candidates, no 128K shape
+    python3 tools/tune_prefill_attention.py --out prefill_tune.json   # H100/H200: about 1 minute (4.5 at most)
+    python3 tools/tune_prefill_attention.py --quick                   # QUICK_CONFIGS, no 128K shape
     TRITON_INTERPRET=1 python3 tools/tune_prefill_attention.py --dry-run   # CPU, tiny sizes: checks the script
 
 Shapes (H = 32 query heads, KVH = 8, D = 128, bf16): Sq = Sk = 32768 causal, Sq = Sk = 131072 causal, and a
 4096-row chunk against 32768 keys, non-causal (the chunked prefill's partials). FLOPs = 4 * visible (query, key)
 pairs * H * D (causal: S (S + 1) / 2 pairs).
 
-Every candidate (kernel x program order x tile config) runs at 32K causal first. The 128K causal and chunk shapes
-then time the fastest --finalists of them, the current default (PrefillVariant() on dense_tile_config) and the
-references: SDPA's flash kernel (torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION), K/V repeated to H
-heads outside the timing) and cuDNN's where torch has it. Each candidate's o and lse are compared with SDPA's
+Every tile config runs at 32K causal first. The 128K causal and chunk shapes then time the fastest --finalists of
+them, the current default (attention.dense_tile_config) and the references: SDPA's flash kernel
+(torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION), K/V repeated to H heads outside the timing) and
+cuDNN's where torch has it. Each candidate's o and lse are compared with SDPA's
 (max abs error, --max-err), and on causal shapes a small bottom-right call (1008 queries, 2048 keys) with the
 fp32 reference (max abs error over max |o|, SMALL_MAX_REL_ERR); a candidate over either is marked FAIL and cannot
 win. Times are triton.testing.do_bench medians (it clears L2 between calls); the 128K shape gets a short
 --rep-ms-long since one call takes ~0.25 s.
 
-Output: a table per shape, the winner per shape, and a PREFILL_VARIANTS_SM90 line with its comment to paste into
-sparsekv/kernels/attention.py (the candidate with the best geometric mean over the causal shapes). --out writes
-every number, the GPU, versions and date as JSON, rewritten after each candidate: a watchdog ends the run (exit
-3) if one candidate takes longer than --candidate-timeout s, and candidates left when --budget-s is spent are
-skipped, so that the file always holds what was measured.
+Output: a table per shape, the winner per shape, and a GPU_CONFIGS_SM90 entry for --head-dim with its comment to
+paste into sparsekv/kernels/attention.py (the config with the best geometric mean over the causal shapes; the
+comment names each shape's TFLOP/s, the next config's and the references'). --out writes every number, the GPU,
+versions and date as JSON, rewritten after each candidate: a watchdog ends the run (exit 3) if one candidate takes
+longer than --candidate-timeout s, and candidates left when --budget-s is spent are skipped, so that the file
+always holds what was measured.
 """
 from __future__ import annotations
 
@@ -41,32 +43,32 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from sparsekv.kernels import attention as A  # noqa: E402
-from sparsekv.kernels.attention import PrefillVariant  # noqa: E402
 from sparsekv.kernels.external_attention import torch_fused_attention  # noqa: E402
 
-DENSE_CONFIGS = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3),
-                 (64, 64, 4, 2), (64, 128, 4, 2), (256, 64, 16, 2)]
-WS_CONFIGS = [(128, 128, 4, 2), (128, 64, 4, 3), (128, 64, 4, 4)]
-WS_PERSISTENT_CONFIGS = [(128, 128, 4, 2), (128, 64, 4, 3)]  # (128, 64, 4, 4) needs 279 KB of shared memory
-QUICK = [PrefillVariant("dense", True, False, (128, 128, 8, 3)), PrefillVariant("ws", True, False, (128, 128, 4, 2)),
-         PrefillVariant("ws", True, False, (128, 64, 4, 3)), PrefillVariant("ws", False, True, (128, 128, 4, 2))]
-DEFAULT = PrefillVariant()  # what runs today: dense_tile_config, 2-D grid
+Config = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+TILE_CONFIGS: list[Config] = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3),
+                              (64, 64, 4, 2), (64, 128, 4, 2), (256, 64, 16, 2)]
+QUICK_CONFIGS: list[Config] = [(128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)]
+DRY_RUN_CONFIGS: list[Config] = [(32, 16, 4, 1), (16, 32, 4, 1)]  # interpreter: small, not the default's
+DEFAULT = None  # what runs today: attention.dense_tile_config
 SMALL_MAX_REL_ERR = 5e-2  # bf16 rounding stays near 1e-2; a wrong mask or offset gives O(1) on some rows
 
 
-def candidates(quick: bool) -> list[PrefillVariant]:
-    if quick:
-        return list(QUICK)
-    out = [PrefillVariant("dense", hf, False, c) for c in DENSE_CONFIGS for hf in (False, True)]
-    out += [PrefillVariant("ws", hf, False, c) for c in WS_CONFIGS for hf in (False, True)]
-    return out + [PrefillVariant("ws", False, True, c) for c in WS_PERSISTENT_CONFIGS]
+def candidates(args) -> list[Config]:
+    if args.dry_run:
+        return list(DRY_RUN_CONFIGS)
+    return list(QUICK_CONFIGS if args.quick else TILE_CONFIGS)
 
 
-def label(v: PrefillVariant) -> str:
-    if v == DEFAULT:
-        return "default (dense, dense_tile_config)"
-    order = "persistent" if v.persistent else ("heavy-first" if v.heavy_first else "2d-grid")
-    return f"{v.kernel} {order} " + "x".join(map(str, v.config[:2])) + f" w{v.config[2]} s{v.config[3]}"
+def label(config: Config | None) -> str:
+    if config is DEFAULT:
+        return "default (dense_tile_config)"
+    return "x".join(map(str, config[:2])) + f" w{config[2]} s{config[3]}"
+
+
+def launch(q, k, v, o, lse, scale: float, causal: bool, config: Config | None) -> None:
+    """_flash_fwd_kernel into o [Sq, H, D] and lse [H, Sq] with config (None: the default dense_tile_config)."""
+    A._launch_flash_fwd(q, k, v, o, lse, scale, causal, config or A.dense_tile_config(q))
 
 
 def visible_pairs(sq: int, sk: int, causal: bool) -> int:
@@ -134,12 +136,12 @@ class SmallCase:
         self.scale = 1.0 / math.sqrt(a.head_dim)
         self.ref = A.flash_attn_with_lse_reference(self.q, self.k, self.v, self.scale, True)
 
-    def rel_err(self, v: PrefillVariant) -> float:
-        """max |o - o_ref| / max |o_ref| of variant v, inf where lse's -inf rows differ."""
+    def rel_err(self, config: Config | None) -> float:
+        """max |o - o_ref| / max |o_ref| with this tile config, inf where lse's -inf rows differ."""
         q = self.q
-        o = torch.empty_like(q)
-        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-        A.launch_prefill(q, self.k, self.v, o, lse, self.scale, True, v)
+        o = torch.empty_like(q)  # [Sq, H, D]
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)  # [H, Sq]
+        launch(q, self.k, self.v, o, lse, self.scale, True, config)
         ro, rlse = self.ref
         if not torch.equal(torch.isneginf(lse), torch.isneginf(rlse)):
             return float("inf")
@@ -185,30 +187,30 @@ class Shape:
         return row
 
 
-def time_candidate(shape: Shape, v: PrefillVariant, run: Run) -> dict:
+def time_candidate(shape: Shape, config: Config | None, run: Run) -> dict:
     run.beat = time.perf_counter()
-    q, k, v_, H = shape.q, shape.k, shape.v, shape.h
+    q, k, v, H = shape.q, shape.k, shape.v, shape.h
     o = torch.empty_like(q)  # [Sq, H, D]
     lse = torch.empty(H, shape.sq, dtype=torch.float32, device=q.device)  # [H, Sq]
-    extra = {"kernel": v.kernel, "heavy_first": v.heavy_first, "persistent": v.persistent, "config": v.config}
+    extra = {"kernel": "dense", "config": config or A.dense_tile_config(q)}
     try:
-        ran = A.launch_prefill(q, k, v_, o, lse, shape.scale, shape.causal, v)  # compiles
+        launch(q, k, v, o, lse, shape.scale, shape.causal, config)  # compiles
         ro, rlse = shape.ref
         finite = torch.isfinite(rlse)
         err_o = (o.float() - ro.float()).abs().max().item()
         err_lse = (lse[finite] - rlse[finite]).abs().max().item() if finite.any() else 0.0
         same_inf = torch.equal(torch.isneginf(lse), torch.isneginf(rlse))
-        small = run.small.rel_err(v) if shape.causal else 0.0
-        ok = (err_o <= run.args.max_err and err_lse <= 10 * run.args.max_err and same_inf and ran == v.kernel
+        small = run.small.rel_err(config) if shape.causal else 0.0
+        ok = (err_o <= run.args.max_err and err_lse <= 10 * run.args.max_err and same_inf
               and small <= SMALL_MAX_REL_ERR)
-        extra.update(ran=ran, max_abs_err_o=err_o, max_abs_err_lse=err_lse, small_rel_err=small, ok=ok)
-        ms = shape.time_ms(lambda: A.launch_prefill(q, k, v_, o, lse, shape.scale, shape.causal, v), run)
+        extra.update(max_abs_err_o=err_o, max_abs_err_lse=err_lse, small_rel_err=small, ok=ok)
+        ms = shape.time_ms(lambda: launch(q, k, v, o, lse, shape.scale, shape.causal, config), run)
     except Exception as exc:  # noqa: BLE001 - out of shared memory, a compiler failure: record it, go on
         extra.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
         ms = None
-    row = shape.add(label(v), ms, extra)
+    row = shape.add(label(config), ms, extra)
     tf = "-" if row["tflops"] is None else f"{row['tflops']:.1f}"
-    print(f"  [{time.perf_counter() - run.t0:5.0f} s] {shape.name}: {label(v)}: {tf} TFLOP/s"
+    print(f"  [{time.perf_counter() - run.t0:5.0f} s] {shape.name}: {label(config)}: {tf} TFLOP/s"
           f"{'' if row['ok'] else '  FAIL ' + row.get('error', '')}", flush=True)
     return row
 
@@ -251,7 +253,7 @@ def report(shape: Shape) -> dict | None:
 
 
 def paste_line(shapes: list[Shape], record: dict) -> str:
-    """The PREFILL_VARIANTS_SM90 entry (best geometric mean over the causal shapes) with the comment to keep."""
+    """The GPU_CONFIGS_SM90 entry (best geometric mean over the causal shapes) with the comment to keep above it."""
     causal = [s for s in shapes if s.causal]
     by_name: dict[str, list[dict]] = {}
     for s in causal:
@@ -260,26 +262,28 @@ def paste_line(shapes: list[Shape], record: dict) -> str:
                 by_name.setdefault(r["name"], []).append(r)
     both = {n: rs for n, rs in by_name.items() if len(rs) == len(causal)}
     if not both:
-        return "# no candidate ran correctly on every causal shape"
+        return "# no tile config ran correctly on every causal shape"
     name = max(both, key=lambda n: sum(math.log(r["tflops"]) for r in both[n]))
-    r = both[name][0]
-    cfg = tuple(r["config"]) if r["config"] else None
+    cfg = tuple(both[name][0]["config"])
     refs = []
     for s in shapes:
         tf = {x["name"]: x["tflops"] for x in s.rows if x["tflops"]}
-        others = [f"{n.split(' (')[0]} {tf[n]:.0f}" for n in ("sdpa flash", "cudnn", label(DEFAULT)) if n in tf]
-        refs.append(f"{s.name} {tf.get(name, 0):.0f} ({', '.join(others)})")
+        others = [x for x in s.rows if x.get("ok") and x["tflops"] and x["kernel"] != "reference"
+                  and tuple(x["config"]) != cfg]
+        nxt = max(others, key=lambda x: x["tflops"]) if others else None
+        parts = [f"next {nxt['tflops']:.0f} ({nxt['name']})"] if nxt else []
+        parts += [f"{n.split(' (')[0]} {tf[n]:.0f}" for n in ("sdpa flash", "cudnn", label(DEFAULT)) if n in tf]
+        refs.append(f"{s.name} {tf.get(name, 0):.0f} ({', '.join(parts)})")
     comment = (f"# tools/tune_prefill_attention.py, {record['gpu']}, triton {record['triton']}, "
-               f"{record['date'][:10]}, TFLOP/s:\n#   " + "; ".join(refs))
-    entry = (f"PREFILL_VARIANTS_SM90: dict[int, PrefillVariant] = {{{shapes[0].head_dim}: PrefillVariant("
-             f"{r['kernel']!r}, heavy_first={r['heavy_first']}, persistent={r['persistent']}, config={cfg})}}")
+               f"{record['date'][:10]}, {name}, TFLOP/s:\n#   " + "\n#   ".join(refs))
+    entry = f"GPU_CONFIGS_SM90: dict[int, tuple[int, int, int, int]] = {{{shapes[0].head_dim}: {cfg}}}"
     return comment + "\n" + entry
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="JSON file with every number")
-    ap.add_argument("--quick", action="store_true", help="the QUICK candidates, 32K causal and the chunk only")
+    ap.add_argument("--quick", action="store_true", help="QUICK_CONFIGS only, 32K causal and the chunk")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny sizes: checks the script")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
@@ -306,17 +310,17 @@ def main() -> None:
     run.small = SmallCase(run)
     first_spec, *rest_spec = shapes_spec
     first = Shape(*first_spec, run)
-    for v in [DEFAULT] + candidates(args.quick or args.dry_run):
+    for config in [DEFAULT] + candidates(args):
         if run.over_budget():
-            first.add(label(v), None, {"ok": False, "error": "skipped: --budget-s spent"})
+            first.add(label(config), None, {"ok": False, "error": "skipped: --budget-s spent"})
             continue
-        time_candidate(first, v, run)
+        time_candidate(first, config, run)
         run.save()
     time_references(first, run)
     report(first)
     ranked = sorted((r for r in first.rows if r.get("ok") and r["tflops"]), key=lambda r: -r["tflops"])
-    finalists = [DEFAULT] + [v for v in candidates(args.quick or args.dry_run)
-                             if label(v) in [r["name"] for r in ranked[:args.finalists]] and v != DEFAULT]
+    best = {r["name"] for r in ranked[:args.finalists]}
+    finalists = [DEFAULT] + [c for c in candidates(args) if label(c) in best]
     shapes = [first]
     del first.q, first.k, first.v, first.ref
     for spec in rest_spec:
@@ -324,11 +328,11 @@ def main() -> None:
             torch.cuda.empty_cache()
         shape = Shape(*spec, run)
         shapes.append(shape)
-        for v in finalists:
+        for config in finalists:
             if run.over_budget():
-                shape.add(label(v), None, {"ok": False, "error": "skipped: --budget-s spent"})
+                shape.add(label(config), None, {"ok": False, "error": "skipped: --budget-s spent"})
                 continue
-            time_candidate(shape, v, run)
+            time_candidate(shape, config, run)
             run.save()
         time_references(shape, run)
         report(shape)

@@ -7,7 +7,6 @@ Rows that see no key give o = 0 and lse = -inf, so partial results merge exactly
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -17,8 +16,7 @@ from ._dispatch import (INTERPRET, alloc_output, attention_backend, cdiv, defaul
                         tl)
 from .attention_checks import check_qkv
 from .external_attention import flash_attn_package, torch_fused_attention
-from .flash_prefill_ws import launch_flash_fwd_ws, program_tile, ws_supported
-from .tma import TensorDescriptor, use_tma  # noqa: F401 - TensorDescriptor: re-exported for the sparse kernels
+from .tma import TensorDescriptor, use_tma
 
 if TYPE_CHECKING:
     from .backend import KernelChoice
@@ -39,6 +37,11 @@ GPU_CONFIGS: dict[int, tuple[int, int, int, int]] = {
 }
 # Hopper (sm_90: 227 KiB of shared memory per SM) fits 128x128 tiles in 3 stages (224 KiB): with the scale fused
 # into exp2 and TMA loads they timed 1.15-2.2x faster than (128, 64, 8, 3) on an H100 (2026-11-22).
+# Chosen by tools/tune_prefill_attention.py (rerun it to change this table), NVIDIA H200, Triton 3.6, 2026-11-26,
+# H=32 KVH=8 D=128 bf16, TFLOP/s of (128, 128, 8, 3) against the next config (cuDNN / SDPA flash):
+#   32K causal 547 vs 512 (128x64 w8 s4; 515 in heavy-first order) (594 / 346);
+#   128K causal 503-507 vs 479 (128x64 w8 s4; 510 in heavy-first order, within noise) (563 / 324);
+#   4Kx32K non-causal chunk 568 vs 525 (128x64 w8 s4) (605 / 350). See docs/decisions.md, "Prefill attention".
 GPU_CONFIGS_SM90: dict[int, tuple[int, int, int, int]] = {128: (128, 128, 8, 3)}
 # fp32 inputs need twice the shared memory per tile (not a hot path: smaller tiles).
 GPU_CONFIGS_FP32: dict[int, tuple[int, int, int, int]] = {
@@ -49,25 +52,6 @@ GPU_CONFIGS_FP32: dict[int, tuple[int, int, int, int]] = {
     256: (32, 32, 4, 2),
 }
 INTERPRET_CONFIG = (16, 16, 4, 1)  # small blocks keep the CPU interpreter fast
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillVariant:
-    """Which dense prefill kernel runs, and how. kernel: 'dense' (_flash_fwd_kernel) or 'ws' (flash_prefill_ws:
-    Hopper warp specialization; calls it cannot run fall back to 'dense'); heavy_first: program order (see
-    flash_prefill_ws.program_tile); persistent ('ws' only): one program per SM walking the tiles heavy-first;
-    config: (BLOCK_M, BLOCK_N, num_warps, num_stages), None = dense_tile_config for 'dense', WS_CONFIG for 'ws'."""
-
-    kernel: str = "dense"
-    heavy_first: bool = False
-    persistent: bool = False
-    config: tuple[int, int, int, int] | None = None
-
-
-WS_CONFIG = (128, 128, 4, 2)  # 4 warps: the pass adds a producer warp group and splits BLOCK_M over two consumers
-# 16-bit inputs on sm_90, per head dim; a head dim not listed runs PrefillVariant(). Filled from the "paste" lines of
-# tools/tune_prefill_attention.py (its comment names the run and the TFLOP/s that chose it).
-PREFILL_VARIANTS_SM90: dict[int, PrefillVariant] = {}
 SUPPORTED_HEAD_DIMS = tuple(GPU_CONFIGS)
 
 # _flash_fwd_kernel scales the scores inside the exp2 argument (one FMA per score; needs softmax_scale > 0) and, on
@@ -186,13 +170,14 @@ def _flash_fwd_kernel(
     stride_vn, stride_vh, stride_vd,
     stride_om, stride_oh, stride_od,
     stride_lh, stride_lm,
-    Sq, Sk, qk_scale, num_heads,
+    Sq, Sk, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    FUSED_SCALE: tl.constexpr, USE_TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    FUSED_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    # With USE_TMA, Q/K/V/O are TMA descriptors of [S, heads * D] views. Grid: see program_tile.
-    pid_m, head = program_tile(tl.cdiv(Sq, BLOCK_M), num_heads, IS_CAUSAL, HEAVY_FIRST)
+    # With USE_TMA, Q/K/V/O are TMA descriptors of [S, heads * D] views.
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
     kv_head = head // GROUP
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -248,10 +233,9 @@ def effective_attn_variants(q, k, v, o, scale: float, variants: dict[str, bool] 
             "USE_TMA": bool(wanted["USE_TMA"]) and use_tma(q, k, v, o)}
 
 
-def _launch_flash_fwd(q, k, v, o, lse, scale: float, causal: bool, config: tuple[int, int, int, int],
-                      heavy_first: bool = False) -> None:
+def _launch_flash_fwd(q, k, v, o, lse, scale: float, causal: bool, config: tuple[int, int, int, int]) -> None:
     """Run _flash_fwd_kernel into o [Sq, H, D] and lse [H, Sq]; config = (BLOCK_M, BLOCK_N, num_warps,
-    num_stages); heavy_first: program order of program_tile."""
+    num_stages)."""
     Sq, H, D = q.shape
     Sk, KVH, _ = k.shape
     block_m, block_n, warps, stages = config
@@ -262,28 +246,13 @@ def _launch_flash_fwd(q, k, v, o, lse, scale: float, causal: bool, config: tuple
             for t, rows in ((q, block_m), (k, block_n), (v, block_n), (o, block_m)))
     else:
         qa, ka, va, oa = q, k, v, o
-    grid = (cdiv(Sq, block_m) * H,) if heavy_first else (cdiv(Sq, block_m), H)
-    _flash_fwd_kernel[grid](
+    _flash_fwd_kernel[(cdiv(Sq, block_m), H)](
         qa, ka, va, oa, lse,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
-        Sq, Sk, scale * LOG2E, H,
+        Sq, Sk, scale * LOG2E,
         GROUP=H // KVH, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=causal,
-        FUSED_SCALE=scale > 0, USE_TMA=tma, HEAVY_FIRST=heavy_first, num_warps=warps, num_stages=stages,
+        FUSED_SCALE=scale > 0, USE_TMA=tma, num_warps=warps, num_stages=stages,
     )
-
-
-def launch_prefill(q, k, v, o, lse, scale: float, causal: bool, variant: PrefillVariant) -> str:
-    """Run the dense prefill kernel that ``variant`` names into o [Sq, H, D] and lse [H, Sq]; a 'ws' variant that
-    cannot run the call (ws_supported) runs _flash_fwd_kernel with dense_tile_config instead. Returns the kernel
-    that ran ('dense' or 'ws')."""
-    if variant.kernel == "ws" and ws_supported(q, k, v, o, scale):
-        config = INTERPRET_CONFIG if INTERPRET else (variant.config or WS_CONFIG)
-        launch_flash_fwd_ws(q, k, v, o, lse, scale * LOG2E, causal, config, variant.heavy_first,
-                            variant.persistent)
-        return "ws"
-    config = variant.config if variant.kernel == "dense" and variant.config and not INTERPRET else None
-    _launch_flash_fwd(q, k, v, o, lse, scale, causal, config or dense_tile_config(q), variant.heavy_first)
-    return "dense"
 
 
 def dense_tile_config(q: torch.Tensor) -> tuple[int, int, int, int]:
@@ -296,13 +265,6 @@ def dense_tile_config(q: torch.Tensor) -> tuple[int, int, int, int]:
     if q.element_size() <= 2 and D in GPU_CONFIGS_SM90 and torch.cuda.get_device_capability(q.device)[0] >= 9:
         configs = GPU_CONFIGS_SM90
     return configs[D]
-
-
-def prefill_variant(q: torch.Tensor) -> PrefillVariant:
-    """The PrefillVariant for q's dtype, head dim and GPU (PREFILL_VARIANTS_SM90 on sm_90 for 16-bit inputs)."""
-    if INTERPRET or q.element_size() > 2 or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return PrefillVariant()
-    return PREFILL_VARIANTS_SM90.get(q.shape[2], PrefillVariant())
 
 
 def masked_attention_rows(q_rows: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, mask: torch.Tensor,
@@ -358,9 +320,10 @@ def _flash_attn_triton(q, k, v, scale: float, causal: bool, pdl: bool) -> tuple[
         from .decode_attention import decode_attention_triton  # here: decode_attention imports this module
 
         return decode_attention_triton(q, k, v, scale, causal, pdl=pdl)
+    block_m, block_n, warps, stages = dense_tile_config(q)
     o = alloc_output((Sq, H, D), q.dtype, q.device)  # [Sq, H, D]
     lse = alloc_output((H, Sq), torch.float32, q.device)  # [H, Sq]
-    launch_prefill(q, k, v, o, lse, scale, causal, prefill_variant(q))
+    _launch_flash_fwd(q, k, v, o, lse, scale, causal, (block_m, block_n, warps, stages))
     return o, lse
 
 

@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 from ._dispatch import (INTERPRET, alloc_output, cdiv, choose_splits, default_kernels, exact_dot, jit,
                         next_power_of_2, tl)
-from .attention import (
-    SUPPORTED_HEAD_DIMS, _empty_result, check_qkv, flash_attn_with_lse, online_softmax_step,
-)
+from .attention import SUPPORTED_HEAD_DIMS, _empty_result, flash_attn_with_lse, online_softmax_step
+from .attention_checks import check_qkv
 from .merge import merge_attention_outputs
 from .fp8_kv import check_fp8_kv, dequantize_kv
 from .paged_attention import MIN_GROUP_ROWS, merge_splits

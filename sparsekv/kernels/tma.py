@@ -1,23 +1,19 @@
 """Tensor Memory Accelerator (TMA) helpers shared by the attention kernels: whether a call's tensors can move
-through TMA descriptors, and the scratch allocator that device-side descriptors need.
-
-Host-side descriptors (triton.tools.tensor_descriptor.TensorDescriptor, Triton >= 3.3) describe q/k/v/o as
-[S, heads * D] views; kernels built with ``tl.make_tensor_descriptor`` create theirs on the device, in global
-scratch memory that Triton asks the allocator set by ``triton.set_allocator`` for.
-"""
+through host-side TMA descriptors (triton.tools.tensor_descriptor.TensorDescriptor, Triton >= 3.3), which describe
+q/k/v/o as [S, heads * D] views."""
 
 from __future__ import annotations
 
 import torch
 
-from ._dispatch import INTERPRET, triton
+from ._dispatch import INTERPRET
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - old or absent triton
     TensorDescriptor = None
 
-__all__ = ["TensorDescriptor", "ensure_device_descriptor_allocator", "tma_view_ok", "use_tma"]
+__all__ = ["TensorDescriptor", "tma_view_ok", "use_tma"]
 
 
 def tma_view_ok(t: torch.Tensor) -> bool:
@@ -34,23 +30,3 @@ def use_tma(q, k, v, o) -> bool:
     dev_ok = INTERPRET or (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9)
     return (TensorDescriptor is not None and dev_ok and o.dtype == q.dtype
             and all(tma_view_ok(t) for t in (q, k, v, o)))
-
-
-def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def ensure_device_descriptor_allocator() -> None:
-    """Give Triton a torch-backed allocator for the global scratch of device-side descriptors where none is set.
-    Triton keeps the allocator in a ContextVar (per thread), so this runs before every such launch; the
-    interpreter needs none."""
-    if INTERPRET:
-        return
-    try:
-        from triton.runtime._allocation import NullAllocator, _allocator
-
-        if not isinstance(_allocator.get(), NullAllocator):
-            return
-    except (ImportError, AttributeError):  # another Triton layout: set ours every time
-        pass
-    triton.set_allocator(_torch_scratch)

@@ -2,6 +2,7 @@
 causal FLOP count."""
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
@@ -24,8 +25,12 @@ def test_dry_run_times_checks_and_picks(tmp_path):
     for shape in record["shapes"]:
         rows = shape["rows"]
         assert len(rows) >= 2 and all(r["ok"] and r["ms"] > 0 for r in rows), rows
-        assert {r["ran"] for r in rows} == {"dense", "ws"}
-    assert "PREFILL_VARIANTS_SM90" in record["paste"] and "PREFILL_VARIANTS_SM90" in proc.stdout
+        assert {tuple(r["config"]) for r in rows} == {(16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1)}
+    entry = record["paste"].splitlines()[-1]
+    assert entry.startswith("GPU_CONFIGS_SM90: dict[int, tuple[int, int, int, int]] = {32: (") and entry in proc.stdout
+    # the pasted line is valid Python naming one of the timed configs
+    table = ast.literal_eval(entry.split(" = ", 1)[1])
+    assert table[32] in {(16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1)}
 
 
 def test_visible_pairs_counts_bottom_right_causal():

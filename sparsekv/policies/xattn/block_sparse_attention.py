@@ -48,14 +48,14 @@ import torch
 from sparsekv.kernels._dispatch import HAS_TRITON, alloc_output, cdiv, jit, tl, use_triton
 from sparsekv.kernels.attention import (
     SUPPORTED_HEAD_DIMS,
-    TensorDescriptor,
     _attn_block_step,
     _empty_result,
-    check_qkv,
     dense_tile_config,
     effective_attn_variants,
     masked_attention_rows,
 )
+from sparsekv.kernels.attention_checks import check_qkv
+from sparsekv.kernels.tma import TensorDescriptor
 from .block_lists import block_lists_from_mask, block_mask_from_lists, block_runs
 
 __all__ = ["LoopConfig", "block_lists_from_mask", "block_sparse_attention", "block_sparse_attention_reference",
