@@ -167,10 +167,11 @@ def random_micro(length: int, args: argparse.Namespace, vocab: int) -> dict:
             "weights": torch.ones(39), "answer": torch.ones(39, dtype=torch.bool)}
 
 
-def fast_attention(model, args: argparse.Namespace, device: torch.device, plan) -> Callable:
+def fast_attention(model, args: argparse.Namespace, device: torch.device, plan, budget_s: float) -> Callable:
     """On CUDA, attention must run in a flash/efficient kernel: the math fallback needs tens of GB at 32K. One
     forward and backward at each end of the plan's lengths checks that (HF's GQA path first, then with K/V
-    repeated), times them and estimates the training time. Returns the context manager for the steps."""
+    repeated), times them and estimates the training time, with a warning when it exceeds budget_s (the time
+    left before training must stop). Returns the context manager for the steps."""
     if device.type != "cuda":
         return contextlib.nullcontext
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -206,6 +207,10 @@ def fast_attention(model, args: argparse.Namespace, device: torch.device, plan) 
     estimate = sum(short + (long - short) * (length - args.min_len) / span for length, _ in plan)
     print(f"preflight: a micro-batch takes {short:.3f} s at length {args.min_len}, {long:.3f} s at {args.max_len}; "
           f"{len(plan)} micro-batches: about {estimate:.0f} s of training", flush=True)
+    if estimate > budget_s:
+        fitting = int(args.steps * budget_s / estimate)
+        print(f"preflight: warning: {estimate:.0f} s exceed the {budget_s:.0f} s --time-limit-min leaves for "
+              f"training; the run will stop early, in its long phase: pass --steps {fitting} or less", flush=True)
     return context
 
 
@@ -352,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.micro_tokens} tokens, lengths {args.min_len}-{args.max_len}; device {device}, "
           f"{args.workers} data workers", flush=True)
     print(f"plan: {plan_summary(plan, args.micro_tokens)}", flush=True)
-    attention = fast_attention(model, args, device, plan)
+    attention = fast_attention(model, args, device, plan, deadline - time.time())
     loader = make_loader(plan, args.workers, pin=device.type == "cuda", tail_weight=args.tail_weight)
     progress = train(args, model, loader, device, attention, deadline, t0)
     with torch.no_grad():  # parameters only: the rotary inv_freq buffer stays float32, as loaders rebuild it
