@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(TOOLS.parent / "sparsekv" / "checkpoints" / "probe"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=2400)
+    p.add_argument("--steps", type=int, default=2300)
     p.add_argument("--max-len", type=int, default=32768, help="longest context, in tokens")
     p.add_argument("--min-len", type=int, default=1024, help="shortest context, in tokens")
     p.add_argument("--tasks", default=",".join(TASK_WEIGHTS), help="comma-separated tasks to train on")
