@@ -12,8 +12,11 @@ from sparsekv.tasks.ruler.generators import answer_text, make_sample
 
 TRAIN_SEED_BASE = 10 ** 9  # training sample seeds are >= this; evaluation (task=ruler) uses seeds below it
 QUESTION_WORDS = ["What", "Question"]  # the first word of every task's question (never in a haystack)
-TASK_WEIGHTS = {"niah_single": 1.0, "niah_multikey": 1.5, "niah_multivalue": 1.5, "niah_multiquery": 1.5,
-                "variable_tracking": 2.0, "common_words": 0.75}
+# H100 seconds of a 32K-token micro-batch at context L: MICRO_FIXED_S + MICRO_PER_LEN_S * L (docs/probe.md)
+MICRO_FIXED_S, MICRO_PER_LEN_S = 0.02, 5.1e-6
+# the choice tasks (multikey, variable_tracking) get the most samples; common_words is outside the probe's bar
+TASK_WEIGHTS = {"niah_single": 1.0, "niah_multikey": 2.0, "niah_multivalue": 1.0, "niah_multiquery": 1.0,
+                "variable_tracking": 2.5, "common_words": 0.5}
 
 
 def length_buckets(min_len: int, max_len: int) -> list[int]:
@@ -24,22 +27,49 @@ def length_buckets(min_len: int, max_len: int) -> list[int]:
     return sorted(grid)
 
 
+def longest_length(step: int, args: argparse.Namespace) -> float:
+    """The longest context the curriculum allows at `step`: --short-len for the first --short-frac of the steps,
+    then doubling up to --max-len over the next --ramp of the steps, then --max-len."""
+    start = args.short_frac * args.steps
+    if step < start:
+        return float(args.short_len)
+    progress = (step - start) / max(1e-9, args.ramp * args.steps)
+    return args.short_len * (args.max_len / args.short_len) ** min(1.0, progress)
+
+
 def micro_plan(args: argparse.Namespace) -> list[tuple[int, list[tuple[str, int]]]]:
-    """Per micro-batch: its context length and its (task, seed) samples, a pure function of the arguments."""
+    """Per micro-batch: its context length and its (task, seed) samples, a pure function of the arguments. A
+    micro-batch's length is drawn from the top two octaves reached with probability --frontier-share, else
+    uniformly from every length reached."""
     buckets = length_buckets(args.min_len, args.max_len)
     tasks, weights = args.tasks, [TASK_WEIGHTS[t] for t in args.tasks]
     plan = []
     for step in range(args.steps):
-        reach = args.min_len * (args.max_len / args.min_len) ** min(1.0, step / (args.ramp * args.steps))
+        reach = longest_length(step, args)
         allowed = [b for b in buckets if b <= reach * 1.0001] or buckets[:1]
         for j in range(args.accum):
             rng = random.Random(f"probe:{args.seed}:{step}:{j}")
             frontier = allowed[-4:]  # the top two octaves reached
-            length = rng.choice(allowed if rng.random() < 0.5 else frontier)
+            length = rng.choice(frontier if rng.random() < args.frontier_share else allowed)
             count = max(1, args.micro_tokens // length)
             plan.append((length, [(rng.choices(tasks, weights)[0], TRAIN_SEED_BASE + rng.randrange(TRAIN_SEED_BASE))
                                   for _ in range(count)]))
     return plan
+
+
+def plan_seconds(plan: list[tuple[int, list]], micro_tokens: int = 32768) -> float:
+    """Training time of a plan on one H100 by the cost model of docs/probe.md: a micro-batch of 32K tokens at
+    context L takes MICRO_FIXED_S + MICRO_PER_LEN_S * L (linear layers and overheads, then attention), fit to the
+    committed checkpoint's run (6,424 micro-batches, mean length 9.8K, 450 s) for the default model."""
+    scale = micro_tokens / 32768
+    return sum(scale * (MICRO_FIXED_S + MICRO_PER_LEN_S * length) for length, _ in plan)
+
+
+def plan_summary(plan: list[tuple[int, list]], micro_tokens: int = 32768) -> str:
+    samples = sum(len(s) for _, s in plan)
+    long_share = sum(1 for length, _ in plan if length > 8192) / max(1, len(plan))
+    return (f"{len(plan)} micro-batches, {samples:,} samples, {long_share:.0%} of micro-batches above 8K, "
+            f"about {plan_seconds(plan, micro_tokens):.0f} s of training on one H100 (cost model)")
 
 
 class MicroBatches(torch.utils.data.Dataset):

@@ -1,13 +1,15 @@
-"""Train the probe checkpoint: a small Qwen3 that answers the RULER generators' tasks from 512 to 32K tokens.
+"""Train the probe checkpoint: a small Qwen3 that answers the RULER generators' tasks from 1K to 32K tokens.
 
-    python3 tools/train_probe.py --out sparsekv/checkpoints/probe --seed 0     # one H100, about 7-9 minutes
+    python3 tools/train_probe.py --out sparsekv/checkpoints/probe --seed 0 --time-limit-min 8.8  # one H100, ~7.5 min
 
 The data is the generators' own samples (sparsekv/tasks/ruler), with the probe tokenizer (tools/probe_tokenizer.py).
 The loss is on the answer (the tokens after the answer prefix, then EOS) and, at --tail-weight, on the
 question and answer prefix; the haystack carries none. A step is --accum micro-batches
 of about --micro-tokens tokens each; a micro-batch holds samples of one context length (short ones: many
-samples), drawn from a length curriculum whose longest length doubles from --min-len up to --max-len over
-the first --ramp of the steps; half of the draws then come from the top two octaves reached. DataLoader workers
+samples), drawn from a length curriculum: the first --short-frac of the steps stay at --min-len to --short-len
+(many samples a second), then the longest length doubles up to --max-len over the next --ramp of the steps;
+--frontier-share of the draws come from the top two octaves reached, the rest from any length reached. The
+plan's H100 time by the cost model of docs/probe.md is printed before training. DataLoader workers
 build the samples. Training seeds are >= TRAIN_SEED_BASE (10**9); evaluation (task=ruler, and the sanity check
 at the end here) uses seeds below it. The steps, lengths, tasks and sample seeds are a pure function of
 --seed and the arguments. --time-limit-min caps the whole run (training stops early, saves, then evaluates).
@@ -33,7 +35,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from probe_data import TASK_WEIGHTS, TRAIN_SEED_BASE, make_loader, micro_plan  # noqa: E402
+from probe_data import TASK_WEIGHTS, TRAIN_SEED_BASE, make_loader, micro_plan, plan_summary  # noqa: E402
 from probe_tokenizer import build_probe_tokenizer  # noqa: E402
 from sparsekv.tasks.ruler.generators import make_sample, score_output  # noqa: E402
 
@@ -47,11 +49,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(TOOLS.parent / "sparsekv" / "checkpoints" / "probe"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=1800)
+    p.add_argument("--steps", type=int, default=2300)
     p.add_argument("--max-len", type=int, default=32768, help="longest context, in tokens")
-    p.add_argument("--min-len", type=int, default=512, help="shortest context, in tokens")
+    p.add_argument("--min-len", type=int, default=1024, help="shortest context, in tokens")
     p.add_argument("--tasks", default=",".join(TASK_WEIGHTS), help="comma-separated tasks to train on")
-    p.add_argument("--ramp", type=float, default=0.4, help="fraction of the steps over which lengths reach --max-len")
+    p.add_argument("--short-len", type=int, default=None,
+                   help="longest context of the short phase (default 2048, or --max-len if smaller)")
+    p.add_argument("--short-frac", type=float, default=0.8,
+                   help="fraction of the steps spent at --min-len to --short-len before the ramp")
+    p.add_argument("--ramp", type=float, default=0.07,
+                   help="fraction of the steps over which the longest length doubles from --short-len to --max-len")
+    p.add_argument("--frontier-share", type=float, default=0.5,
+                   help="share of micro-batches drawn from the top two octaves reached (the rest: any length reached)")
     p.add_argument("--micro-tokens", type=int, default=32768, help="prompt tokens per micro-batch (>= --max-len)")
     p.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
     p.add_argument("--hidden", type=int, default=512)
@@ -72,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=25)
     args = p.parse_args(argv)
     args.tasks = [t for t in args.tasks.split(",") if t]
+    if args.short_len is None:
+        args.short_len = max(args.min_len, min(2048, args.max_len))
     unknown = [t for t in args.tasks if t not in TASK_WEIGHTS]
     if unknown or not args.tasks:
         p.error(f"--tasks {','.join(unknown) or '(none)'}: choose from {','.join(TASK_WEIGHTS)}")
@@ -80,6 +91,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               (args.micro_tokens >= args.max_len, f"--micro-tokens {args.micro_tokens} is below --max-len "
                                                   f"{args.max_len}; raise it to at least --max-len"),
               (0 < args.ramp <= 1, f"--ramp {args.ramp} must be in (0, 1]"),
+              (args.min_len <= args.short_len <= args.max_len, f"--short-len {args.short_len} must lie between "
+                                                              f"--min-len {args.min_len} and --max-len {args.max_len}"),
+              (0 <= args.short_frac and args.short_frac + args.ramp <= 1,
+               f"--short-frac {args.short_frac} + --ramp {args.ramp} must lie in [0, 1]"),
+              (0 <= args.frontier_share <= 1, f"--frontier-share {args.frontier_share} must be in [0, 1]"),
               (args.heads % args.kv_heads == 0, f"--heads {args.heads} must be a multiple of --kv-heads "
                                                 f"{args.kv_heads}"),
               (args.max_len + 64 <= 65536, f"--max-len {args.max_len} leaves no room for the answer below 65536 "
@@ -151,10 +167,11 @@ def random_micro(length: int, args: argparse.Namespace, vocab: int) -> dict:
             "weights": torch.ones(39), "answer": torch.ones(39, dtype=torch.bool)}
 
 
-def fast_attention(model, args: argparse.Namespace, device: torch.device, plan) -> Callable:
+def fast_attention(model, args: argparse.Namespace, device: torch.device, plan, budget_s: float) -> Callable:
     """On CUDA, attention must run in a flash/efficient kernel: the math fallback needs tens of GB at 32K. One
     forward and backward at each end of the plan's lengths checks that (HF's GQA path first, then with K/V
-    repeated), times them and estimates the training time. Returns the context manager for the steps."""
+    repeated), times them and estimates the training time, with a warning when it exceeds budget_s (the time
+    left before training must stop). Returns the context manager for the steps."""
     if device.type != "cuda":
         return contextlib.nullcontext
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -190,6 +207,10 @@ def fast_attention(model, args: argparse.Namespace, device: torch.device, plan) 
     estimate = sum(short + (long - short) * (length - args.min_len) / span for length, _ in plan)
     print(f"preflight: a micro-batch takes {short:.3f} s at length {args.min_len}, {long:.3f} s at {args.max_len}; "
           f"{len(plan)} micro-batches: about {estimate:.0f} s of training", flush=True)
+    if estimate > budget_s:
+        fitting = int(args.steps * budget_s / estimate)
+        print(f"preflight: warning: {estimate:.0f} s exceed the {budget_s:.0f} s --time-limit-min leaves for "
+              f"training; the run will stop early, in its long phase: pass --steps {fitting} or less", flush=True)
     return context
 
 
@@ -335,7 +356,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.heads}/{args.kv_heads}x{args.head_dim}; {args.steps} steps x {args.accum} micro-batches of "
           f"{args.micro_tokens} tokens, lengths {args.min_len}-{args.max_len}; device {device}, "
           f"{args.workers} data workers", flush=True)
-    attention = fast_attention(model, args, device, plan)
+    print(f"plan: {plan_summary(plan, args.micro_tokens)}", flush=True)
+    attention = fast_attention(model, args, device, plan, deadline - time.time())
     loader = make_loader(plan, args.workers, pin=device.type == "cuda", tail_weight=args.tail_weight)
     progress = train(args, model, loader, device, attention, deadline, t0)
     with torch.no_grad():  # parameters only: the rotary inv_freq buffer stays float32, as loaders rebuild it

@@ -56,8 +56,9 @@ def bpe(tmp_path_factory):
 
 
 def _items(tokenizer, ids: list[int]) -> collections.Counter:
-    """Words and whole numbers of a prompt (the probe tokenizer decodes digits spaced: "1 2 3")."""
-    text = re.sub(r"(?<=\d) (?=\d)", "", tokenizer.decode(ids, skip_special_tokens=True))
+    """Words and whole numbers of a prompt (the probe tokenizer decodes digits and a name's letters spaced:
+    "1 2 3", "R J S U Q")."""
+    text = re.sub(r"(?<=\d) (?=\d)|(?<=\b[A-Z]) (?=[A-Z]\b)", "", tokenizer.decode(ids, skip_special_tokens=True))
     return collections.Counter(re.findall(r"[A-Za-z]+|\d+", text))
 
 
@@ -104,6 +105,14 @@ def test_probe_tokenizer_knows_every_word_and_round_trips_answers(probe):
         assert probe.unk_token_id not in answer_ids
         assert sample.max_new_tokens >= len(answer_ids)
         assert score_output(sample, probe.decode(answer_ids)) == 1.0
+
+
+def test_probe_tokenizer_spells_variable_names(probe):
+    name = make_sample("variable_tracking", probe, 1024, seed=0).answers[0]
+    assert probe.tokenize(f"VAR {name} = VAR {name}.") == ["VAR", *name, "=", "VAR", *name, "."]
+    assert probe.tokenize("The A I What Question Answer") == ["The", "A", "I", "What", "Question", "Answer"]
+    vocab = probe.get_vocab()
+    assert not any(name in vocab for name in words.VAR_NAMES)
 
 
 def test_score_counts_the_fraction_of_answers_found(probe):

@@ -82,18 +82,42 @@ def test_checkpoint_generates_in_sparsekv(trained):
 
 
 def test_plan_is_seeded_held_out_and_follows_the_curriculum(train_probe, probe_data):
-    args = train_probe.parse_args(["--steps", "20", "--max-len", "8192", "--min-len", "512", "--accum", "2",
-                                   "--ramp", "0.5"])
+    argv = ["--steps", "20", "--max-len", "8192", "--min-len", "512", "--accum", "2", "--short-frac", "0",
+            "--short-len", "512", "--ramp", "0.5"]  # no short phase: the ramp starts at --min-len
+    args = train_probe.parse_args(argv)
     plan = probe_data.micro_plan(args)
     assert plan == probe_data.micro_plan(args) and len(plan) == 40
-    assert plan != probe_data.micro_plan(train_probe.parse_args(["--seed", "1", "--steps", "20", "--max-len",
-                                                                  "8192", "--min-len", "512", "--accum", "2",
-                                                                  "--ramp", "0.5"]))
+    assert plan != probe_data.micro_plan(train_probe.parse_args(["--seed", "1", *argv]))
     lengths = [length for length, _ in plan]
     assert lengths[:2] == [512, 512] and max(lengths[20:]) == 8192 and 8192 not in lengths[:10]
     for length, samples in plan:
         assert len(samples) == args.micro_tokens // length
         assert all(seed >= probe_data.TRAIN_SEED_BASE for _, seed in samples)
+
+
+def test_short_phase_comes_first_then_the_ramp_reaches_max_len(train_probe, probe_data):
+    args = train_probe.parse_args(["--steps", "40", "--max-len", "16384", "--min-len", "1024", "--short-frac",
+                                   "0.5", "--ramp", "0.25", "--frontier-share", "1"])
+    assert args.short_len == 2048  # the default
+    assert train_probe.parse_args(["--max-len", "1024", "--min-len", "512"]).short_len == 1024
+    lengths = [length for length, _ in probe_data.micro_plan(args)]
+    short, ramp, full = lengths[:80], lengths[80:120], lengths[120:]
+    assert set(short) == {1024, 1536, 2048}
+    assert max(ramp) < 16384 and max(ramp) > 2048
+    assert min(full) >= 6144 and 16384 in full  # --frontier-share 1: the top two octaves only
+    record = probe_data.plan_summary(probe_data.micro_plan(args))
+    assert record.startswith("160 micro-batches") and "cost model" in record
+    # the cost model: a 32K-token micro-batch at 32K costs (0.02 + 5.1e-6 * 32768) s
+    assert probe_data.plan_seconds([(32768, [("niah_single", 0)])]) == pytest.approx(0.187, abs=1e-3)
+
+
+def test_default_plan_fits_the_time_budget(train_probe, probe_data):
+    args = train_probe.parse_args([])
+    plan = probe_data.micro_plan(args)
+    # about 8.8 minutes in all: start-up, training, save and evaluation
+    assert probe_data.plan_seconds(plan, args.micro_tokens) < 400
+    assert sum(len(samples) for _, samples in plan) > 150_000
+    assert max(length for length, _ in plan) == args.max_len
 
 
 def test_micro_batch_targets_are_the_answer_then_eos(probe_data):
@@ -148,6 +172,12 @@ def test_bad_arguments_fail_before_training(train_probe, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_probe.parse_args(["--max-len", "4096", "--micro-tokens", "1024"])
     assert "--micro-tokens 1024 is below --max-len 4096" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_probe.parse_args(["--short-frac", "0.7", "--ramp", "0.4"])
+    assert "--short-frac 0.7 + --ramp 0.4 must lie in [0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_probe.parse_args(["--short-len", "512"])
+    assert "--short-len 512 must lie between --min-len 1024" in capsys.readouterr().err
     foreign = tmp_path / "notes"
     foreign.mkdir()
     (foreign / "thesis.txt").write_text("keep me")
