@@ -11,7 +11,9 @@ num_stages (FMA path: > 1 pipelines the K loop with cp.async), the split rule (n
 then tensor-core (tl.dot, x padded to 16 rows) rows. Round 1 holds the other shapes at today's default; round 2
 (--rounds 2) at their round-1 best. Each candidate is checked against the fp32 reference on its shape first.
 
-    python tools/tune_gemv_chain.py OUT_DIR [--rounds 1] [--search-pdl 1] [--layers 36] [--quick]
+    python tools/tune_gemv_chain.py OUT_DIR [--model qwen3_4b] [--tp 1] [--rounds 1] [--search-pdl 1] [--quick]
+
+--model / --tp tune another model's shapes, or one tensor-parallel rank's shards (e.g. --model qwen3_8b --tp 2).
 
 Writes OUT_DIR/gemv_chain.jsonl (every timing) and OUT_DIR/gemv_chain_summary.txt; prints the best row per shape,
 the chain with all best rows vs the default (PDL off and on), and a SHAPE_CONFIGS line to paste into gemv.py.
@@ -33,10 +35,33 @@ from sparsekv.kernels import gemv as G
 
 PDL = False  # the chain's kernels launch with programmatic dependent launch (set_pdl)
 
-HIDDEN, Q_OUT, INTER, VOCAB, LAYERS = 2560, 4096, 9728, 151936, 36
+HIDDEN, Q_OUT, INTER, VOCAB, LAYERS = 2560, 4096, 9728, 151936, 36  # Qwen3-4B; set_model() changes them
 # shape class -> W [N, K]
 SHAPES = {"qkv": (Q_OUT + 2048, HIDDEN), "o": (HIDDEN, Q_OUT), "gate_up": (2 * INTER, HIDDEN),
           "down": (HIDDEN, INTER), "lm_head": (VOCAB, HIDDEN)}
+MODEL_CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
+
+
+def set_model(name: str, tp: int) -> None:
+    """The shapes one tensor-parallel rank of conf/model/NAME.yaml streams: q/k/v, gate/up and lm_head split by
+    output rows, o_proj and down_proj by input columns; KV heads replicated when fewer than the ranks."""
+    global HIDDEN, Q_OUT, INTER, VOCAB, LAYERS, SHAPES
+    import yaml
+
+    path = MODEL_CONF / f"{name}.yaml"
+    if not path.is_file():
+        raise SystemExit(f"--model {name}: no {path}; choose from "
+                         f"{', '.join(sorted(p.stem for p in MODEL_CONF.glob('*.yaml')))}")
+    m = yaml.safe_load(path.read_text())
+    heads, kv_heads, d = m["num_attention_heads"], m["num_key_value_heads"], m.get("head_dim") or (
+        m["hidden_size"] // m["num_attention_heads"])
+    if heads % tp or m["intermediate_size"] % tp or m["vocab_size"] % tp:
+        raise SystemExit(f"--tp {tp} does not divide {name}'s heads / intermediate size / vocabulary")
+    kv_per_rank = max(1, kv_heads // tp)
+    HIDDEN, Q_OUT, INTER = m["hidden_size"], heads // tp * d, m["intermediate_size"] // tp
+    VOCAB, LAYERS = m["vocab_size"] // tp, m["num_hidden_layers"]
+    SHAPES = {"qkv": (Q_OUT + 2 * kv_per_rank * d, HIDDEN), "o": (HIDDEN, Q_OUT), "gate_up": (2 * INTER, HIDDEN),
+              "down": (HIDDEN, INTER), "lm_head": (VOCAB, HIDDEN)}
 DEFAULT_ROW = (False, 16, 256, 4, 1, None)  # CONFIGS' M = 1 row with the split heuristic: today's launch
 FMA_AXES = {"block_n": (8, 16, 32), "block_k": (128, 256, 512), "num_warps": (2, 4, 8), "num_stages": (1, 2, 3, 4)}
 AXIS_INDEX = {"block_n": 1, "block_k": 2, "num_warps": 3, "num_stages": 4}
@@ -126,10 +151,10 @@ class Chain:
     def run(self) -> torch.Tensor:
         x = self.x0  # [1, HIDDEN]
         for layer in self.layers:
-            qkv = G.skinny_linear(x, layer["qkv"], pdl=PDL)  # [1, 6144]
-            o = G.skinny_linear(qkv[:, :Q_OUT], layer["o"], pdl=PDL)  # [1, 2560]
-            gate_up = G.skinny_linear(o, layer["gate_up"], pdl=PDL)  # [1, 19456]
-            x = G.silu_mul_linear(gate_up, layer["down"], pdl=PDL)  # [1, 2560]
+            qkv = G.skinny_linear(x, layer["qkv"], pdl=PDL)  # [1, Q_OUT + KV_OUT]
+            o = G.skinny_linear(qkv[:, :Q_OUT], layer["o"], pdl=PDL)  # [1, HIDDEN]
+            gate_up = G.skinny_linear(o, layer["gate_up"], pdl=PDL)  # [1, 2 * INTER]
+            x = G.silu_mul_linear(gate_up, layer["down"], pdl=PDL)  # [1, HIDDEN]
         return G.skinny_linear(x, self.lm_head, pdl=PDL)  # [1, VOCAB]
 
     def time_ms(self, replays: int, blocks: int) -> float:
@@ -181,7 +206,9 @@ def check_row(name: str, row: tuple, device: torch.device) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path, help="directory for gemv_chain.jsonl and gemv_chain_summary.txt")
-    parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--model", default="qwen3_4b", help="a conf/model name: its shapes are tuned")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size: tune one rank's shard shapes")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers in the chain (default: the model's)")
     parser.add_argument("--rounds", type=int, default=1, help="coordinate-descent rounds (2: others at round-1 best)")
     parser.add_argument("--search-pdl", type=int, default=1, choices=(0, 1), help="PDL during the search")
     parser.add_argument("--replays", type=int, default=10)
@@ -189,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="shape classes to tune (comma-separated)")
     parser.add_argument("--quick", action="store_true", help="BLOCK_N, BLOCK_K, split and 2 tensor-core rows only")
     args = parser.parse_args(argv)
+    set_model(args.model, args.tp)
+    args.layers = args.layers or LAYERS
     if not torch.cuda.is_available():
         parser.error("needs CUDA (the chain is timed as a CUDA graph)")
     names = [s for s in args.shapes.split(",") if s]
