@@ -280,6 +280,18 @@ def paste_line(shapes: list[Shape], record: dict) -> str:
     return comment + "\n" + entry
 
 
+def sweep(shape: Shape, configs: list, run: Run) -> None:
+    """Time every config on the shape (skipping what the time budget no longer allows), then the references."""
+    for config in configs:
+        if run.over_budget():
+            shape.add(label(config), None, {"ok": False, "error": "skipped: --budget-s spent"})
+            continue
+        time_candidate(shape, config, run)
+        run.save()
+    time_references(shape, run)
+    report(shape)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="JSON file with every number")
@@ -310,14 +322,7 @@ def main() -> None:
     run.small = SmallCase(run)
     first_spec, *rest_spec = shapes_spec
     first = Shape(*first_spec, run)
-    for config in [DEFAULT] + candidates(args):
-        if run.over_budget():
-            first.add(label(config), None, {"ok": False, "error": "skipped: --budget-s spent"})
-            continue
-        time_candidate(first, config, run)
-        run.save()
-    time_references(first, run)
-    report(first)
+    sweep(first, [DEFAULT] + candidates(args), run)
     ranked = sorted((r for r in first.rows if r.get("ok") and r["tflops"]), key=lambda r: -r["tflops"])
     best = {r["name"] for r in ranked[:args.finalists]}
     finalists = [DEFAULT] + [c for c in candidates(args) if label(c) in best]
@@ -328,14 +333,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         shape = Shape(*spec, run)
         shapes.append(shape)
-        for config in finalists:
-            if run.over_budget():
-                shape.add(label(config), None, {"ok": False, "error": "skipped: --budget-s spent"})
-                continue
-            time_candidate(shape, config, run)
-            run.save()
-        time_references(shape, run)
-        report(shape)
+        sweep(shape, finalists, run)
         del shape.q, shape.k, shape.v, shape.ref
     paste = paste_line(shapes, run.record)
     run.record.update(paste=paste, status="done", seconds=time.perf_counter() - run.t0)
