@@ -34,6 +34,7 @@ SECTIONS = {
     "quest": "Quest decode at 128K, offloaded",
     "prefill": "Prefill, full attention",
     "sparse_prefill": "Sparse prefill at 128K, GPU-resident, structured dummy weights",
+    "sparse_prefill_scaling": "Sparse prefill from 128K to 1M, offloaded, structured dummy weights",
     "quality": "Sparse prefill quality at 32K on planted inputs",
     "memory": "GPU memory against context, offloaded",
     "capacity": "Capacity",
@@ -278,6 +279,7 @@ TP: list[Column] = [
     ("prefill scaling efficiency vs TP=1", lambda r, ids: _vs_tp1(r, ids, "prefill_seconds")),
 ]
 COLUMNS = {"decode": DECODE, "offload": DECODE, "quest": QUEST, "prefill": PREFILL, "sparse_prefill": SPARSE,
+           "sparse_prefill_scaling": SPARSE,
            "quality": QUALITY, "memory": MEMORY, "capacity": CAPACITY, "hierarchy": HIERARCHY, "tp": TP}
 
 

@@ -10,8 +10,12 @@
 #   decode          GPU-resident graphed decode at 4K, batch 1 / 8 / 32                                      ~1.5 min
 #   offload         offloaded full decode at 8K (whole-step graph and segmented), 32K and 128K with HF beside ~5 min
 #   quest           Quest decode at 128K (every layer selecting; the default 2 dense layers) beside full      ~3 min
-#   prefill         32K prefill resident (one chunk) and offloaded with HF beside it; 128K offloaded           ~3 min
+#   prefill         32K and 128K prefill resident and offloaded, HF beside the resident rows               ~4 min
 #   sparse_prefill  128K resident prefill on structured weights: full, minference_band, xattn_bsa_090 presets ~4 min
+#   sparse_prefill_scaling  minference and xattn_bsa (default settings) beside full attention at 128K, 256K and 512K
+#                   (SCALING_CONTEXTS), offloaded, structured dummy weights                              ~10 min
+#   sparse_prefill_1m minference and xattn_bsa at 1M tokens with the fp8 host tier (full attention at 1M takes
+#                   longer than a 10-minute limit: its time is the 512K row's x4 by the causal FLOPs)    ~10 min
 #   quality         the sparse prefill presets' density, error and needle hits at 32K on planted inputs       ~6 min
 #   memory          GPU peak and host RSS of offloaded runs at 32K, 128K and 512K                             ~6 min
 #   capacity        the longest context the default host pool holds (prefill alone ~6 min)                    ~10 min
@@ -165,7 +169,8 @@ section_prefill() {  # full-attention prefill; HF transformers beside the 32K ro
     bench prefill none-32k-1chunk-hf "${MODEL[@]}" offload=none task.context=32768 \
         scheduler.max_num_batched_tokens=32768 task.decode_steps=4 task.baseline=true
     bench prefill cpu-32k-hf "${MODEL[@]}" offload=cpu task.context=32768 task.decode_steps=4 task.baseline=true
-    bench prefill cpu-128k "${MODEL[@]}" offload=cpu task.context=131072 task.decode_steps=4
+    bench prefill none-128k-hf "${MODEL[@]}" offload=none task.context=131072 task.decode_steps=4 task.baseline=true
+    VS=prefill/none-128k-hf bench prefill cpu-128k "${MODEL[@]}" offload=cpu task.context=131072 task.decode_steps=4
 }
 
 section_sparse_prefill() {  # 128K, GPU-resident, weights with planted attention structure; each preset against full
@@ -178,6 +183,26 @@ section_sparse_prefill() {  # 128K, GPU-resident, weights with planted attention
         policy.vertical_size=300 policy.slash_size=2048
     VS=sparse_prefill/full bench sparse_prefill xattn_bsa_090 "${S[@]}" policy=xattn_bsa_090
     VS=sparse_prefill/full bench sparse_prefill xattn_bsa_090-stride16 "${S[@]}" policy=xattn_bsa_090 policy.stride=16
+}
+
+section_sparse_prefill_scaling() {  # sparse prefill from 128K to 512K beside full attention, structured weights, offloaded
+    local ctx policy
+    for ctx in ${SCALING_CONTEXTS:-131072 262144 524288}; do
+        local S=("${STRUCTURED[@]}" offload=cpu task.context="$ctx" task.decode_steps=2)
+        BENCH_TIMEOUT=300 bench sparse_prefill_scaling "full-$ctx" "${S[@]}" policy=full
+        for policy in minference xattn_bsa; do
+            VS="sparse_prefill_scaling/full-$ctx" BENCH_TIMEOUT=300 bench sparse_prefill_scaling "$policy-$ctx" \
+                "${S[@]}" policy="$policy"
+        done
+    done
+}
+
+section_sparse_prefill_1m() {  # 1M tokens with the fp8 host tier (144 GiB of bf16 KV would not fit the host)
+    local S=("${STRUCTURED[@]}" offload=cpu offload.host_dtype=float8_e4m3fn task.context=1048576 task.decode_steps=2)
+    local policy
+    for policy in minference xattn_bsa; do
+        BENCH_TIMEOUT=560 bench sparse_prefill_scaling "$policy-1048576-fp8" "${S[@]}" policy="$policy"
+    done
 }
 
 section_quality() {  # the sparse prefill presets on planted inputs at 32K: density, error, needle hits
@@ -328,7 +353,8 @@ section_summary() {
     tar czf "$OUT/records.tgz" -C "$OUT" records
 }
 
-SECTIONS="info tests decode offload quest prefill sparse_prefill quality memory capacity"
+SECTIONS="info tests decode offload quest prefill sparse_prefill sparse_prefill_scaling sparse_prefill_1m quality"
+SECTIONS="$SECTIONS memory capacity"
 SECTIONS="$SECTIONS hierarchy hierarchy_512k hierarchy_batch capacity_fp8 hierarchy_cached_batch ruler_policies tp summary"
 [ $# -gt 0 ] || set -- info decode offload quest prefill sparse_prefill memory summary
 for SECTION in "$@"; do
