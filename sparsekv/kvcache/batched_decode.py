@@ -3,8 +3,9 @@
 When every full block a decode batch may attend sits in the GPU block cache (or is loaded into it: one batch of
 host copies per layer), the batch needs no ring and no per-sequence pipeline: each sequence's attended blocks are a
 row of cache slot ids, and the paged decode kernel attends all rows at once over the cache (sequences of any
-lengths; a sequence with no full block has length 0; fp8 host tier: fp8 pages dequantized on load by their scales). The unfinished blocks are a second paged call over the
-decode buffer (block row * L + layer of each sequence), and the two partials merge by log-sum-exp.
+lengths; a sequence with no full block has length 0; with the fp8 host tier the pages are fp8, dequantized on load
+by their scales). The unfinished blocks are a second paged call over the decode buffer (block row * L + layer of
+each sequence), and the two partials merge by log-sum-exp.
 
 Selections: None per sequence (full attention) builds the slot table on the host. A selecting policy chooses for
 the whole batch in one call per layer (SparsePolicy.select_blocks_batch); its device-tensor choices are mapped to

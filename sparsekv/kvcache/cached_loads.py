@@ -29,11 +29,11 @@ class CachedLoads:
     def cached_block_groups(self, layer: int, cpu_blocks: list[int], group_size: int | None = None
                             ) -> Iterator[tuple[torch.Tensor, torch.Tensor, Scales | None, list[int], int | None]]:
         """Like stream_block_groups through the GPU block cache: yields (k, v [n * block_size, KVH, D], their K and V
-        scales [n, KVH] (fp8 host tier, else None), blocks, first ring slot or None) in the order of `cpu_blocks`. Without group_size a group is a run of blocks in
-        consecutive cache slots, or up to half the ring of blocks the cache could not take; with group_size every
-        group is exactly the next group_size blocks, read in place when they sit in consecutive cache slots, else
-        copied into the ring (cached blocks device to device). The caller calls record_slots_compute_done for a
-        group with a ring slot after reading it."""
+        scales [n, KVH] (fp8 host tier, else None), blocks, first ring slot or None) in the order of `cpu_blocks`.
+        Without group_size a group is a run of blocks in consecutive cache slots, or up to half the ring of blocks
+        the cache could not take; with group_size every group is exactly the next group_size blocks, read in place
+        when they sit in consecutive cache slots, else copied into the ring (cached blocks device to device). The
+        caller calls record_slots_compute_done for a group with a ring slot after reading it."""
         slots = self.cache_slots(layer, cpu_blocks)
         size = group_size or max(1, self.num_slots // 2)
         groups: list[tuple[list[int], list[int | None]]] = []
