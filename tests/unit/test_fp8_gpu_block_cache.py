@@ -100,8 +100,12 @@ def test_ring_groups_of_cached_blocks_carry_their_scales():
     groups() dequantizes cache runs and ring groups alike."""
     engine = _engine(cache_slots=3)
     engine.begin_step()
-    scaled = [(ids, k.float().unflatten(0, (-1, BS)) * s[0][:, None, :, None])
-              for (ids, k, _), s in RingReader(engine, layer=0).scaled_groups([2, 0, 1], group_size=2)]
+    scaled = []
+    for (ids, k, _), (k_scale, _) in RingReader(engine, layer=0).scaled_groups([2, 0, 1], group_size=2):
+        host = torch.cat([engine.fp8._host_scales(0, block, 1)[0] for block in ids])  # [n, KVH]
+        assert torch.equal(k_scale, host)
+        scaled.append((ids, k.float().unflatten(0, (-1, BS)) * k_scale[:, None, :, None]))
+    assert engine.transfer_stats["h2d_blocks"] == 0  # [2, 0] copied from the cache into the ring, [1] in place
     plain = list(RingReader(engine, layer=0).groups([2, 0, 1], group_size=2))
     assert [ids for ids, _ in scaled] == [ids for ids, _, _ in plain] == [[2, 0], [1]]
     for (_, want), (_, k, _) in zip(scaled, plain):
