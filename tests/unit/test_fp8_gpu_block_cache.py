@@ -153,11 +153,12 @@ def test_fp8_cache_gives_the_uncached_tokens(qwen3_ckpt, uncached, policy, slots
         assert paths["staged"] > 0  # the batch through the ring, its cached blocks device to device
 
 
+@pytest.mark.parametrize("policy", ["full", "quest"])
 @pytest.mark.parametrize("graph", ["cudagraph", "segmented"])
-def test_fp8_cache_under_emulated_graphs(qwen3_ckpt, uncached, graph):
+def test_fp8_cache_under_emulated_graphs(qwen3_ckpt, uncached, policy, graph):
     for slots in (64, 2):
-        llm, got = generate(qwen3_ckpt, cache_gib(slots), *QUEST, graph=graph)
-        assert got == uncached["quest"], slots
+        llm, got = generate(qwen3_ckpt, cache_gib(slots), *(QUEST if policy == "quest" else []), graph=graph)
+        assert got == uncached[policy], slots
         assert llm.engine.runner.graph_runner.replayed_steps > 0
 
 
