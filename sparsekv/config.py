@@ -122,8 +122,9 @@ class HostOffloadConfig:
     host_pool_gib: Optional[float] = bounded(None, gt=0)  # host KV limit; null: 90% of MemAvailable less 4 GiB
     prefill_mode: PrefillMode = PrefillMode.chunked  # layerwise: the whole prompt per layer, then offload
     host_dtype: HostDType = HostDType.auto  # KV in host memory (and over PCIe): the model dtype or fp8 + scales
-    # GPU block cache of host blocks (sparsekv/kvcache/gpu_block_cache.py): "auto" (CUDA: the device memory left
-    # after weights, ring, buffers and graphs, less a margin; CPU devices: off), 0 (off), or a size in GiB
+    # GPU block cache of host blocks, held as the host holds them (fp8 + scales with host_dtype fp8;
+    # sparsekv/kvcache/gpu_block_cache.py): "auto" (CUDA: the device memory left after weights, ring, buffers and
+    # graphs, less a margin; CPU devices: off), 0 (off), or a size in GiB
     gpu_cache_gib: Any = "auto"
 
 

@@ -9,7 +9,7 @@ import numbers
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from sparsekv.config import OFFLOAD_SCHEMAS, Config, ConfigError, HostDType, parse_gpu_cache_gib
+from sparsekv.config import OFFLOAD_SCHEMAS, Config, ConfigError, parse_gpu_cache_gib
 from sparsekv.errors import PolicyConfigError
 from sparsekv.sampling_params import SamplingParams
 from sparsekv.tasks.config import TASK_SCHEMAS
@@ -157,12 +157,7 @@ def check_config(cfg: DictConfig) -> DictConfig:
     check_selections(cfg)
     check_ranges(cfg)
     if "gpu_cache_gib" in cfg.offload:
-        gib = parse_gpu_cache_gib(cfg.offload.gpu_cache_gib)
-        host_dtype = HostDType(cfg.offload.get("host_dtype", HostDType.auto)).value
-        if gib not in (None, 0.0) and host_dtype != HostDType.auto.value:
-            raise ConfigError(f"offload.gpu_cache_gib={cfg.offload.gpu_cache_gib} cannot be used with "
-                              f"offload.host_dtype={host_dtype}: the GPU block cache holds model-dtype blocks; set "
-                              "offload.gpu_cache_gib=0 (or auto) or offload.host_dtype=auto")
+        parse_gpu_cache_gib(cfg.offload.gpu_cache_gib)
     try:
         SamplingParams(**OmegaConf.to_container(cfg.sampling))
     except ValueError as exc:

@@ -174,15 +174,17 @@ GPU_CACHE_MARGIN = 2 * GIB  # device memory gpu_cache_gib=auto leaves free (grap
 
 
 def gpu_cache_slots(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                    max_model_len: int, host_blocks: int) -> int:
+                    max_model_len: int, host_blocks: int, host_dtype: torch.dtype | None = None) -> int:
     """Slots per layer of the GPU block cache (offload.gpu_cache_gib): auto is the device memory left after the
     weights (loaded by now), the ring, the prefill and decode buffers and the activations, less GPU_CACHE_MARGIN,
     on CUDA, and no cache on a CPU device; never more than the host pool or max_num_seqs full-length sequences
-    can use."""
+    can use. Blocks are counted as the host holds them (`host_dtype`, default the model's: fp8 bytes plus scales
+    with the fp8 host tier), which is how the cache and the ring hold them."""
     offload = cfg.offload
     gib = parse_gpu_cache_gib(offload.get("gpu_cache_gib", "auto"))
     layers = spec.num_hidden_layers
-    block_bytes = kv_block_bytes(cfg, spec, dtype) // layers  # K and V of one block of one layer
+    block_bytes = host_block_bytes(layers, offload.block_size, spec.num_key_value_heads, spec.head_dim,
+                                   host_dtype or dtype) // layers  # K and V of one block of one layer
     useful = min(host_blocks, cfg.scheduler.max_num_seqs * -(-max_model_len // offload.block_size))
     if gib is None:
         if device.type != "cuda":
@@ -227,10 +229,8 @@ def build_kv_store(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device:
         share = total / tp.size
         blocks = tp.agree_min(max(0, int(share // block_bytes)), device)
         host_pool_gib = (blocks + 0.5) * block_bytes / GIB  # exactly `blocks` blocks (host_pool_blocks rounds down)
-    cache_slots = 0
-    if host_dtype == dtype:  # the GPU block cache holds model-dtype blocks: none with the fp8 host tier
-        cache_slots = gpu_cache_slots(cfg, spec, dtype, device, max_model_len, host_pool_blocks(host_pool_gib,
-                                                                                                 block_bytes))
+    cache_slots = gpu_cache_slots(cfg, spec, dtype, device, max_model_len, host_pool_blocks(host_pool_gib, block_bytes),
+                                  host_dtype)
     store = OffloadKVStore(spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, offload.block_size,
                            offload.num_gpu_blocks, chunk, cfg.scheduler.max_num_seqs, host_pool_gib, dtype,
                            device, prefill_policy, decode_policy, initial_prefill_buffer,

@@ -1,10 +1,13 @@
-"""Argument checks shared by the attention launchers (dense, decode, paged, sparse): q [Sq, H, D], k/v [Sk, KVH, D]."""
+"""Argument checks shared by the attention launchers (dense, decode, paged, sparse): q [Sq, H, D], k/v [Sk, KVH, D];
+the paged decode's (q [B, H, D] over pages [num_blocks, block_size, KVH, D], fp8 pages with their scales)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["check_qkv"]
+from .fp8_kv import FP8_DTYPE
+
+__all__ = ["check_paged_inputs", "check_qkv"]
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -27,3 +30,50 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v on different devices: {q.device}, {k.device}, {v.device}")
+
+
+def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """paged_decode_attention's arguments: q [B, H, D], k_cache/v_cache [num_blocks, block_size, KVH, D], block_tables
+    [B, max_blocks] and context_lens [B] int32/int64; with scales, fp8 pages (_check_scales)."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"expected q [B, H, D] and k_cache/v_cache [num_blocks, block_size, KVH, D]; got q "
+            f"{tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    B, H, D = q.shape
+    KVH = k_cache.shape[2]
+    if k_cache.shape[3] != D:
+        raise ValueError(f"head dim mismatch: q {tuple(q.shape)} vs k_cache {tuple(k_cache.shape)}")
+    if KVH == 0 or H % KVH != 0:
+        raise ValueError(f"q heads H={H} (q {tuple(q.shape)}) must be a multiple of kv heads "
+                         f"KVH={KVH} (k_cache {tuple(k_cache.shape)})")
+    if block_tables.dim() != 2 or block_tables.shape[0] != B:
+        raise ValueError(f"expected block_tables [B={B}, max_blocks_per_seq]; "
+                         f"got {tuple(block_tables.shape)}")
+    if tuple(context_lens.shape) != (B,):
+        raise ValueError(f"expected context_lens [B={B}]; got {tuple(context_lens.shape)}")
+    for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"expected {name} int32, got {t.dtype}")
+    if scales is not None:
+        _check_scales(q, k_cache, v_cache, scales)
+    elif not (q.dtype == k_cache.dtype == v_cache.dtype) or not q.dtype.is_floating_point:
+        raise ValueError(f"q, k_cache, v_cache must share one float dtype; got {q.dtype}, "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
+
+
+def _check_scales(q, k_cache, v_cache, scales) -> None:
+    """fp8 pages: k_cache/v_cache float8_e4m3fn, scales (k_scale, v_scale) [num_blocks, KVH] float32, same strides,
+    unit last stride; q of a float dtype of 16 bits or more."""
+    k_scale, v_scale = scales
+    if k_cache.dtype != FP8_DTYPE or v_cache.dtype != FP8_DTYPE or not q.dtype.is_floating_point \
+            or q.element_size() < 2:
+        raise ValueError(f"paged decode with scales: expected k_cache/v_cache {FP8_DTYPE} and q of a float dtype of "
+                         f"16 bits or more; got q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    want = (k_cache.shape[0], k_cache.shape[2])
+    if (tuple(k_scale.shape) != want or tuple(v_scale.shape) != want or k_scale.dtype != torch.float32
+            or v_scale.dtype != torch.float32 or k_scale.stride() != v_scale.stride() or k_scale.stride(1) != 1
+            or k_scale.device != q.device or v_scale.device != q.device):
+        raise ValueError(f"paged decode with scales: expected k_scale/v_scale {list(want)} float32 on {q.device} "
+                         f"(same strides, unit last stride); got {tuple(k_scale.shape)} {k_scale.dtype}, "
+                         f"{tuple(v_scale.shape)} {v_scale.dtype}")

@@ -25,6 +25,7 @@ from ._dispatch import (
     pdl_launch_options, pdl_wait, tl,
 )
 from .attention import SUPPORTED_HEAD_DIMS, flash_attn_with_lse_reference
+from .attention_checks import check_paged_inputs
 
 if TYPE_CHECKING:
     from .backend import KernelChoice
@@ -96,7 +97,7 @@ def _merge_group(
 
 @jit
 def _paged_decode_split_kernel(
-    Q, K, V, BT, CTX, OP, LP, O, L, CNT,
+    Q, K, V, BT, CTX, OP, LP, O, L, CNT, KS, VS, stride_sblk,
     stride_qb, stride_qh, stride_qd,
     stride_kblk, stride_kslot, stride_kh, stride_kd,
     stride_vblk, stride_vslot, stride_vh, stride_vd,
@@ -108,6 +109,7 @@ def _paged_decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -149,7 +151,14 @@ def _paged_decode_split_kernel(
                     mask=t_ok[:, None], other=0.0)  # [BLOCK_N, D]
         v = tl.load(v_base + page[:, None] * stride_vblk + slot[:, None] * stride_vslot,
                     mask=t_ok[:, None], other=0.0)  # [BLOCK_N, D]
-        s = exact_dot(q, tl.trans(k), None) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
+        if SCALED:  # fp8 pages, one scale per (page, kv head): dequantized here, on load
+            k_scale = tl.load(KS + page * stride_sblk + kv_head, mask=t_ok, other=0.0)  # [BLOCK_N]
+            v_scale = tl.load(VS + page * stride_sblk + kv_head, mask=t_ok, other=0.0)
+            k = k.to(q.dtype)  # exact: fp8 fits in q's dtype; the scale goes on the scores
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            s = exact_dot(q, tl.trans(k), None) * (k_scale * qk_scale)[None, :]
+        else:
+            s = exact_dot(q, tl.trans(k), None) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: tok[0] < end is always valid
         alpha = tl.exp2(m_i - m_new)
@@ -204,45 +213,24 @@ def _paged_decode_reduce_kernel(
                  num_splits, BLOCK_H=BLOCK_H, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, CHUNK=CHUNK)
 
 
-def _check_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"expected q [B, H, D] and k_cache/v_cache [num_blocks, block_size, KVH, D]; got q "
-            f"{tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
-    B, H, D = q.shape
-    KVH = k_cache.shape[2]
-    if k_cache.shape[3] != D:
-        raise ValueError(f"head dim mismatch: q {tuple(q.shape)} vs k_cache {tuple(k_cache.shape)}")
-    if KVH == 0 or H % KVH != 0:
-        raise ValueError(f"q heads H={H} (q {tuple(q.shape)}) must be a multiple of kv heads "
-                         f"KVH={KVH} (k_cache {tuple(k_cache.shape)})")
-    if block_tables.dim() != 2 or block_tables.shape[0] != B:
-        raise ValueError(f"expected block_tables [B={B}, max_blocks_per_seq]; "
-                         f"got {tuple(block_tables.shape)}")
-    if tuple(context_lens.shape) != (B,):
-        raise ValueError(f"expected context_lens [B={B}]; got {tuple(context_lens.shape)}")
-    for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
-        if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"expected {name} int32, got {t.dtype}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype) or not q.dtype.is_floating_point:
-        raise ValueError(f"q, k_cache, v_cache must share one float dtype; got {q.dtype}, "
-                         f"{k_cache.dtype}, {v_cache.dtype}")
-
-
 def paged_decode_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor,
-    softmax_scale: float | None = None,
+    softmax_scale: float | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure torch: gather each sequence's blocks and run the dense reference (Sq = 1)."""
-    _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    """Pure torch: gather each sequence's blocks (fp8 ones dequantized by their scales) and run the dense reference
+    (Sq = 1)."""
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, scales)
     B, H, D = q.shape
     block_size, KVH = k_cache.shape[1], k_cache.shape[2]
     outs, lses = [], []
     for b, n in enumerate(context_lens.tolist()):
         blocks = block_tables[b, : -(-n // block_size)].long()
-        k = k_cache[blocks].reshape(-1, KVH, D)[:n]  # [n, KVH, D]
-        v = v_cache[blocks].reshape(-1, KVH, D)[:n]
+        k, v = k_cache[blocks], v_cache[blocks]  # [nb, block_size, KVH, D]
+        if scales is not None:
+            k, v = ((x.float() * s[blocks][:, None, :, None]).to(q.dtype) for x, s in zip((k, v), scales))
+        k = k.reshape(-1, KVH, D)[:n]  # [n, KVH, D]
+        v = v.reshape(-1, KVH, D)[:n]
         o, lse = flash_attn_with_lse_reference(q[b][None], k, v, softmax_scale, causal=False)
         outs.append(o[0])  # [H, D]
         lses.append(lse[:, 0])  # [H]
@@ -293,7 +281,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor, context_lens: torch.Tensor,
     softmax_scale: float | None = None, *,
     max_context_len: int | None = None, num_splits: int | None = None, min_split_tokens: int | None = None,
-    kernels: KernelChoice | None = None,
+    kernels: KernelChoice | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over a paged cache.
 
@@ -305,12 +293,14 @@ def paged_decode_attention(
     Each sequence spreads its own context over at most that many splits of at least ``min_split_tokens`` keys
     (default: one tile), decided in the kernel from its length: a grid sized for a long max_context_len (a CUDA
     graph captured for max_model_len) still splits a short context evenly.
+    ``scales`` (k_scale, v_scale [num_blocks, KVH] float32): the pages are fp8 (sparsekv.kernels.fp8_kv), key j of
+    page p worth k_cache[p, j, h] * k_scale[p, h]; dequantized on load.
     """
-    _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, scales)
     kernels = kernels if kernels is not None else default_kernels(q.device)
     if not kernels.triton:
         return paged_decode_attention_reference(
-            q, k_cache, v_cache, block_tables, context_lens, softmax_scale)
+            q, k_cache, v_cache, block_tables, context_lens, softmax_scale, scales)
     B, H, D = q.shape
     page_size, KVH = k_cache.shape[1], k_cache.shape[2]
     if D not in SUPPORTED_HEAD_DIMS:
@@ -340,21 +330,22 @@ def paged_decode_attention(
     pdl = pdl_launch_options(kernels.pdl)
     common = dict(GROUP=group, BLOCK_G=max(MIN_GROUP_ROWS, next_power_of_2(group)), HEAD_DIM=D,
                   PAGE_SIZE=page_size, BLOCK_N=block_n, BLOCK_H=next_power_of_2(group), CHUNK=REDUCE_CHUNK,
-                  num_warps=NUM_WARPS, num_stages=stages, **pdl)
+                  SCALED=scales is not None, num_warps=NUM_WARPS, num_stages=stages, **pdl)
     args = (q, k_cache, v_cache, block_tables, context_lens)
+    scale_args = (q, q, 0) if scales is None else (*scales, scales[0].stride(0))
     strides = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride())
     out_strides = (*o.stride(), *lse.stride())
     grid = (B, KVH, num_splits)
     if num_splits == 1:
         _paged_decode_split_kernel[grid](
-            *args, o, lse, o, lse, lse, *strides, 0, 0, 0, 0, 0, 0, 0, *out_strides,
+            *args, o, lse, o, lse, lse, *scale_args, *strides, 0, 0, 0, 0, 0, 0, 0, *out_strides,
             scale * LOG2E, min_split, num_splits, DIRECT=True, BLOCK_S=2, **common)
         return o, lse
     o_part = alloc_output((B, H, num_splits, D), torch.float32, q.device)  # [B, H, S, D]
     lse_part = alloc_output((B, H, num_splits), torch.float32, q.device)  # [B, H, S] log2
     counters = split_counters(q.device, B * KVH)  # [>= B * KVH] int32, all 0
     _paged_decode_split_kernel[grid](
-        *args, o_part, lse_part, o, lse, counters, *strides, *o_part.stride(), *lse_part.stride(),
+        *args, o_part, lse_part, o, lse, counters, *scale_args, *strides, *o_part.stride(), *lse_part.stride(),
         *out_strides, scale * LOG2E, min_split, num_splits, DIRECT=False,
         BLOCK_S=max(2, next_power_of_2(num_splits)), **common)
     return o, lse

@@ -3,8 +3,9 @@
 When every full block a decode batch may attend sits in the GPU block cache (or is loaded into it: one batch of
 host copies per layer), the batch needs no ring and no per-sequence pipeline: each sequence's attended blocks are a
 row of cache slot ids, and the paged decode kernel attends all rows at once over the cache (sequences of any
-lengths; a sequence with no full block has length 0). The unfinished blocks are a second paged call over the
-decode buffer (block row * L + layer of each sequence), and the two partials merge by log-sum-exp.
+lengths; a sequence with no full block has length 0; with the fp8 host tier the pages are fp8, dequantized on load
+by their scales). The unfinished blocks are a second paged call over the decode buffer (block row * L + layer of
+each sequence), and the two partials merge by log-sum-exp.
 
 Selections: None per sequence (full attention) builds the slot table on the host. A selecting policy chooses for
 the whole batch in one call per layer (SparsePolicy.select_blocks_batch); its device-tensor choices are mapped to
@@ -38,8 +39,9 @@ def batched_decode_attention(engine: OffloadEngine, layer: int, q: torch.Tensor,
         table, lengths = _device_table(engine, flat, slots, selections)
     width = table.shape[0] // batch
     cache = engine.cache
-    o_cached, lse_cached = paged_decode_attention(
-        q, cache.k, cache.v, table.view(batch, width), lengths, scale, max_context_len=width * bs)  # [B, H, D], [H, B]
+    scales = cache.slot_scales(0, cache.num_slots)  # fp8 host tier: the cache's scales, dequantized on load
+    o_cached, lse_cached = paged_decode_attention(q, cache.k, cache.v, table.view(batch, width), lengths, scale,
+                                                  max_context_len=width * bs, scales=scales)  # [B, H, D], [H, B]
     o_tail, lse_tail = tail_attention(engine, q, scale, decode_slots, tail_lengths)
     return merge_attention_outputs(o_cached, lse_cached, o_tail, lse_tail)[0]
 

@@ -1,13 +1,17 @@
 """CachedLoads: the GPU block cache's side of the OffloadEngine (sparsekv/kvcache/gpu_block_cache.py holds the
 cache's bookkeeping). Host blocks of a layer are looked up in the cache, misses are copied from the host into
 their cache slots, runs of consecutive cache slots are read in place, blocks the cache cannot take go through the
-ring, and offloaded blocks are written through. Mixed into OffloadEngine, whose streams, ring and host pool it uses."""
+ring, and offloaded blocks are written through. With the fp8 host tier every copy carries the blocks' scales too
+(host -> cache, cache -> ring, write-through) and groups come with their scales. Mixed into OffloadEngine, whose
+streams, ring and host pool it uses."""
 from __future__ import annotations
 
 from collections import deque
 from typing import Iterator
 
 import torch
+
+Scales = tuple[torch.Tensor, torch.Tensor]  # K and V scales [n, KVH] float32 of fp8 blocks
 
 
 class CachedLoads:
@@ -23,13 +27,13 @@ class CachedLoads:
         return slots
 
     def cached_block_groups(self, layer: int, cpu_blocks: list[int], group_size: int | None = None
-                            ) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[int], int | None]]:
-        """Like stream_block_groups through the GPU block cache: yields (k, v [n * block_size, KVH, D], blocks,
-        first ring slot or None) in the order of `cpu_blocks`. Without group_size a group is a run of blocks in
-        consecutive cache slots, or up to half the ring of blocks the cache could not take; with group_size every
-        group is exactly the next group_size blocks, read in place when they sit in consecutive cache slots, else
-        copied into the ring (cached blocks device to device). The caller calls record_slots_compute_done for a
-        group with a ring slot after reading it."""
+                            ) -> Iterator[tuple[torch.Tensor, torch.Tensor, Scales | None, list[int], int | None]]:
+        """Like stream_block_groups through the GPU block cache: yields (k, v [n * block_size, KVH, D], their K and V
+        scales [n, KVH] (fp8 host tier, else None), blocks, first ring slot or None) in the order of `cpu_blocks`.
+        Without group_size a group is a run of blocks in consecutive cache slots, or up to half the ring of blocks
+        the cache could not take; with group_size every group is exactly the next group_size blocks, read in place
+        when they sit in consecutive cache slots, else copied into the ring (cached blocks device to device). The
+        caller calls record_slots_compute_done for a group with a ring slot after reading it."""
         slots = self.cache_slots(layer, cpu_blocks)
         size = group_size or max(1, self.num_slots // 2)
         groups: list[tuple[list[int], list[int | None]]] = []
@@ -69,9 +73,11 @@ class CachedLoads:
         n = len(blocks)
         if cache_slot is not None:
             return (self.cache.k[cache_slot:cache_slot + n].flatten(0, 1),
-                    self.cache.v[cache_slot:cache_slot + n].flatten(0, 1), blocks, None)
+                    self.cache.v[cache_slot:cache_slot + n].flatten(0, 1), self.cache.slot_scales(cache_slot, n),
+                    blocks, None)
         self.wait_slots(ring_slot, n)
-        return (*self.get_kv_for_slots(ring_slot, n), blocks, ring_slot)
+        scales = self.fp8.scales_for_slots(ring_slot, n) if self.fp8 is not None else None
+        return (*self.get_kv_for_slots(ring_slot, n), scales, blocks, ring_slot)
 
     def _load_cache(self, layer: int, loads: list[tuple[int, int]]) -> None:
         """Copy host blocks into their cache slots; the compute stream waits for them (and for the layer's
@@ -105,6 +111,8 @@ class CachedLoads:
             first = loads[start][1]
             k[first:first + end - start].copy_(host_k, non_blocking=True)
             v[first:first + end - start].copy_(host_v, non_blocking=True)
+            if self.fp8 is not None:
+                self.fp8.copy_scales(layer, loads[start][0], end - start, first, into=self.cache.scales)
             start = end
 
     def _copy_cached(self, first: int, blocks: list[int], cache_slots: list[int | None]) -> list[int | None]:
@@ -113,15 +121,22 @@ class CachedLoads:
             if slot is not None:
                 self.k_slots[first + i].copy_(self.cache.k[slot], non_blocking=True)
                 self.v_slots[first + i].copy_(self.cache.v[slot], non_blocking=True)
+                if self.fp8 is not None:
+                    self.fp8.slot_scales[:, first + i].copy_(self.cache.scales[:, slot], non_blocking=True)
         return [None if slot is not None else block for block, slot in zip(blocks, cache_slots)]
 
-    def _write_through(self, layer: int, cpu_block: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """An offloaded block's rows also go to its GPU block cache entry (readers wait for layer_offloaded)."""
+    def _write_through(self, layer: int, cpu_block: int, k: torch.Tensor, v: torch.Tensor,
+                       scales: Scales | None = None) -> None:
+        """An offloaded block's rows k, v [n, KVH, D] as the host stores them (fp8: with their K and V scales [KVH])
+        also go to its GPU block cache entry (readers wait for layer_offloaded)."""
         slot = self.cache.write_slot(layer, cpu_block) if self.cache is not None else None
         if slot is not None:
             n = k.shape[0]
             self.cache.k[slot, :n].copy_(k, non_blocking=True)
             self.cache.v[slot, :n].copy_(v, non_blocking=True)
+            if scales is not None:
+                self.cache.scales[0, slot].copy_(scales[0], non_blocking=True)
+                self.cache.scales[1, slot].copy_(scales[1], non_blocking=True)
 
     @property
     def cache_stats(self) -> dict[str, int]:

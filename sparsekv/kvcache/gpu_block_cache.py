@@ -17,6 +17,10 @@ its entry when a slot is free or evictable, so re-reads in later prefill chunks 
 existing entry of the block is always rewritten, and a block is written before it is read, so an entry never
 outlives its host block's content (freed blocks and released host slabs included).
 
+Contents: blocks exactly as the host holds them (sparsekv/kvcache/host_quant.py). With the fp8 host tier a slot holds
+the block's fp8 K/V and `scales` holds its per-(block, KV head) float32 K and V scales, so a cached block is read by
+the same dequantize-on-load kernels as a ring slot, and a GiB holds about twice the blocks of bf16.
+
 Everything here is host-side bookkeeping over the host-known block lists: the engine copies (OffloadEngine).
 `epoch` changes whenever an entry is evicted (a slot gets another block): a captured decode graph bakes in slot
 addresses, so graph layouts include it (OffloadKVStore.decode_layout). Counters: stats (cumulative hits, misses,
@@ -31,13 +35,15 @@ GIB = 1 << 30
 
 class GpuBlockCache:
     def __init__(self, num_layers: int, slots_per_layer: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, scaled: bool = False):
         if slots_per_layer < 1:
             raise ValueError(f"GpuBlockCache needs at least one slot per layer, got {slots_per_layer}")
         self.num_layers, self.slots_per_layer = num_layers, slots_per_layer
         num_slots = num_layers * slots_per_layer
         self.kv = torch.empty((2, num_slots, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
         self.k, self.v = self.kv[0], self.kv[1]  # [num_slots, block_size, KVH, D] each; layer l owns a region
+        # fp8 blocks (scaled): their K and V scales [2, num_slots, KVH] float32, beside the slots
+        self.scales = torch.zeros((2, num_slots, num_kv_heads), dtype=torch.float32, device=device) if scaled else None
         self.slot_of: list[dict[int, int]] = [{} for _ in range(num_layers)]  # per layer: host block -> slot
         self.block_in = [-1] * num_slots  # host block held by each slot, -1: free
         self.last_used = [-1] * num_slots  # step that last used each slot
@@ -55,11 +61,19 @@ class GpuBlockCache:
 
     @property
     def bytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        scales = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
+        return self.kv.numel() * self.kv.element_size() + scales
+
+    def slot_scales(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K and V scales [count, KVH] of `count` consecutive slots (None: model-dtype blocks, no scales)."""
+        if self.scales is None:
+            return None
+        return self.scales[0, first:first + count], self.scales[1, first:first + count]
 
     @staticmethod
     def slots_for(gib: float, num_layers: int, block_bytes: int) -> int:
-        """Slots per layer that `gib` GiB hold; block_bytes is K and V of one block of one layer."""
+        """Slots per layer that `gib` GiB hold; block_bytes is K and V of one block of one layer as the host holds
+        it (fp8: with its scales)."""
         return int(gib * GIB // (num_layers * block_bytes))
 
     def begin_step(self) -> None:

@@ -10,7 +10,9 @@
              kernel read fp8 slots and scales directly (RingReader.scaled_groups); readers that compute on
              model-dtype K/V themselves (MInference's prefill) get the group dequantized into a ring-sized scratch by
              one kernel launch (RingReader.groups)
-The ring engine calls this; policies never see it.
+The GPU block cache (gpu_block_cache.py) holds blocks as the ring does: fp8 with their scales, copied with the
+blocks (host -> cache, cache -> ring) and written through from the quantized offload. The ring engine calls this;
+policies never see it.
 """
 from __future__ import annotations
 
@@ -96,12 +98,14 @@ class Fp8Ring:
         return [(host_k[:n], staged[0]), (host_v[:n], staged[1]), (host_ks[0], scales[0]), (host_vs[0], scales[1])]
 
     # ---- in: the scales travel with their blocks
-    def copy_scales(self, layer: int, first_block: int, count: int, first_slot: int) -> None:
-        """The scales of `count` consecutive host blocks of one slab into the ring's scale slots (on the current
-        stream: the engine calls this where it copies the blocks)."""
+    def copy_scales(self, layer: int, first_block: int, count: int, first_slot: int,
+                    into: torch.Tensor | None = None) -> None:
+        """The scales of `count` consecutive host blocks of one slab into scale slots `into` [2, slots, KVH] (default:
+        the ring's), on the current stream: the engine calls this where it copies the blocks."""
         host_ks, host_vs = self._host_scales(layer, first_block, count)
-        self.slot_scales[0, first_slot:first_slot + count].copy_(host_ks, non_blocking=True)
-        self.slot_scales[1, first_slot:first_slot + count].copy_(host_vs, non_blocking=True)
+        into = self.slot_scales if into is None else into
+        into[0, first_slot:first_slot + count].copy_(host_ks, non_blocking=True)
+        into[1, first_slot:first_slot + count].copy_(host_vs, non_blocking=True)
 
     def gather_scales(self, layer: int, block_ids: torch.Tensor, first_slot: int) -> None:
         """The scales of host blocks held in a device tensor, by the same gather kernel as the blocks."""
@@ -127,5 +131,17 @@ class Fp8Ring:
         for kv, slots in enumerate((k_slots, v_slots)):
             dst = self._scratch[kv, first:first + count]
             dequantize_blocks(slots[first:first + count], self.slot_scales[kv, first:first + count], dst)
+            out.append(dst.flatten(0, 1))
+        return out[0], out[1]
+
+    def dequantized(self, k: torch.Tensor, v: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp8 k, v [n * block_size, KVH, D] read in place (GPU block cache runs, of any length) with their scales
+        [n, KVH] -> model-dtype copies of the same shape, in new tensors (one launch each)."""
+        out = []
+        for x, scale in zip((k, v), scales):
+            blocks = x.unflatten(0, (scale.shape[0], -1))  # [n, block_size, KVH, D]
+            dst = torch.empty(blocks.shape, dtype=self.model_dtype, device=self.device)
+            dequantize_blocks(blocks, scale, dst)
             out.append(dst.flatten(0, 1))
         return out[0], out[1]

@@ -24,7 +24,8 @@ after the replay (order_after_offloads / mark_ring_read).
 GPU block cache (sparsekv/kvcache/gpu_block_cache.py, offload.gpu_cache_gib): when present, host-known block lists
 go through cached_block_groups instead: blocks held in the cache are read in place (runs of consecutive cache slots
 are one group), misses are loaded from the host into their cache slots, blocks the cache cannot take stream through
-the ring as before, and offloaded blocks are written through into the cache on the offload stream.
+the ring as before, and offloaded blocks are written through into the cache on the offload stream. With the fp8 host
+tier the cache holds fp8 blocks and their scales, as the ring does.
 """
 from __future__ import annotations
 
@@ -65,8 +66,9 @@ class OffloadEngine(CachedLoads):
         self.block_bytes = bs * kvh * d * host.dtype.itemsize + (self.fp8.scale_bytes if self.fp8 else 0)
         self.transfer_stats = {"h2d_bytes": 0, "d2h_bytes": 0, "h2d_blocks": 0, "d2h_blocks": 0}
         self.cache: GpuBlockCache | None = None
-        if cache_slots_per_layer > 0 and self.fp8 is None:  # cached blocks are in the model dtype, not fp8
-            self.cache = GpuBlockCache(L, cache_slots_per_layer, bs, kvh, d, dtype, device)
+        if cache_slots_per_layer > 0:  # cached blocks as the host holds them (fp8: with their scales)
+            self.cache = GpuBlockCache(L, cache_slots_per_layer, bs, kvh, d, self.kv_slots.dtype, device,
+                                       scaled=self.fp8 is not None)
             self.transfer_stats.update(cache_hit_blocks=0, cache_miss_blocks=0, cache_overflow_blocks=0)
         self._step_start: torch.cuda.Event | None = torch.cuda.Event() if self.streams.cuda else None
         self._slab_offsets: torch.Tensor | None = None  # [2, num_slabs] int64 on the device, for the gather
@@ -310,21 +312,23 @@ class OffloadEngine(CachedLoads):
         host_k, host_v = self.host.block(layer, cpu_block)
         s = self.streams
         copies = [(host_k[:n], k), (host_v[:n], v)]  # (host destination, device source)
+        scales = None
         if self.fp8 is not None:
             copies = self.fp8.quantize_for_offload(layer, cpu_block, k, v, s.d2h if s.cuda else None)
             self._mark_written(layer)  # the copies below wait for the quantization too
+            k, v, scales = copies[0][1], copies[1][1], (copies[2][1], copies[3][1])  # what the cache stores
         if s.cuda:
             with torch.cuda.stream(s.d2h):
                 s.d2h.wait_event(s.layer_written[layer])
                 for dst, src in copies:
                     dst.copy_(src, non_blocking=True)
-                self._write_through(layer, cpu_block, k, v)
+                self._write_through(layer, cpu_block, k, v, scales)
                 s.layer_offloaded[layer].record(s.d2h)
             s.offloads[layer] += 1
         else:
             for dst, src in copies:
                 dst.copy_(src)
-            self._write_through(layer, cpu_block, k, v)
+            self._write_through(layer, cpu_block, k, v, scales)
         self.transfer_stats["d2h_bytes"] += 2 * n * self.block_bytes // self.block_size
         self.transfer_stats["d2h_blocks"] += 1
 

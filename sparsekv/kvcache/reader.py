@@ -19,10 +19,10 @@ class RingReader:
     released for reloading when the caller advances (or stops). With fp8 host blocks (offload.host_dtype)
     scaled_groups() yields the fp8 slots and their scales, for kernels that dequantize on load (the base policy's
     prefill and decode); groups() yields them dequantized to the model dtype into a ring-sized scratch, one launch
-    per group, for readers that compute on K/V themselves (MInference's prefill). With a GPU block cache
-    (model-dtype host blocks only), a host list's cached blocks are read in place and its groups may be shorter
-    than group_size (runs of consecutive cache slots); an explicit group_size still gives exactly group_size blocks
-    per group."""
+    per group, for readers that compute on K/V themselves (MInference's prefill). With a GPU block cache, a host
+    list's cached blocks are read in place (fp8 host tier: fp8 with their scales, like ring slots) and its groups may
+    be shorter than group_size (runs of consecutive cache slots); an explicit group_size still gives exactly
+    group_size blocks per group."""
     __slots__ = ("engine", "layer", "tail", "check_selections")
 
     def __init__(self, engine: OffloadEngine, layer: int, tail=None, check_selections: bool = False):
@@ -58,9 +58,13 @@ class RingReader:
         if group_size is not None and not 1 <= group_size <= engine.num_slots:
             raise ValueError(f"group_size={group_size}: must be between 1 and the ring's {engine.num_slots} slots")
         if engine.cache is not None and not isinstance(blocks, torch.Tensor):
-            for k, v, ids, first in engine.cached_block_groups(self.layer, list(blocks), group_size):
+            for k, v, scales, ids, first in engine.cached_block_groups(self.layer, list(blocks), group_size):
+                if scales is not None and not scaled:  # fp8: dequantized for readers that want the model dtype
+                    k, v = (engine.fp8.dequantized_slots(engine.k_slots, engine.v_slots, first, len(ids))
+                            if first is not None else engine.fp8.dequantized(k, v, scales))
+                    scales = None
                 try:
-                    yield KVGroup(ids, k, v), None  # k, v [n * block_size, KVH, D]: cache slots or ring slots
+                    yield KVGroup(ids, k, v), scales  # k, v [n * block_size, KVH, D]: cache slots or ring slots
                 finally:
                     if first is not None:  # ring slots: later loads wait for the caller's kernels
                         engine.record_slots_compute_done(first, len(ids))

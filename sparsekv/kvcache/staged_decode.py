@@ -37,13 +37,14 @@ def staged_decode_attention(reader: RingReader, q: torch.Tensor, scale: float, b
     starts = [0, *accumulate(counts)][:-1]  # where each sequence's blocks begin in the flat list
     position = 0
     # host lists: half the ring per group, so one group loads while the other is attended
-    for group in reader.groups(_flat(engine, attended), group_size=max(1, engine.num_slots // 2)):
+    # fp8 host tier: groups stay fp8, the paged kernel dequantizes them on load by their scales
+    for group, scales in reader.scaled_groups(_flat(engine, attended), group_size=max(1, engine.num_slots // 2)):
         n = len(group.ids)
         table, lengths, width = _group_table(engine, starts, counts, position, n)
         k = group.k.unflatten(0, (n, engine.block_size))  # [n, block_size, KVH, D]: the group as a paged pool
         v = group.v.unflatten(0, (n, engine.block_size))
         o_group, lse_group = paged_decode_attention(q, k, v, table.view(len(counts), width), lengths, scale,
-                                                    max_context_len=width * engine.block_size)
+                                                    max_context_len=width * engine.block_size, scales=scales)
         out, lse = merge_attention_outputs(out, lse, o_group, lse_group)
         position += n
     return out

@@ -266,8 +266,6 @@ BAD_INPUT = [
         "use auto, 0"),
     row("cli-gpu-cache-not-a-number", cli("device=cpu", "offload=cpu", "offload.gpu_cache_gib=lots"),
         "gpu_cache_gib='lots'", "size in GiB"),
-    row("cli-gpu-cache-with-fp8", cli("device=cpu", "offload=cpu", "offload.host_dtype=float8_e4m3fn",
-                                      "offload.gpu_cache_gib=4"), "gpu_cache_gib=4", "offload.gpu_cache_gib=0"),
     # ---- checkpoints
     row("cli-model-without-weights", cli("device=cpu", "model=qwen3_4b"), "model.path=", "model.load_format=dummy"),
     row("cli-hf-without-path", cli(*HF), "model.path"),
