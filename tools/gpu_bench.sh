@@ -35,7 +35,8 @@
 #   ruler_policies  model=probe, task=ruler at 4K / 16K / 32K (RULER_LENGTHS), RULER_SAMPLES (10) prompts per task
 #                   and length, offload none and cpu (RULER_OFFLOADS): full, quest at 1K / 2K / 4K tokens with the
 #                   default 2 dense layers and with every layer selecting, streaming_llm (the plugin in plugins/) at
-#                   2K tokens, minference, minference_band, xattn_bsa, xattn_bsa_090; then task=report over them ~12 min
+#                   2K tokens, minference, minference_band, xattn_bsa, xattn_bsa_090; then task=report over them;
+#                   12 runs per offload mode: RULER_OFFLOADS=none and =cpu fit one 10-minute call each       ~2 x 8 min
 #   tp              2 GPUs: TP=1 beside TP=2 per model of TP_MODELS (default "qwen3_8b llama3_8b", dummy weights):
 #                   resident decode at 4K, offloaded full decode at 128K (no GPU block cache: every step loads
 #                   the KV over PCIe), 32K resident prefill; 6 runs, ~5 min per model (at most 45+85+40 s a pair)
