@@ -12,11 +12,29 @@ from sparsekv.tasks.ruler.generators import answer_text, make_sample
 
 TRAIN_SEED_BASE = 10 ** 9  # training sample seeds are >= this; evaluation (task=ruler) uses seeds below it
 QUESTION_WORDS = ["What", "Question"]  # the first word of every task's question (never in a haystack)
-# H100 seconds of a 32K-token micro-batch at context L: MICRO_FIXED_S + MICRO_PER_LEN_S * L (docs/probe.md)
-MICRO_FIXED_S, MICRO_PER_LEN_S = 0.02, 5.1e-6
-# the choice tasks (multikey, variable_tracking) get the most samples; common_words is outside the probe's bar
-TASK_WEIGHTS = {"niah_single": 1.0, "niah_multikey": 2.0, "niah_multivalue": 1.0, "niah_multiquery": 1.0,
-                "variable_tracking": 2.5, "common_words": 0.5}
+# Seconds of a 32K-token micro-batch at context L: MICRO_FIXED_S + MICRO_PER_LEN_S * L (docs/probe.md), the
+# preflight's 0.046 s at 1024 and 0.078 s at 32768 on an H200 host with 14 data workers
+MICRO_PER_LEN_S = (0.078 - 0.046) / (32768 - 1024)
+MICRO_FIXED_S = 0.046 - 1024 * MICRO_PER_LEN_S
+# the committed checkpoint's mix; --task-weights overrides it
+TASK_WEIGHTS = {"niah_single": 1.0, "niah_multikey": 1.5, "niah_multivalue": 1.5, "niah_multiquery": 1.5,
+                "variable_tracking": 2.0, "common_words": 0.75}
+
+
+def parse_task_weights(text: str) -> dict[str, float]:
+    """TASK_WEIGHTS with "task=weight,..." overriding the tasks it names; ValueError naming a bad entry."""
+    weights = dict(TASK_WEIGHTS)
+    for entry in filter(None, text.split(",")):
+        task, _, value = entry.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = -1.0
+        if task not in TASK_WEIGHTS or weight < 0:
+            raise ValueError(f"--task-weights entry {entry!r}: write task=weight, weight >= 0, task one of "
+                             f"{','.join(TASK_WEIGHTS)}")
+        weights[task] = weight
+    return weights
 
 
 def length_buckets(min_len: int, max_len: int) -> list[int]:
@@ -42,7 +60,7 @@ def micro_plan(args: argparse.Namespace) -> list[tuple[int, list[tuple[str, int]
     micro-batch's length is drawn from the top two octaves reached with probability --frontier-share, else
     uniformly from every length reached."""
     buckets = length_buckets(args.min_len, args.max_len)
-    tasks, weights = args.tasks, [TASK_WEIGHTS[t] for t in args.tasks]
+    tasks, weights = args.tasks, [args.task_weights[t] for t in args.tasks]
     plan = []
     for step in range(args.steps):
         reach = longest_length(step, args)
@@ -50,7 +68,8 @@ def micro_plan(args: argparse.Namespace) -> list[tuple[int, list[tuple[str, int]
         for j in range(args.accum):
             rng = random.Random(f"probe:{args.seed}:{step}:{j}")
             frontier = allowed[-4:]  # the top two octaves reached
-            length = rng.choice(frontier if rng.random() < args.frontier_share else allowed)
+            # drawn as the committed checkpoint's plan drew it (any length below 0.5, the frontier above)
+            length = rng.choice(allowed if rng.random() < 1 - args.frontier_share else frontier)
             count = max(1, args.micro_tokens // length)
             plan.append((length, [(rng.choices(tasks, weights)[0], TRAIN_SEED_BASE + rng.randrange(TRAIN_SEED_BASE))
                                   for _ in range(count)]))
@@ -58,9 +77,9 @@ def micro_plan(args: argparse.Namespace) -> list[tuple[int, list[tuple[str, int]
 
 
 def plan_seconds(plan: list[tuple[int, list]], micro_tokens: int = 32768) -> float:
-    """Training time of a plan on one H100 by the cost model of docs/probe.md: a micro-batch of 32K tokens at
-    context L takes MICRO_FIXED_S + MICRO_PER_LEN_S * L (linear layers and overheads, then attention), fit to the
-    committed checkpoint's run (6,424 micro-batches, mean length 9.8K, 450 s) for the default model."""
+    """Training time of a plan for the default model by the cost model of docs/probe.md: a micro-batch of 32K
+    tokens at context L takes MICRO_FIXED_S + MICRO_PER_LEN_S * L (linear layers, overheads and data, then
+    attention), measured by the preflight on an H200 host with 14 data workers."""
     scale = micro_tokens / 32768
     return sum(scale * (MICRO_FIXED_S + MICRO_PER_LEN_S * length) for length, _ in plan)
 
@@ -69,7 +88,7 @@ def plan_summary(plan: list[tuple[int, list]], micro_tokens: int = 32768) -> str
     samples = sum(len(s) for _, s in plan)
     long_share = sum(1 for length, _ in plan if length > 8192) / max(1, len(plan))
     return (f"{len(plan)} micro-batches, {samples:,} samples, {long_share:.0%} of micro-batches above 8K, "
-            f"about {plan_seconds(plan, micro_tokens):.0f} s of training on one H100 (cost model)")
+            f"about {plan_seconds(plan, micro_tokens):.0f} s of training on one H200 (cost model)")
 
 
 class MicroBatches(torch.utils.data.Dataset):
@@ -77,9 +96,11 @@ class MicroBatches(torch.utils.data.Dataset):
     into [B * T] with the token each must predict: the answer and EOS (weight 1), and with `tail_weight` the
     question and answer prefix, whose key and value words repeat the context's (they teach copying)."""
 
-    def __init__(self, plan: list[tuple[int, list[tuple[str, int]]]], tail_weight: float = 0.0):
+    def __init__(self, plan: list[tuple[int, list[tuple[str, int]]]], tail_weight: float = 0.0,
+                 spell_names: bool = False):
         self.plan = plan
         self.tail_weight = tail_weight
+        self.spell_names = spell_names
         self.tokenizer = None
 
     def __len__(self) -> int:
@@ -87,7 +108,7 @@ class MicroBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, m: int) -> dict[str, torch.Tensor | int]:
         if self.tokenizer is None:
-            self.tokenizer = build_probe_tokenizer()
+            self.tokenizer = build_probe_tokenizer(spell_names=self.spell_names)
         tok = self.tokenizer
         question_starts = set(tok.convert_tokens_to_ids(QUESTION_WORDS))
         length, samples = self.plan[m]
@@ -119,12 +140,12 @@ def _worker_init(_: int) -> None:
     torch.set_num_threads(1)
 
 
-def make_loader(plan, workers: int, pin: bool, tail_weight: float):
+def make_loader(plan, workers: int, pin: bool, tail_weight: float, spell_names: bool = False):
     import multiprocessing
 
     extra = {}
     if workers:
         context = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
         extra = dict(prefetch_factor=4, worker_init_fn=_worker_init, multiprocessing_context=context)
-    return torch.utils.data.DataLoader(MicroBatches(plan, tail_weight), batch_size=None, shuffle=False, num_workers=workers,
-                                       pin_memory=pin, **extra)
+    return torch.utils.data.DataLoader(MicroBatches(plan, tail_weight, spell_names), batch_size=None, shuffle=False,
+                                       num_workers=workers, pin_memory=pin, **extra)

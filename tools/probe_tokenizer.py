@@ -1,12 +1,13 @@
 """The probe checkpoint's tokenizer: one token per word the RULER generators use, per digit and per punctuation mark.
 
-    python3 tools/probe_tokenizer.py OUT_DIR   # writes tokenizer.json + tokenizer_config.json
+    python3 tools/probe_tokenizer.py OUT_DIR [--spell-names]   # writes tokenizer.json + tokenizer_config.json
 
 A WordLevel model over exactly the words of sparsekv/tasks/ruler (words.py and the generators' templates), so a
-7-digit value is 7 tokens and every haystack word is one. Variable names (all-capital words such as "RJSUQ") are
-spelled, one token per letter, as values are one token per digit: a model copies them with the same skill, over a
-26-letter alphabet it sees in every variable_tracking sample, where 400 one-token names would each be rare. Text
-splits at whitespace, around punctuation, between digits and between the letters of a capital word ("VAR" stays
+7-digit value is 7 tokens and every haystack word and variable name ("RJSUQ") is one: the committed probe
+checkpoint's tokenizer. With spell_names, variable names are spelled instead, one token per letter, as values
+are one token per digit, so a model copies them over a 26-letter alphabet it sees in every variable_tracking
+sample, where 400 one-token names would each be rare (a trial recipe, docs/probe.md). Text splits at whitespace,
+around punctuation and between digits (with spell_names also between the letters of a capital word; "VAR" stays
 one token); decoding joins tokens with spaces ("1 2 3", which score_output matches as "123"). Prompts start with
 <bos>; there is no chat template.
 """
@@ -24,7 +25,7 @@ LETTERS = tuple(string.ascii_uppercase)
 SPELLED = r"(?<![A-Z])VAR(?![A-Z])|[A-Z](?=[A-Z])|(?<=[A-Z])[A-Z]"
 
 
-def probe_vocabulary(spell_names: bool = True) -> list[str]:
+def probe_vocabulary(spell_names: bool = False) -> list[str]:
     """Specials, digits, punctuation, then the words (and capital letters, or whole variable names without
     spell_names), in a fixed order (the ids never depend on set order)."""
     from sparsekv.tasks.ruler import generators, words
@@ -38,9 +39,9 @@ def probe_vocabulary(spell_names: bool = True) -> list[str]:
     return [*SPECIAL, *DIGITS, *punctuation, *sorted(found)]
 
 
-def build_probe_tokenizer(out_dir: str | Path | None = None, spell_names: bool = True):
-    """A transformers PreTrainedTokenizerFast; saved to out_dir (loadable by AutoTokenizer) when given.
-    spell_names=False keeps each variable name one token (the vocabulary before names were spelled)."""
+def build_probe_tokenizer(out_dir: str | Path | None = None, spell_names: bool = False):
+    """A transformers PreTrainedTokenizerFast; saved to out_dir (loadable by AutoTokenizer) when given. The
+    default is the committed checkpoint's tokenizer (one token per variable name); spell_names spells names."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -62,7 +63,8 @@ def build_probe_tokenizer(out_dir: str | Path | None = None, spell_names: bool =
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python3 tools/probe_tokenizer.py OUT_DIR")
+    if len(sys.argv) not in (2, 3) or sys.argv[2:] not in ([], ["--spell-names"]):
+        sys.exit("usage: python3 tools/probe_tokenizer.py OUT_DIR [--spell-names]")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    print(f"{len(build_probe_tokenizer(sys.argv[1]))} tokens written to {sys.argv[1]}")
+    built = build_probe_tokenizer(sys.argv[1], spell_names=sys.argv[2:] == ["--spell-names"])
+    print(f"{len(built)} tokens written to {sys.argv[1]}")

@@ -1,15 +1,16 @@
 """Train the probe checkpoint: a small Qwen3 that answers the RULER generators' tasks from 1K to 32K tokens.
 
-    python3 tools/train_probe.py --out sparsekv/checkpoints/probe --seed 0 --time-limit-min 8.8  # one H100, ~7.5 min
+    python3 tools/train_probe.py --out sparsekv/checkpoints/probe --seed 0 --time-limit-min 8.8  # one H100, ~9 min
 
 The data is the generators' own samples (sparsekv/tasks/ruler), with the probe tokenizer (tools/probe_tokenizer.py).
 The loss is on the answer (the tokens after the answer prefix, then EOS) and, at --tail-weight, on the
 question and answer prefix; the haystack carries none. A step is --accum micro-batches
 of about --micro-tokens tokens each; a micro-batch holds samples of one context length (short ones: many
-samples), drawn from a length curriculum: the first --short-frac of the steps stay at --min-len to --short-len
-(many samples a second), then the longest length doubles up to --max-len over the next --ramp of the steps;
+samples), drawn from a length curriculum: the first --short-frac of the steps (none by default) stay at
+--min-len to --short-len, then the longest length doubles up to --max-len over the next --ramp of the steps;
 --frontier-share of the draws come from the top two octaves reached, the rest from any length reached. The
-plan's H100 time by the cost model of docs/probe.md is printed before training. DataLoader workers
+defaults are the committed checkpoint's recipe; --spell-names, --short-* and --task-weights run the trials of
+docs/probe.md. The plan's time by the cost model of docs/probe.md is printed before training. DataLoader workers
 build the samples. Training seeds are >= TRAIN_SEED_BASE (10**9); evaluation (task=ruler, and the sanity check
 at the end here) uses seeds below it. The steps, lengths, tasks and sample seeds are a pure function of
 --seed and the arguments. --time-limit-min caps the whole run (training stops early, saves, then evaluates).
@@ -35,7 +36,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from probe_data import TASK_WEIGHTS, TRAIN_SEED_BASE, make_loader, micro_plan, plan_summary  # noqa: E402
+from probe_data import (TASK_WEIGHTS, TRAIN_SEED_BASE, make_loader, micro_plan, parse_task_weights,  # noqa: E402
+                        plan_summary)
 from probe_tokenizer import build_probe_tokenizer  # noqa: E402
 from sparsekv.tasks.ruler.generators import make_sample, score_output  # noqa: E402
 
@@ -49,15 +51,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(TOOLS.parent / "sparsekv" / "checkpoints" / "probe"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=2300)
+    p.add_argument("--steps", type=int, default=1800)
     p.add_argument("--max-len", type=int, default=32768, help="longest context, in tokens")
-    p.add_argument("--min-len", type=int, default=1024, help="shortest context, in tokens")
+    p.add_argument("--min-len", type=int, default=512, help="shortest context, in tokens")
     p.add_argument("--tasks", default=",".join(TASK_WEIGHTS), help="comma-separated tasks to train on")
-    p.add_argument("--short-len", type=int, default=None,
-                   help="longest context of the short phase (default 2048, or --max-len if smaller)")
-    p.add_argument("--short-frac", type=float, default=0.8,
+    p.add_argument("--task-weights", default="", help="task=weight,... overriding the mix of probe_data.TASK_WEIGHTS")
+    p.add_argument("--spell-names", action="store_true",
+                   help="spell variable names one token per letter (a vocabulary unlike the committed checkpoint's)")
+    p.add_argument("--short-len", type=int, default=None, help="longest context of the short phase (default --min-len)")
+    p.add_argument("--short-frac", type=float, default=0.0,
                    help="fraction of the steps spent at --min-len to --short-len before the ramp")
-    p.add_argument("--ramp", type=float, default=0.07,
+    p.add_argument("--ramp", type=float, default=0.4,
                    help="fraction of the steps over which the longest length doubles from --short-len to --max-len")
     p.add_argument("--frontier-share", type=float, default=0.5,
                    help="share of micro-batches drawn from the top two octaves reached (the rest: any length reached)")
@@ -82,7 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.tasks = [t for t in args.tasks.split(",") if t]
     if args.short_len is None:
-        args.short_len = max(args.min_len, min(2048, args.max_len))
+        args.short_len = args.min_len
+    try:
+        args.task_weights = parse_task_weights(args.task_weights)
+    except ValueError as exc:
+        p.error(str(exc))
     unknown = [t for t in args.tasks if t not in TASK_WEIGHTS]
     if unknown or not args.tasks:
         p.error(f"--tasks {','.join(unknown) or '(none)'}: choose from {','.join(TASK_WEIGHTS)}")
@@ -341,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit(f"--device {args.device}: CUDA is not available here; pass --device cpu")
-    tokenizer = build_probe_tokenizer()
+    tokenizer = build_probe_tokenizer(spell_names=args.spell_names)
     for task in args.tasks:  # every task must fit the shortest length before the workers start
         try:
             make_sample(task, tokenizer, args.min_len, 0)
@@ -358,7 +366,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.workers} data workers", flush=True)
     print(f"plan: {plan_summary(plan, args.micro_tokens)}", flush=True)
     attention = fast_attention(model, args, device, plan, deadline - time.time())
-    loader = make_loader(plan, args.workers, pin=device.type == "cuda", tail_weight=args.tail_weight)
+    loader = make_loader(plan, args.workers, pin=device.type == "cuda", tail_weight=args.tail_weight,
+                         spell_names=args.spell_names)
     progress = train(args, model, loader, device, attention, deadline, t0)
     with torch.no_grad():  # parameters only: the rotary inv_freq buffer stays float32, as loaders rebuild it
         for param in model.parameters():

@@ -12,6 +12,7 @@ TOOLS = Path(__file__).resolve().parents[2] / "tools"
 TOY = ["--device", "cpu", "--max-len", "512", "--min-len", "256", "--hidden", "64", "--intermediate", "128",
        "--layers", "2", "--heads", "2", "--kv-heads", "1", "--head-dim", "32", "--micro-tokens", "1024",
        "--accum", "2", "--eval-samples", "1", "--log-every", "1"]
+TRIAL_WEIGHTS = "niah_multikey=2,niah_multivalue=1,niah_multiquery=1,variable_tracking=2.5,common_words=0.5"
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +97,10 @@ def test_plan_is_seeded_held_out_and_follows_the_curriculum(train_probe, probe_d
 
 
 def test_short_phase_comes_first_then_the_ramp_reaches_max_len(train_probe, probe_data):
-    args = train_probe.parse_args(["--steps", "40", "--max-len", "16384", "--min-len", "1024", "--short-frac",
-                                   "0.5", "--ramp", "0.25", "--frontier-share", "1"])
-    assert args.short_len == 2048  # the default
-    assert train_probe.parse_args(["--max-len", "1024", "--min-len", "512"]).short_len == 1024
+    args = train_probe.parse_args(["--steps", "40", "--max-len", "16384", "--min-len", "1024", "--short-len", "2048",
+                                   "--short-frac", "0.5", "--ramp", "0.25", "--frontier-share", "1"])
+    default = train_probe.parse_args([])
+    assert default.short_len == default.min_len and default.short_frac == 0  # no short phase by default
     lengths = [length for length, _ in probe_data.micro_plan(args)]
     short, ramp, full = lengths[:80], lengths[80:120], lengths[120:]
     assert set(short) == {1024, 1536, 2048}
@@ -107,17 +108,38 @@ def test_short_phase_comes_first_then_the_ramp_reaches_max_len(train_probe, prob
     assert min(full) >= 6144 and 16384 in full  # --frontier-share 1: the top two octaves only
     record = probe_data.plan_summary(probe_data.micro_plan(args))
     assert record.startswith("160 micro-batches") and "cost model" in record
-    # the cost model: a 32K-token micro-batch at 32K costs (0.02 + 5.1e-6 * 32768) s
-    assert probe_data.plan_seconds([(32768, [("niah_single", 0)])]) == pytest.approx(0.187, abs=1e-3)
+    # the cost model: the preflight's H200 timings, 0.046 s at 1024 and 0.078 s at 32768
+    assert probe_data.plan_seconds([(1024, []), (32768, [])]) == pytest.approx(0.046 + 0.078)
 
 
-def test_default_plan_fits_the_time_budget(train_probe, probe_data):
+def test_defaults_are_the_committed_checkpoints_recipe(train_probe, probe_data):
+    committed = json.loads((TOOLS.parent / "sparsekv" / "checkpoints" / "probe" / "training.json").read_text())
     args = train_probe.parse_args([])
+    for key, value in committed["args"].items():
+        if key not in ("device", "workers", "time_limit_min"):
+            assert getattr(args, key) == value, key
+    assert not args.spell_names and args.task_weights == probe_data.TASK_WEIGHTS
+    assert probe_data.TASK_WEIGHTS == {"niah_single": 1.0, "niah_multikey": 1.5, "niah_multivalue": 1.5,
+                                       "niah_multiquery": 1.5, "variable_tracking": 2.0, "common_words": 0.75}
     plan = probe_data.micro_plan(args)
-    # about 8.8 minutes in all: start-up, training, save and evaluation
-    assert probe_data.plan_seconds(plan, args.micro_tokens) < 400
-    assert sum(len(samples) for _, samples in plan) > 150_000
-    assert max(length for length, _ in plan) == args.max_len
+    assert len(plan) == 7200 and [length for length, _ in plan[:4]] == [512] * 4
+    # the committed run's 1606 steps on one H100 took about 450 s; by the H200 cost model about 352 s
+    assert probe_data.plan_seconds(plan[:1606 * 4]) == pytest.approx(352, abs=3)
+
+
+def test_spelled_trial_plan_costs_what_its_preflight_measured(train_probe, probe_data):
+    args = train_probe.parse_args(["--spell-names", "--steps", "2300", "--min-len", "1024", "--short-len", "2048",
+                                   "--short-frac", "0.8", "--ramp", "0.07", "--task-weights", TRIAL_WEIGHTS])
+    assert args.task_weights == {"niah_single": 1.0, "niah_multikey": 2.0, "niah_multivalue": 1.0,
+                                 "niah_multiquery": 1.0, "variable_tracking": 2.5, "common_words": 0.5}
+    plan = probe_data.micro_plan(args)
+    assert len(plan) == 9200 and sum(len(samples) for _, samples in plan) > 180_000
+    assert probe_data.plan_seconds(plan) == pytest.approx(449, abs=5)  # the preflight's estimate on the H200
+    for spell_names in (False, True):  # the workers build the samples with the run's tokenizer
+        dataset = probe_data.MicroBatches([(512, [("variable_tracking", 10**9 + 2)])], spell_names=spell_names)
+        batch = dataset[0]
+        answer = dataset.tokenizer.convert_ids_to_tokens(batch["labels"][batch["answer"]].tolist())[:-1]  # no EOS
+        assert all(len(token) == 1 for token in answer) == spell_names, answer
 
 
 def test_micro_batch_targets_are_the_answer_then_eos(probe_data):
@@ -176,8 +198,14 @@ def test_bad_arguments_fail_before_training(train_probe, tmp_path, capsys):
         train_probe.parse_args(["--short-frac", "0.7", "--ramp", "0.4"])
     assert "--short-frac 0.7 + --ramp 0.4 must lie in [0, 1]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        train_probe.parse_args(["--short-len", "512"])
-    assert "--short-len 512 must lie between --min-len 1024" in capsys.readouterr().err
+        train_probe.parse_args(["--short-len", "256"])
+    assert "--short-len 256 must lie between --min-len 512" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_probe.parse_args(["--task-weights", "niah_single=1,needle=2"])
+    assert "--task-weights entry 'needle=2'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_probe.parse_args(["--task-weights", "common_words=-1"])
+    assert "weight >= 0" in capsys.readouterr().err
     foreign = tmp_path / "notes"
     foreign.mkdir()
     (foreign / "thesis.txt").write_text("keep me")
