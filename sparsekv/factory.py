@@ -15,7 +15,8 @@ from sparsekv.distributed.launch import check_launch, driver_ranks, under_torchr
 from sparsekv.distributed.sharding import check_tensor_parallel, rank_spec
 from sparsekv.distributed.state import SINGLE, TensorParallel, all_succeeded, building
 from sparsekv.distributed.worker import run_torchrun_worker
-from sparsekv.graphs.cuda_graph import attach_graph_runner, check_graph_config, graph_settings, resolve_graph_mode
+from sparsekv.graphs.cuda_graph import attach_graph_runner
+from sparsekv.graphs.graph_config import check_graph_config, graph_settings, resolve_graph_mode
 from sparsekv.engine.llm_engine import LLMEngine
 from sparsekv.kernels._dispatch import activate_kernels
 from sparsekv.kernels.backend import resolve_kernels

@@ -287,9 +287,9 @@ def _time_us(fn, device: torch.device, warmup: int = 5, rep: int = 25) -> float:
 
 def _gemv_candidates(m: int) -> list[tuple[str, tuple | None, int | None]]:
     """(label, CONFIGS row or None for the default, split_k or None for the heuristic) to sweep at M rows."""
-    from sparsekv.kernels import gemv as G
+    from sparsekv.kernels import gemv_configs as GC
 
-    default = G.table_row(m)
+    default = GC.table_row(m)
     rows = [("default", None, None)] + [("split", None, s) for s in GEMV_SPLITS]
     pool = GEMV_FMA_CANDIDATES if m == 1 else GEMV_DOT_CANDIDATES + (GEMV_FMA3_CANDIDATES if m <= 4 else ())
     rows += [("tile", row, None) for row in pool if tuple(row) != tuple(default)]
@@ -351,14 +351,15 @@ def _gemv_sweep(model: str, proj: str, x: torch.Tensor, weight: torch.Tensor, nb
                 device: torch.device, warmup: int, rep: int) -> dict:
     """Time skinny_linear under each candidate config; print one line: the best against the default."""
     from sparsekv.kernels import gemv as G
+    from sparsekv.kernels import gemv_configs as GC
 
     m, k = x.shape
     n = weight.shape[0]
     results, seen = [], set()
     for label, row, split in _gemv_candidates(m):
-        configs = G.CONFIGS if row is None else ((G.MAX_M, *row),)
-        with override_constants(G, CONFIGS=configs, SHAPE_CONFIGS=G.SHAPE_CONFIGS if row is None else ()):
-            config = G.choose_config(m, n, k, weight.element_size(), device, split_k=split)
+        configs = GC.CONFIGS if row is None else ((GC.MAX_M, *row),)
+        with override_constants(GC, CONFIGS=configs, SHAPE_CONFIGS=GC.SHAPE_CONFIGS if row is None else ()):
+            config = GC.choose_config(m, n, k, weight.element_size(), device, split_k=split)
         if config in seen:
             continue
         seen.add(config)

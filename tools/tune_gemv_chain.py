@@ -5,7 +5,7 @@ This builds Qwen3-4B-shaped bf16 weights for all layers (+ lm_head, ~8 GB) and t
 in decode order: per layer qkv [6144 x 2560] -> o_proj [2560 x 4096] -> gate_up [19456 x 2560] -> down
 [2560 x 9728] (gated: silu_mul_linear), then lm_head [151936 x 2560]; each output feeds the next input.
 
-Candidates are gemv.SHAPE_CONFIGS rows (tensor cores, BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) for one
+Candidates are gemv_configs.SHAPE_CONFIGS rows (tensor cores, BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) for one
 shape class while the others keep their current row: coordinate descent over BLOCK_N, BLOCK_K, num_warps,
 num_stages (FMA path: > 1 pipelines the K loop with cp.async), the split rule (none / the heuristic / 2x, 4x it),
 then tensor-core (tl.dot, x padded to 16 rows) rows. Round 1 holds the other shapes at today's default; round 2
@@ -16,7 +16,7 @@ then tensor-core (tl.dot, x padded to 16 rows) rows. Round 1 holds the other sha
 --model / --tp tune another model's shapes, or one tensor-parallel rank's shards (e.g. --model qwen3_8b --tp 2).
 
 Writes OUT_DIR/gemv_chain.jsonl (every timing) and OUT_DIR/gemv_chain_summary.txt; prints the best row per shape,
-the chain with all best rows vs the default (PDL off and on), and a SHAPE_CONFIGS line to paste into gemv.py.
+the chain with all best rows vs the default (PDL off and on), and a SHAPE_CONFIGS line to paste into gemv_configs.py.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sparsekv.kernels import _dispatch
 from sparsekv.kernels import gemv as G
+from sparsekv.kernels import gemv_configs as GC
 
 PDL = False  # the chain's kernels launch with programmatic dependent launch (set_pdl)
 
@@ -74,12 +75,12 @@ DOT_STAGES = (2, 3, 4)
 def heuristic_split(n: int, k: int, row: tuple) -> int:
     """The split count the heuristic gives W [n, k] with this row's tiles (pure Python)."""
     probe = (n, k, *row[:5], None)
-    saved = G.SHAPE_CONFIGS
+    saved = GC.SHAPE_CONFIGS
     try:
-        G.SHAPE_CONFIGS = (probe,)
-        return G.choose_config(1, n, k, 2, "cpu").split_k
+        GC.SHAPE_CONFIGS = (probe,)
+        return GC.choose_config(1, n, k, 2, "cpu").split_k
     finally:
-        G.SHAPE_CONFIGS = saved
+        GC.SHAPE_CONFIGS = saved
 
 
 def with_split(n: int, k: int, row: tuple, rule: str) -> tuple:
@@ -90,7 +91,7 @@ def with_split(n: int, k: int, row: tuple, rule: str) -> tuple:
     elif rule == "heuristic":
         split = heuristic
     else:
-        split = min(G.MAX_SPLIT_K * 4, int(rule[1:]) * heuristic)
+        split = min(GC.MAX_SPLIT_K * 4, int(rule[1:]) * heuristic)
     return (*row[:5], None if split == heuristic else split)  # one spelling per launch: no launch timed twice
 
 
@@ -189,9 +190,9 @@ def check_row(name: str, row: tuple, device: torch.device) -> float:
     n, k = SHAPES[name]
     g = torch.Generator(device=device).manual_seed(n + k)
     w = (torch.randn(n, k, device=device, generator=g) * k ** -0.5).to(torch.bfloat16)
-    saved = G.SHAPE_CONFIGS
+    saved = GC.SHAPE_CONFIGS
     try:
-        G.SHAPE_CONFIGS = ((n, k, *row),)
+        GC.SHAPE_CONFIGS = ((n, k, *row),)
         if name == "down":
             x = torch.randn(1, 2 * k, device=device, generator=g).to(torch.bfloat16)
             out, ref = G.silu_mul_linear(x, w), G.silu_mul_linear_reference(x, w)
@@ -199,7 +200,7 @@ def check_row(name: str, row: tuple, device: torch.device) -> float:
             x = torch.randn(1, k, device=device, generator=g).to(torch.bfloat16)
             out, ref = G.skinny_linear(x, w), G.skinny_linear_reference(x, w)
     finally:
-        G.SHAPE_CONFIGS = saved
+        GC.SHAPE_CONFIGS = saved
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     log = open(args.out_dir / "gemv_chain.jsonl", "w")
     device = torch.device("cuda")
-    G.SHAPE_CONFIGS = ()
+    GC.SHAPE_CONFIGS = ()
     started = time.perf_counter()
     chain = Chain(args.layers, device)
     print(f"chain: {args.layers} layers + lm_head, {chain.kernels} GEMVs, {chain.bytes / 1e9:.2f} GB of weights, "
@@ -240,11 +241,11 @@ def main(argv: list[str] | None = None) -> None:
 
     def measure(rows: dict[str, tuple], pdl: bool, label: str) -> float:
         set_pdl(pdl)
-        G.SHAPE_CONFIGS = shape_configs(rows)
+        GC.SHAPE_CONFIGS = shape_configs(rows)
         try:
             ms = chain.time_ms(args.replays, args.blocks)
         finally:
-            G.SHAPE_CONFIGS = ()
+            GC.SHAPE_CONFIGS = ()
         record = {"label": label, "pdl": pdl, "ms": ms, "gbps": chain.bytes / ms / 1e6,
                   "rows": {name: list(row) for name, row in rows.items()}}
         log.write(json.dumps(record) + "\n")

@@ -19,6 +19,8 @@ shrinks as sequences finish), and the engine's warm-up captures batch size 1; a 
 has no graph yet captures it on the spot (can_run). `engine.graph_stats` records the mode, the sizes captured so
 far, and their capture time and memory. `emulate=True` (CPU tests) "replays" by
 calling the captured function again on the same static buffers, which exercises all the plumbing without CUDA.
+
+Which mode a run uses and which batch sizes may be captured: sparsekv/graphs/graph_config.py.
 """
 from __future__ import annotations
 
@@ -34,90 +36,9 @@ import torch
 from sparsekv.config import GraphMode, OffloadMode
 from sparsekv.engine import context as context_module
 from sparsekv.engine.context import Context
+from sparsekv.graphs.graph_config import as_enum, capture_batch_sizes, graph_settings
 
 log = logging.getLogger(__name__)
-
-LADDER = (1, 2, 4, 8)  # then steps of LADDER_STEP
-LADDER_STEP = 16
-
-
-# ---- configuration
-def capture_batch_sizes(max_batch_size: int, batch_sizes=None) -> list[int]:
-    """The batch sizes to capture: `batch_sizes` when given, else 1, 2, 4, 8, 16, 32, ... up to and including
-    max_batch_size (which is added when the ladder skips it)."""
-    if batch_sizes:
-        sizes = sorted({int(b) for b in batch_sizes})
-        if sizes[0] < 1:
-            raise ValueError(f"graph.batch_sizes={list(batch_sizes)}: every batch size must be at least 1")
-        return sizes
-    if max_batch_size < 1:
-        raise ValueError(f"graph.max_batch_size={max_batch_size} must be at least 1")
-    sizes = {b for b in LADDER if b <= max_batch_size}
-    sizes.update(range(LADDER_STEP, max_batch_size + 1, LADDER_STEP))
-    sizes.add(max_batch_size)
-    return sorted(sizes)
-
-
-def _enum(value, cls):
-    return value if isinstance(value, cls) else cls(getattr(value, "value", value))
-
-
-def resolve_graph_mode(mode, offload, device: torch.device, decode_policy=None) -> GraphMode:
-    """The decode mode a run uses; a mode the run cannot use is a ValueError that names graph.mode and the fix.
-
-    auto on CUDA: cudagraph when the Triton kernels are in use (and, offloaded, the decode policy allows captured
-    steps: SparsePolicy.decode_graph_safe), else segmented; eager without CUDA.
-    """
-    from sparsekv.kernels._dispatch import ENV_BACKEND, use_triton
-
-    mode, offload = _enum(mode, GraphMode), _enum(offload, OffloadMode)
-    graph_safe = getattr(decode_policy, "decode_graph_safe", True)
-    offloaded = offload == OffloadMode.cpu
-    # offload=none: a selecting decode policy builds each step's block table on the host (paged_selection)
-    paged_selecting = not offloaded and getattr(decode_policy, "requires_block_selection", False)
-    if mode == GraphMode.eager:
-        return mode
-    if device.type != "cuda":
-        if mode == GraphMode.auto:
-            return GraphMode.eager
-        raise ValueError(f"graph.mode={mode.value} needs a CUDA device, but this run is on {device.type}: CUDA graphs "
-                         "replay captured GPU kernels. Use graph=eager, or graph=auto (eager without CUDA)")
-    if mode == GraphMode.cudagraph and paged_selecting:
-        raise ValueError(f"graph.mode=cudagraph replays captured decode steps, but with offload=none policy="
-                         f"{getattr(decode_policy, 'name', decode_policy)} selects blocks per step on the host; use "
-                         "graph=segmented or graph=auto, or offload=cpu")
-    triton = use_triton(device)  # the torch references of the decode kernels sync with the host: not capturable
-    if mode == GraphMode.auto:
-        return GraphMode.cudagraph if triton and (graph_safe or not offloaded) and not paged_selecting \
-            else GraphMode.segmented
-    if mode == GraphMode.cudagraph and not triton:
-        raise ValueError(f"graph.mode=cudagraph needs the Triton decode kernels, but the attention backend is "
-                         f"the torch reference (triton missing, or {ENV_BACKEND}=torch), which syncs with the host; "
-                         "install triton / unset the variable, or use graph=segmented (attention stays eager)")
-    if mode == GraphMode.cudagraph and offloaded and not graph_safe:
-        raise ValueError(f"graph.mode=cudagraph replays captured decode steps, but policy="
-                         f"{getattr(decode_policy, 'name', decode_policy)} sets decode_graph_safe=False (its block "
-                         "choice depends on per-token host state); use graph=segmented or graph=auto")
-    return mode
-
-
-def graph_settings(graph_cfg) -> tuple[Any, int | None, list[int] | None]:
-    """(mode, max_batch_size, batch_sizes) of a `graph` config node (a missing node means auto)."""
-    if graph_cfg is None:
-        return GraphMode.auto, None, None
-    get = graph_cfg.get if hasattr(graph_cfg, "get") else (lambda key, default=None: getattr(graph_cfg, key, default))
-    max_batch = get("max_batch_size", None)
-    sizes = get("batch_sizes", None)
-    return get("mode", GraphMode.auto), (int(max_batch) if max_batch is not None else None), \
-        ([int(b) for b in sizes] if sizes else None)
-
-
-def check_graph_config(graph_cfg) -> None:
-    _, max_batch, sizes = graph_settings(graph_cfg)
-    if max_batch is not None and max_batch < 1:
-        raise ValueError(f"graph.max_batch_size={max_batch} must be at least 1 (larger decode batches run eagerly)")
-    if sizes is not None:
-        capture_batch_sizes(1, sizes)
 
 
 # ---- capture
@@ -382,7 +303,7 @@ def attach_graph_runner(engine, mode, graph_cfg=None, *, emulate: bool = False) 
     its graphs are captured when first due (DecodeGraphRunner.capture_up_to). engine.graph_stats = {mode,
     batch_sizes (captured so far), capture_seconds, graph_pool_bytes, ...} stays current. `mode` is resolved (see
     resolve_graph_mode); `emulate` replays by re-running the captured functions (CPU tests)."""
-    mode = _enum(mode, GraphMode)
+    mode = as_enum(mode, GraphMode)
     if mode == GraphMode.auto:
         raise ValueError("attach_graph_runner takes a resolved graph mode; call resolve_graph_mode first")
     stats: dict[str, Any] = {"mode": mode.value, "capture_seconds": 0.0, "graph_pool_bytes": 0,
@@ -392,7 +313,7 @@ def attach_graph_runner(engine, mode, graph_cfg=None, *, emulate: bool = False) 
         _, max_batch, sizes = graph_settings(graph_cfg)
         max_num_seqs = int(engine.config.scheduler.max_num_seqs)
         sizes = capture_batch_sizes(min(max_batch or max_num_seqs, max_num_seqs), sizes)
-        if mode == GraphMode.cudagraph and _enum(engine.config.offload.mode, OffloadMode) == OffloadMode.cpu:
+        if mode == GraphMode.cudagraph and as_enum(engine.config.offload.mode, OffloadMode) == OffloadMode.cpu:
             from sparsekv.graphs.offload_graph import OffloadGraphRunner  # imports this module
 
             runner = OffloadGraphRunner(engine.model, engine.kv_store, engine.device, sizes[-1], emulate)

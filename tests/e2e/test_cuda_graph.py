@@ -13,7 +13,8 @@ import torch
 
 from sparsekv import LLM, SamplingParams
 from sparsekv.config import GraphMode, OffloadMode
-from sparsekv.graphs.cuda_graph import CudaGraphRunner, attach_graph_runner, capture_batch_sizes, resolve_graph_mode
+from sparsekv.graphs.cuda_graph import CudaGraphRunner, attach_graph_runner
+from sparsekv.graphs.graph_config import capture_batch_sizes, resolve_graph_mode
 from sparsekv.graphs.offload_graph import OffloadGraphRunner
 from sparsekv.graphs.segmented_graph import SegmentedGraphRunner
 from sparsekv.policies.full import FullAttentionPolicy

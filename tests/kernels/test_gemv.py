@@ -17,6 +17,8 @@ import torch.nn.functional as F
 import sparsekv.factory
 from sparsekv.kernels import KernelChoice, resolve_kernels
 from sparsekv.kernels import gemv as G
+from sparsekv.kernels import gemv_configs as GC
+from sparsekv.kernels._dispatch import next_power_of_2
 from sparsekv.kernels.gemv import GemvConfig, choose_config, skinny_linear, skinny_linear_reference
 from sparsekv.layers.linear import Linear
 from tests.conftest import CountLaunches
@@ -60,7 +62,7 @@ def _check(out: torch.Tensor, ref: torch.Tensor) -> None:
 # The three code paths (name, M, config) with small tiles, so that N = 50 and K = 100 are ragged in both: 4 row
 # blocks of 16, 7 K tiles of 16 (the last one 4 wide); split_k = 3 gives splits of 48, 48 and 4.
 PATHS = [("gemv", 1, GemvConfig(16, 16, 4, 1, 1, False, 1))]
-PATHS += [("fma3d", m, GemvConfig(16, 16, 4, 1, 1, False, G.next_power_of_2(m))) for m in (3, 8, 16)]
+PATHS += [("fma3d", m, GemvConfig(16, 16, 4, 1, 1, False, next_power_of_2(m))) for m in (3, 8, 16)]
 PATHS += [("dot", m, GemvConfig(16, 16, 4, 2, 1, True, 16)) for m in (1, 3, 8, 16)]
 PATHS += [("gemv-pipelined", 1, GemvConfig(16, 16, 4, 3, 1, False, 1))]  # tl.range(num_stages=3) K loop
 
@@ -73,7 +75,7 @@ def test_paths_match_reference(path, m, config, dtype, split, bias, launches):
     n, k = 50, 100
     x, w, b = _inputs(m, n, k, dtype, bias, seed=m * 7 + split)
     config = config._replace(split_k=split)
-    assert G.split_length(k, config) == (48 if split == 3 else 112)
+    assert GC.split_length(k, config) == (48 if split == 3 else 112)
     out = skinny_linear(x, w, b, config=config)
     assert launches.calls == 1
     _check(out, skinny_linear_reference(x, w, b))
@@ -85,7 +87,7 @@ def test_default_config_matches_reference(m, n, k, launches):
     """The heuristic's config (the table's tiles clamped to the problem; at N = 20, K = 4096 it splits K)."""
     x, w, b = _inputs(m, n, k, torch.float32, bias=m % 2 == 1, seed=m + n)
     config = choose_config(m, n, k, 4, DEV)
-    assert config.block_m >= m and config.block_k <= max(16, G.next_power_of_2(k))
+    assert config.block_m >= m and config.block_k <= max(16, next_power_of_2(k))
     if (n, k) == (20, 4096):
         assert config.split_k > 1
     _check(skinny_linear(x, w, b), skinny_linear_reference(x, w, b))
@@ -148,33 +150,33 @@ def test_bad_inputs_raise_value_error():
 def test_heuristic_on_the_decode_shapes(m, monkeypatch):
     """Pure Python: at the Qwen3-4B / Llama-3.1-8B shapes (bf16, 132 SMs) the split count fills the GPU without
     cutting any program below MIN_PROGRAM_BYTES, splits are BLOCK_K-aligned and none is empty."""
-    monkeypatch.setattr(G, "SHAPE_CONFIGS", ())  # the heuristic itself, not the tuned Qwen3-4B rows
-    target = G.PROGRAMS_PER_SM * 132
+    monkeypatch.setattr(GC, "SHAPE_CONFIGS", ())  # the heuristic itself, not the tuned Qwen3-4B rows
+    target = GC.PROGRAMS_PER_SM * 132
     for n, k in QWEN3_4B + LLAMA_8B:
         config = choose_config(m, n, k, 2, "cpu")
         assert config.block_m >= m and config.use_dot == (m > 1)
         row_blocks = -(-n // config.block_n)
-        split_len = G.split_length(k, config)
+        split_len = GC.split_length(k, config)
         assert split_len % config.block_k == 0 and (config.split_k - 1) * split_len < k  # the last split is not empty
         if config.split_k > 1:
-            assert config.block_n * split_len * 2 >= G.MIN_PROGRAM_BYTES, (n, k, config)
+            assert config.block_n * split_len * 2 >= GC.MIN_PROGRAM_BYTES, (n, k, config)
             assert row_blocks * (config.split_k - 1) < target  # one split fewer would not have filled the GPU
         else:
-            assert row_blocks >= target or config.block_n * k * 2 < 2 * G.MIN_PROGRAM_BYTES, (n, k, config)
+            assert row_blocks >= target or config.block_n * k * 2 < 2 * GC.MIN_PROGRAM_BYTES, (n, k, config)
     assert choose_config(m, 2560, 9728, 2, "cpu").split_k > 1  # down_proj: 160 or 80 row blocks alone
     assert choose_config(m, 151936, 2560, 2, "cpu").split_k == 1  # lm_head
 
 
 def test_heuristic_follows_overridden_constants(monkeypatch):
-    monkeypatch.setattr(G, "SHAPE_CONFIGS", ())  # the CONFIGS heuristic, not the tuned Qwen3-4B rows
+    monkeypatch.setattr(GC, "SHAPE_CONFIGS", ())  # the CONFIGS heuristic, not the tuned Qwen3-4B rows
     before = choose_config(1, 2560, 9728, 2, "cpu")
-    monkeypatch.setattr(G, "CONFIGS", ((16, False, 8, 512, 8, 1),))
-    monkeypatch.setattr(G, "MAX_SPLIT_K", 2)
-    monkeypatch.setattr(G, "MIN_PROGRAM_BYTES", 32768)
+    monkeypatch.setattr(GC, "CONFIGS", ((16, False, 8, 512, 8, 1),))
+    monkeypatch.setattr(GC, "MAX_SPLIT_K", 2)
+    monkeypatch.setattr(GC, "MIN_PROGRAM_BYTES", 32768)
     after = choose_config(1, 2560, 9728, 2, "cpu")
     assert after != before and (after.block_n, after.block_k, after.num_warps) == (8, 512, 8) and after.split_k == 2
     fma3 = choose_config(4, 2560, 9728, 2, "cpu")  # a 3-d FMA row: BLOCK_K cut to FMA_MAX_ACC
-    assert not fma3.use_dot and fma3.block_m == 4 and fma3.block_k * 8 * 4 <= G.FMA_MAX_ACC
+    assert not fma3.use_dot and fma3.block_m == 4 and fma3.block_k * 8 * 4 <= GC.FMA_MAX_ACC
 
 
 SHAPE_ROWS = ((50, 100, True, 16, 32, 4, 3, 2), (40, 96, False, 8, 32, 2, 2, None))
@@ -184,20 +186,20 @@ def test_shape_rows_apply_at_one_row_and_fall_back_to_configs(monkeypatch):
     """SHAPE_CONFIGS rows (exact (N, K), M = 1) come before CONFIGS: tensor cores allowed at M = 1, a fixed split
     count (cut so that no split is empty; an explicit split_k still overrides), other shapes and M > 1 untouched."""
     before = {(m, n, k): choose_config(m, n, k, 4, "cpu") for m in (1, 4) for n, k in ((50, 100), (40, 96), (64, 64))}
-    monkeypatch.setattr(G, "SHAPE_CONFIGS", SHAPE_ROWS)
+    monkeypatch.setattr(GC, "SHAPE_CONFIGS", SHAPE_ROWS)
     assert choose_config(1, 50, 100, 4, "cpu") == GemvConfig(16, 32, 4, 3, 2, True, 16)
     assert choose_config(1, 50, 100, 4, "cpu", split_k=1).split_k == 1
     fma = choose_config(1, 40, 96, 4, "cpu")
     assert (fma.use_dot, fma.block_m, fma.block_n, fma.block_k, fma.num_warps, fma.num_stages) == (
         False, 1, 8, 32, 2, 2)
-    assert choose_config(1, 40, 96, 4, "cpu") == G._choose_config(1, 40, 96, 4, 132, None, tuple(G.CONFIGS),
-                                                                 tuple(SHAPE_ROWS[1][2:]), G.PROGRAMS_PER_SM,
-                                                                 G.MIN_PROGRAM_BYTES, G.MAX_SPLIT_K, G.FMA_MAX_ACC)
+    assert choose_config(1, 40, 96, 4, "cpu") == GC._choose_config(1, 40, 96, 4, 132, None, tuple(GC.CONFIGS),
+                                                                  tuple(SHAPE_ROWS[1][2:]), GC.PROGRAMS_PER_SM,
+                                                                  GC.MIN_PROGRAM_BYTES, GC.MAX_SPLIT_K, GC.FMA_MAX_ACC)
     for (m, n, k), config in before.items():
         if m > 1 or (n, k) == (64, 64):
             assert choose_config(m, n, k, 4, "cpu") == config
-    assert G.shape_row(1, 64, 64) is None and G.shape_row(2, 50, 100) is None
-    monkeypatch.setattr(G, "SHAPE_CONFIGS", ((50, 100, True, 16, 32, 4, 3),))
+    assert GC.shape_row(1, 64, 64) is None and GC.shape_row(2, 50, 100) is None
+    monkeypatch.setattr(GC, "SHAPE_CONFIGS", ((50, 100, True, 16, 32, 4, 3),))
     with pytest.raises(ValueError, match="7 fields"):
         choose_config(1, 50, 100, 4, "cpu")
 
@@ -207,7 +209,7 @@ def test_shape_rows_apply_at_one_row_and_fall_back_to_configs(monkeypatch):
 def test_shape_rows_match_reference(gated, dtype, monkeypatch, launches):
     """The launches SHAPE_ROWS select (tensor cores at M = 1 in 2 splits at ragged K = 100; the pipelined FMA loop at
     K = 96), plain and gated (silu(gate) * up in x's loads)."""
-    monkeypatch.setattr(G, "SHAPE_CONFIGS", SHAPE_ROWS)
+    monkeypatch.setattr(GC, "SHAPE_CONFIGS", SHAPE_ROWS)
     for n, k in ((50, 100), (40, 96)):
         x, w, _ = _inputs(1, n, k, dtype, seed=n)
         if gated:
@@ -341,9 +343,9 @@ def test_gpu_replays_inside_a_cuda_graph():
 def test_tuned_qwen3_4b_rows_apply_at_one_row():
     """The shipped SHAPE_CONFIGS cover every Qwen3-4B decode GEMV (tuned on an H100) and leave M > 1 alone."""
     for n, k in ((6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)):
-        row = next(r for r in G.SHAPE_CONFIGS if r[:2] == (n, k))
+        row = next(r for r in GC.SHAPE_CONFIGS if r[:2] == (n, k))
         config = choose_config(1, n, k, 2, "cpu")
         assert (config.use_dot, config.block_n, config.block_k, config.num_warps) == tuple(row[2:6])
-        assert choose_config(4, n, k, 2, "cpu") == G._choose_config(4, n, k, 2, 132, None, tuple(G.CONFIGS), None,
-                                                                    G.PROGRAMS_PER_SM, G.MIN_PROGRAM_BYTES,
-                                                                    G.MAX_SPLIT_K, G.FMA_MAX_ACC)
+        assert choose_config(4, n, k, 2, "cpu") == GC._choose_config(4, n, k, 2, 132, None, tuple(GC.CONFIGS), None,
+                                                                     GC.PROGRAMS_PER_SM, GC.MIN_PROGRAM_BYTES,
+                                                                     GC.MAX_SPLIT_K, GC.FMA_MAX_ACC)

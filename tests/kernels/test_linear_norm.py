@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from sparsekv.kernels import gemv as G
+from sparsekv.kernels import gemv_configs as GC
 from sparsekv.kernels import linear_norm as LN
 from sparsekv.kernels.linear_norm import linear_add_rms_norm, linear_add_rms_norm_reference
 from sparsekv.kernels.rmsnorm import add_rms_norm
@@ -38,10 +39,10 @@ def _inputs(m: int, k: int, n: int, dtype: torch.dtype, seed: int, gated: bool, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_fused_equals_separate_ops(split, gated, m, bias, dtype, monkeypatch):
     """K = 100 and N = 50 are ragged against the 16-wide tiles; SHAPE_CONFIGS' row fixes the split count."""
-    monkeypatch.setattr(G, "SHAPE_CONFIGS", ((50, 100, False, 16, 16, 4, 1, split),))
-    monkeypatch.setattr(G, "CONFIGS", ((G.MAX_M, False, 16, 16, 4, 1),))
-    monkeypatch.setattr(G, "MAX_SPLIT_K", split)
-    monkeypatch.setattr(G, "MIN_PROGRAM_BYTES", 16)
+    monkeypatch.setattr(GC, "SHAPE_CONFIGS", ((50, 100, False, 16, 16, 4, 1, split),))
+    monkeypatch.setattr(GC, "CONFIGS", ((G.MAX_M, False, 16, 16, 4, 1),))
+    monkeypatch.setattr(GC, "MAX_SPLIT_K", split)
+    monkeypatch.setattr(GC, "MIN_PROGRAM_BYTES", 16)
     x, w, b, residual, norm_w = _inputs(m, 100, 50, dtype, seed=7 * m + split, gated=gated, bias=bias)
     reduce = CountLaunches(LN._reduce_add_rms_norm_kernel)
     monkeypatch.setattr(LN, "_reduce_add_rms_norm_kernel", reduce)

@@ -92,7 +92,7 @@ def test_selecting_decode_policy_selects_among_resident_blocks(qwen3_ckpt):
 def test_selecting_decode_policy_refuses_captured_graphs_without_offload():
     import pytest
 
-    from sparsekv.graphs.cuda_graph import resolve_graph_mode
+    from sparsekv.graphs.graph_config import resolve_graph_mode
     from sparsekv.policies.quest import QuestPolicy
 
     with pytest.raises(ValueError, match="selects blocks per step on the host; use graph=segmented"):

@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import tune_gemv_chain as tool  # noqa: E402
 
-from sparsekv.kernels import gemv  # noqa: E402
+from sparsekv.kernels import gemv_configs  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -20,7 +20,7 @@ def restore_default_model():
 
 def test_default_shapes_are_the_ones_the_shipped_rows_were_tuned_on():
     tool.set_model("qwen3_4b", 1)
-    tuned = {(row[0], row[1]) for row in gemv.SHAPE_CONFIGS}
+    tuned = {(row[0], row[1]) for row in gemv_configs.SHAPE_CONFIGS}
     assert tuned == {tool.SHAPES[name] for name in ("qkv", "o", "gate_up", "down")}
 
 
