@@ -47,12 +47,8 @@ from sparsekv.kernels.attention import _empty_result, masked_attention_rows, onl
 from sparsekv.kernels.attention_checks import check_qkv
 from .vertical_slash_index import offset_range, slash_mask, vertical_slash_index
 
-__all__ = [
-    "vertical_slash_attention",
-    "vertical_slash_attention_reference",
-    "vertical_slash_pair_count",
-    "visible_pair_count",
-]
+__all__ = ["vertical_slash_attention", "vertical_slash_attention_reference", "vertical_slash_pair_count",
+           "visible_pair_count"]
 
 LOG2E = 1.4426950408889634
 
