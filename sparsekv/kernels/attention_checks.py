@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_kv import FP8_DTYPE
+from .fp8_kv import check_fp8_scales
 
 __all__ = ["check_paged_inputs", "check_qkv"]
 
@@ -35,7 +35,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                        context_lens: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """paged_decode_attention's arguments: q [B, H, D], k_cache/v_cache [num_blocks, block_size, KVH, D], block_tables
-    [B, max_blocks] and context_lens [B] int32/int64; with scales, fp8 pages (_check_scales)."""
+    [B, max_blocks] and context_lens [B] int32/int64; with scales, fp8 pages (fp8_kv.check_fp8_scales)."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"expected q [B, H, D] and k_cache/v_cache [num_blocks, block_size, KVH, D]; got q "
@@ -56,24 +56,8 @@ def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"expected {name} int32, got {t.dtype}")
     if scales is not None:
-        _check_scales(q, k_cache, v_cache, scales)
+        check_fp8_scales(q, k_cache, v_cache, scales, "paged decode with scales", num_blocks=k_cache.shape[0],
+                         kv_names="k_cache/v_cache")
     elif not (q.dtype == k_cache.dtype == v_cache.dtype) or not q.dtype.is_floating_point:
         raise ValueError(f"q, k_cache, v_cache must share one float dtype; got {q.dtype}, "
                          f"{k_cache.dtype}, {v_cache.dtype}")
-
-
-def _check_scales(q, k_cache, v_cache, scales) -> None:
-    """fp8 pages: k_cache/v_cache float8_e4m3fn, scales (k_scale, v_scale) [num_blocks, KVH] float32, same strides,
-    unit last stride; q of a float dtype of 16 bits or more."""
-    k_scale, v_scale = scales
-    if k_cache.dtype != FP8_DTYPE or v_cache.dtype != FP8_DTYPE or not q.dtype.is_floating_point \
-            or q.element_size() < 2:
-        raise ValueError(f"paged decode with scales: expected k_cache/v_cache {FP8_DTYPE} and q of a float dtype of "
-                         f"16 bits or more; got q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
-    want = (k_cache.shape[0], k_cache.shape[2])
-    if (tuple(k_scale.shape) != want or tuple(v_scale.shape) != want or k_scale.dtype != torch.float32
-            or v_scale.dtype != torch.float32 or k_scale.stride() != v_scale.stride() or k_scale.stride(1) != 1
-            or k_scale.device != q.device or v_scale.device != q.device):
-        raise ValueError(f"paged decode with scales: expected k_scale/v_scale {list(want)} float32 on {q.device} "
-                         f"(same strides, unit last stride); got {tuple(k_scale.shape)} {k_scale.dtype}, "
-                         f"{tuple(v_scale.shape)} {v_scale.dtype}")

@@ -151,25 +151,36 @@ def check_fp8_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Shape, dtype and device checks of an fp8 attention call: q [Sq, H, D] (a float dtype of >= 16 bits), k/v
     [Sk, KVH, D] float8_e4m3fn, scales (k_scale, v_scale) [nb, KVH] float32 with the same strides and nb dividing
     Sk. Returns the block size Sk / nb."""
-    k_scale, v_scale = scales
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2] or k.shape[1] == 0 \
             or q.shape[1] % k.shape[1]:
         raise ValueError(f"{caller}: expected q [Sq, H, D], k/v [Sk, KVH, D] with H a multiple of KVH; got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    return k.shape[0] // check_fp8_scales(q, k, v, scales, caller, seq_len=k.shape[0])
+
+
+def check_fp8_scales(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor],
+                     caller: str, *, num_blocks: int | None = None, seq_len: int | None = None,
+                     kv_names: str = "k/v") -> int:
+    """fp8 K/V of any layout whose second-to-last dim is KVH, read by q of a float dtype of >= 16 bits, with scales
+    (k_scale, v_scale) [nb, KVH] float32 of the same strides and unit last stride, on q's device: nb = num_blocks
+    (paged pages), or nb dividing seq_len (blocks of a flat [Sk, KVH, D]). Returns nb."""
+    k_scale, v_scale = scales
     if k.dtype != FP8_DTYPE or v.dtype != FP8_DTYPE or not q.dtype.is_floating_point or q.element_size() < 2:
-        raise ValueError(f"{caller}: expected k/v {FP8_DTYPE} and q of a float dtype of 16 bits or more; got "
-                         f"q {q.dtype}, k {k.dtype}, v {v.dtype}")
+        raise ValueError(f"{caller}: expected {kv_names} {FP8_DTYPE} and q of a float dtype of 16 bits or more; "
+                         f"got q {q.dtype}, {kv_names} {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device == k_scale.device == v_scale.device):
         raise ValueError(f"{caller}: q, k, v and scales on different devices: {q.device}, {k.device}, "
                          f"{v.device}, {k_scale.device}, {v_scale.device}")
     nb = k_scale.shape[0] if k_scale.dim() == 2 else 0
-    if (k_scale.shape != (nb, k.shape[1]) or v_scale.shape != k_scale.shape or v_scale.stride() != k_scale.stride()
-            or k_scale.dtype != torch.float32 or v_scale.dtype != torch.float32 or k_scale.stride(1) != 1
-            or nb == 0 or k.shape[0] % nb):
-        raise ValueError(f"{caller}: expected k_scale/v_scale [nb, {k.shape[1]}] float32 (same strides, unit "
-                         f"last stride) with nb dividing Sk={k.shape[0]}; got {tuple(k_scale.shape)} {k_scale.dtype} "
-                         f"and {tuple(v_scale.shape)} {v_scale.dtype}")
-    return k.shape[0] // nb
+    rows = num_blocks if num_blocks is not None else "nb"
+    if (k_scale.shape != (nb, k.shape[-2]) or v_scale.shape != k_scale.shape or v_scale.stride() != k_scale.stride()
+            or k_scale.dtype != torch.float32 or v_scale.dtype != torch.float32 or k_scale.stride(1) != 1 or nb == 0
+            or (num_blocks is not None and nb != num_blocks) or (seq_len is not None and seq_len % nb)):
+        divides = f" with nb dividing Sk={seq_len}" if seq_len is not None else ""
+        raise ValueError(f"{caller}: expected k_scale/v_scale [{rows}, {k.shape[-2]}] float32 (same strides, unit "
+                         f"last stride){divides}; got {tuple(k_scale.shape)} {k_scale.dtype} and "
+                         f"{tuple(v_scale.shape)} {v_scale.dtype}")
+    return nb
 
 
 def dequantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -7,10 +7,9 @@ from typing import Iterator, Sequence
 
 import torch
 
+from sparsekv.kvcache.cached_loads import Scales
 from sparsekv.kvcache.offload_engine import OffloadEngine
 from sparsekv.policies.context import KVGroup
-
-Scales = tuple[torch.Tensor, torch.Tensor]  # K and V scales [n_blocks, KVH] float32 of fp8 ring slots
 
 
 class RingReader:
