@@ -39,7 +39,7 @@ SECTIONS = {
     "memory": "GPU memory against context, offloaded",
     "capacity": "Capacity",
     "hierarchy": "KV memory hierarchy: GPU block cache, fp8 host tier, batched Quest",
-    "tp": "Tensor parallelism, 2 GPUs",
+    "tp": "Tensor parallelism",
 }
 NOTES = {
     "hierarchy": "tok/s: batch x 1000 / ms per step. PCIe floor: the KV bytes loaded from the host per decode step "

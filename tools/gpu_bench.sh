@@ -37,9 +37,12 @@
 #                   default 2 dense layers and with every layer selecting, streaming_llm (the plugin in plugins/) at
 #                   2K tokens, minference, minference_band, xattn_bsa, xattn_bsa_090; then task=report over them;
 #                   12 runs per offload mode: RULER_OFFLOADS=none and =cpu fit one 10-minute call each       ~2 x 8 min
-#   tp              2 GPUs: TP=1 beside TP=2 per model of TP_MODELS (default "qwen3_8b llama3_8b", dummy weights):
-#                   resident decode at 4K, offloaded full decode at 128K (no GPU block cache: every step loads
-#                   the KV over PCIe), 32K resident prefill; 6 runs, ~5 min per model (at most 45+85+40 s a pair)
+#   tp              TP=1 beside TP=N for N in TP_SIZES (default "1 2"; "1 2 4" on 4 GPUs) per model of TP_MODELS
+#                   (default "qwen3_8b llama3_8b", dummy weights), rows of TP_ROWS (default "decode offload
+#                   prefill"): resident decode at 4K, offloaded full decode at 128K (no GPU block cache: every step
+#                   loads the KV over PCIe), 32K resident prefill; at most 45 + 85 + 40 s per model and TP size.
+#                   Rows of one section may run in several calls (or concurrently on disjoint GPUs, resident rows
+#                   only) into one OUT: a TP=N row finds its TP=1 row by name
 #   summary         $OUT/tables.md (tools/bench_table.py) and $OUT/records.tgz
 #
 # Each run goes to $OUT/records/<section>/<row>/: the task's record (bench.json or quality.json), run.json (the
@@ -333,20 +336,24 @@ section_ruler_policies() {  # the policies judged on the probe: accuracy per tas
         > "$OUT/ruler_policies_report.log" 2>&1 || tail -n 20 "$OUT/ruler_policies_report.log"
 }
 
-section_tp() {  # tensor parallelism over 2 GPUs; each TP=2 row is compared with the TP=1 row of the same shape
-    local steps="${DECODE_STEPS:-16}" model tp ref
+section_tp() {  # tensor parallelism; each TP=N>1 row is compared with the TP=1 row of the same shape
+    local steps="${DECODE_STEPS:-16}" model tp ref rows=" ${TP_ROWS:-decode offload prefill} "
     for model in ${TP_MODELS:-qwen3_8b llama3_8b}; do
-        for tp in 1 2; do
+        for tp in ${TP_SIZES:-1 2}; do
             local P=(model="$model" model.load_format=dummy parallel.tensor_parallel_size=$tp)
-            ref=""; [ "$tp" = 2 ] && ref="tp/$model-"
-            VS="${ref:+${ref}none-4k-tp1}" BENCH_TIMEOUT=45 bench tp "$model-none-4k-tp$tp" "${P[@]}" offload=none \
-                graph=cudagraph task.context=4096 task.decode_steps="${DECODE_STEPS:-64}"
-            VS="${ref:+${ref}cpu-128k-tp1}" BENCH_TIMEOUT=85 bench tp "$model-cpu-128k-tp$tp" "${P[@]}" offload=cpu \
-                offload.gpu_cache_gib=0 task.context=131072 task.decode_steps="$steps"
-            VS="${ref:+${ref}none-32k-prefill-tp1}" BENCH_TIMEOUT=40 bench tp "$model-none-32k-prefill-tp$tp" \
-                "${P[@]}" offload=none task.context=32768 scheduler.max_num_batched_tokens=32768 task.decode_steps=4
+            ref=""; [ "$tp" != 1 ] && ref="tp/$model-"
+            [[ $rows == *" decode "* ]] && VS="${ref:+${ref}none-4k-tp1}" BENCH_TIMEOUT=45 \
+                bench tp "$model-none-4k-tp$tp" "${P[@]}" offload=none graph=cudagraph task.context=4096 \
+                task.decode_steps="${DECODE_STEPS:-64}"
+            [[ $rows == *" offload "* ]] && VS="${ref:+${ref}cpu-128k-tp1}" BENCH_TIMEOUT=85 \
+                bench tp "$model-cpu-128k-tp$tp" "${P[@]}" offload=cpu offload.gpu_cache_gib=0 task.context=131072 \
+                task.decode_steps="$steps"
+            [[ $rows == *" prefill "* ]] && VS="${ref:+${ref}none-32k-prefill-tp1}" BENCH_TIMEOUT=40 \
+                bench tp "$model-none-32k-prefill-tp$tp" "${P[@]}" offload=none task.context=32768 \
+                scheduler.max_num_batched_tokens=32768 task.decode_steps=4
         done
     done
+    return 0
 }
 
 section_summary() {

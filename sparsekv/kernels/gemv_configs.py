@@ -42,11 +42,31 @@ CONFIGS = (
 # `python tools/tune_gemv_chain.py OUT_DIR --rounds 2` on an H100 (2026-11-23): the Qwen3-4B decode chain
 # (36 layers + lm_head, 8.04 GB) replayed from a CUDA graph took 3.150 ms with CONFIGS alone and 2.854 ms with these
 # rows under PDL (3.287 / 3.116 ms without PDL); lm_head's best was CONFIGS' row.
+# The 8B rows: `tools/tune_gemv_chain.py OUT --model M --tp N --quick` on an H200 (2026-11-26), one rank's shards;
+# chain under PDL, CONFIGS alone -> these rows: Qwen3-8B TP1 3.864 -> 3.706 ms, TP2 2.464 -> 2.015, TP4 1.571 ->
+# 1.278; Llama-3.1-8B TP1 3.905 -> 3.660, TP2 2.579 -> 1.987. lm_head rows that gained < 0.1% are left out (CONFIGS).
+# Shapes are exact (N, K), so one row serves every model and rank count that streams it (e.g. [6144, 4096] is the
+# 8B models' TP1 qkv and Qwen3-8B's TP4 gate_up: the same best row).
 SHAPE_CONFIGS: tuple = (
+    # Qwen3-4B, TP1
     (6144, 2560, False, 8, 512, 2, 2, None),  # qkv
     (2560, 4096, False, 8, 512, 8, 1, 2),  # o_proj
     (19456, 2560, False, 8, 512, 4, 2, None),  # gate_up
     (2560, 9728, False, 32, 256, 4, 1, None),  # down (gated)
+    # Qwen3-8B / Llama-3.1-8B, TP1
+    (6144, 4096, False, 32, 256, 4, 1, None),  # qkv (also Qwen3-8B TP4 gate_up)
+    (4096, 4096, False, 32, 512, 4, 1, None),  # o_proj
+    (28672, 4096, False, 8, 256, 4, 1, None),  # Llama gate_up
+    # TP2 shards
+    (3072, 4096, False, 32, 512, 4, 1, None),  # qkv
+    (4096, 2048, False, 8, 512, 4, 1, None),  # o_proj
+    (4096, 6144, False, 32, 256, 4, 1, None),  # Qwen3-8B down
+    (14336, 4096, False, 8, 512, 4, 1, None),  # Llama gate_up
+    (4096, 7168, False, 32, 256, 4, 1, None),  # Llama down
+    # TP4 shards (Qwen3-8B)
+    (1536, 4096, False, 32, 512, 4, 1, 4),  # qkv
+    (4096, 1024, False, 8, 256, 4, 1, 4),  # o_proj
+    (4096, 3072, False, 8, 512, 4, 1, 4),  # down
 )
 PROGRAMS_PER_SM = 4  # split K until row blocks x splits >= PROGRAMS_PER_SM x SMs ...
 MIN_PROGRAM_BYTES = 131072  # ... as long as each program still streams this much of W

@@ -349,3 +349,14 @@ def test_tuned_qwen3_4b_rows_apply_at_one_row():
         assert choose_config(4, n, k, 2, "cpu") == GC._choose_config(4, n, k, 2, 132, None, tuple(GC.CONFIGS), None,
                                                                      GC.PROGRAMS_PER_SM, GC.MIN_PROGRAM_BYTES,
                                                                      GC.MAX_SPLIT_K, GC.FMA_MAX_ACC)
+
+
+def test_shipped_shape_rows_are_unique_and_well_formed():
+    """One row per exact weight shape (a second row for the same (N, K) would be dead), each a valid launch."""
+    shapes = [row[:2] for row in GC.SHAPE_CONFIGS]
+    assert len(shapes) == len(set(shapes)), [s for s in shapes if shapes.count(s) > 1]
+    for n, k, use_dot, block_n, block_k, warps, stages, split in GC.SHAPE_CONFIGS:
+        config = choose_config(1, n, k, 2, "cpu")
+        assert (config.use_dot, config.block_n, config.block_k, config.num_warps, config.num_stages) == (
+            use_dot, block_n, block_k, warps, stages)
+        assert split is None or 1 <= config.split_k <= split  # cut where a split would be empty
