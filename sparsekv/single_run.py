@@ -1,20 +1,22 @@
 """One run of the CLI (no -m) from one composition of its config.
 
 @hydra.main composes the config twice before a single job starts (once to read hydra.mode, once to run), and the
-CLI's check of the job before any work composed it a third time: ~0.2 s each. Here the command line is composed once,
+CLI's check of the job before any work composed it a third time: 0.1-0.2 s each. Here the command line is composed once,
 the same way Hydra's run mode composes it (the main Hydra object, its config search path and job name, `hydra.mode`
 added as Hydra adds it); the CLI checks that config, and Hydra's own run_job runs the job from it. Everything @hydra.main
 gives a run is kept: the run directory (hydra.run.dir), .hydra/config.yaml, hydra.yaml and overrides.yaml, the job's
 log file and logging config, HydraConfig inside the task, callbacks, and the report of a failed job (exit 1).
 
-Anything else goes to @hydra.main unchanged: Hydra's flags (-m, --cfg, --help, --info, ...), an explicit hydra.mode, and
-a command line whose composition fails (the CLI's check then reports it as before, or Hydra in its own words)."""
+Anything else goes to @hydra.main unchanged: Hydra's flags (-m, --cfg, --help, --info, ...), an explicit hydra.mode, a
+command line whose composition fails (the CLI's check then reports it as before, or Hydra in its own words), and any
+Hydra other than 1.3, whose run path this follows."""
 from __future__ import annotations
 
 import copy
 import logging
 from dataclasses import dataclass
 
+import hydra as hydra_package
 from hydra._internal import hydra as hydra_internal
 from hydra._internal.callbacks import Callbacks
 from hydra._internal.hydra import Hydra
@@ -26,12 +28,13 @@ from hydra.types import HydraContext, RunMode, TaskFunction
 from omegaconf import DictConfig, open_dict, read_write
 
 MODE_OVERRIDE = "hydra.mode"
+FOLLOWED_HYDRA = "1.3."  # the Hydra release whose run mode (Hydra.run, run_job) this reproduces
 
 
 def single_run_overrides(argv: list[str]) -> list[str] | None:
     """The overrides of a command line that asks for one plain run, or None: any flag (-m, --cfg, --help, -p, ...)
-    or a hydra.mode override leaves the command line to @hydra.main."""
-    if any(arg.startswith("-") for arg in argv):
+    or a hydra.mode override leaves the command line to @hydra.main, as does a Hydra release this does not follow."""
+    if not hydra_package.__version__.startswith(FOLLOWED_HYDRA) or any(arg.startswith("-") for arg in argv):
         return None
     if any(arg.split("=", 1)[0].lstrip("+~") == MODE_OVERRIDE for arg in argv):
         return None

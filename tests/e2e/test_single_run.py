@@ -121,3 +121,11 @@ def test_a_command_line_that_does_not_compose_is_reported_as_before(tmp_path, mo
 ])
 def test_only_a_plain_command_line_is_a_single_run(argv, overrides):
     assert single_run_overrides(argv) == overrides
+
+
+def test_another_hydra_release_keeps_hydra_mains_path(monkeypatch):
+    import hydra
+
+    assert single_run_overrides(["device=cpu"]) == ["device=cpu"]
+    monkeypatch.setattr(hydra, "__version__", "1.4.0")
+    assert single_run_overrides(["device=cpu"]) is None
