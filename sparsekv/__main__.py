@@ -1,7 +1,8 @@
 """CLI: python -m sparsekv [group=option ...] [key=value ...]   (Hydra; add -m for a multirun sweep).
 
 Every job's config, and before a sweep starts every job's config of the sweep, goes through
-sparsekv.config_check.check_config: a bad key or value fails at once with one line (exit 2), not at job 7."""
+sparsekv.config_check.check_config: a bad key or value fails at once with one line (exit 2), not at job 7.
+A single run composes its config once (sparsekv.single_run); a sweep and Hydra's flags go through @hydra.main."""
 from __future__ import annotations
 
 import gc
@@ -17,12 +18,14 @@ from sparsekv.config import ConfigError, config_dir
 from sparsekv.config_check import check_config
 from sparsekv.errors import PolicyConfigError
 from sparsekv.plugins import get_plugin_manager
-from sparsekv.preflight import preflight, split_argv
+from sparsekv.preflight import job_error, preflight, split_argv
+from sparsekv.single_run import compose_run, single_run_overrides
 from sparsekv.tasks import get_task
 
 get_plugin_manager()  # plugins register their configs before Hydra composes
 
 USER_ERROR_EXIT_CODE = 2
+CONFIG_NAME = "config"
 log = logging.getLogger("sparsekv")
 
 
@@ -93,8 +96,8 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-@hydra.main(version_base=None, config_path=str(config_dir()), config_name="config")
-def hydra_main(cfg: DictConfig) -> None:
+def run_one_job(cfg: DictConfig) -> None:
+    """One job (of a single run or of a sweep) on its composed config; Hydra has set up its directory and logging."""
     failed = False
     try:
         check_config(cfg)
@@ -118,6 +121,9 @@ def hydra_main(cfg: DictConfig) -> None:
         release_memory()
 
 
+hydra_main = hydra.main(version_base=None, config_path=str(config_dir()), config_name=CONFIG_NAME)(run_one_job)
+
+
 def override_syntax_error(argv: list[str]) -> str | None:
     """A command-line override Hydra cannot parse (an unquoted apostrophe, an unclosed bracket), as one line naming
     it and the quoting that works; Hydra alone would exit 1 with a lexer message."""
@@ -136,12 +142,39 @@ def override_syntax_error(argv: list[str]) -> str | None:
     return None
 
 
+def exit_with_user_error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(USER_ERROR_EXIT_CODE)
+
+
+def run_single(argv: list[str]) -> bool:
+    """A plain single run from one composition of its config: the config is checked (a bad value or input exits 2
+    before any work), then Hydra's run_job runs it. False, having done nothing, when the command line is not a plain
+    run or does not compose: main's general path decides then."""
+    overrides = single_run_overrides(argv)
+    composed = compose_run(run_one_job, overrides, str(config_dir()), CONFIG_NAME) if overrides is not None else None
+    if composed is None:
+        return False
+    try:
+        error = job_error(composed.job_config())
+        if error is not None:
+            exit_with_user_error(error)
+    except BaseException:
+        composed.discard()
+        raise
+    composed.run(run_one_job)
+    return True
+
+
 def main() -> None:
     """The `sparsekv` command: the whole sweep's configs are checked, then Hydra runs the job(s)."""
-    error = override_syntax_error(sys.argv[1:]) or preflight(sys.argv[1:])
+    argv = sys.argv[1:]
+    error = override_syntax_error(argv)
+    if error is None and run_single(argv):
+        return
+    error = error or preflight(argv)
     if error is not None:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(USER_ERROR_EXIT_CODE)
+        exit_with_user_error(error)
     hydra_main()
 
 

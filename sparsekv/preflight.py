@@ -122,6 +122,23 @@ def check_prompt(cfg: DictConfig) -> None:
                          f"maximum is {spec.max_position_embeddings})")
 
 
+def job_error(cfg: DictConfig) -> str | None:
+    """The first error of one run's composed config (no `hydra` node), or None: what preflight checks for a single
+    run, on the composition sparsekv.single_run runs. check_config finishes `cfg` in place."""
+    from sparsekv.config_check import check_config
+
+    try:
+        check_config(cfg)
+        check_output_dir(cfg.get("output_dir"))
+    except (ConfigError, PolicyConfigError, MissingConfigException) as exc:
+        return str(exc).strip()
+    try:
+        check_task_inputs(cfg)
+    except (ValueError, FileNotFoundError) as exc:
+        return str(exc).strip()
+    return None
+
+
 def preflight(argv: list[str]) -> str | None:
     """The first config error of the command line's job(s), or None (also when Hydra should decide alone)."""
     from sparsekv.llm import compose_config
