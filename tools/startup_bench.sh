@@ -13,6 +13,8 @@
 #                 shows the share it has.
 #   fresh-triton  empty Triton cache, warm .pyc cache: the kernel compile share alone
 #   second        every cache warm (the same directories as `fresh`)
+#   second-no-pyc the same with PYTHONDONTWRITEBYTECODE=1 (some images set it: Python then byte-compiles every
+#                 module, torch's included, in every process, since no .pyc is ever written)
 #   llm-api       in one process: `from sparsekv import LLM`, LLM() twice (the second in a warm process), two
 #                 generate(64) (equal figures: nothing compiled inside the first), and whether torch._dynamo was
 #                 imported (it should not be)
@@ -50,10 +52,14 @@ caches() {  # caches NAME: point every compiler cache at $OUT/NAME
     export TORCHINDUCTOR_CACHE_DIR="$OUT/$1/inductor"
 }
 
+# the runs above assume Python writes its .pyc files (its default); an image may have turned that off
+echo "PYTHONDONTWRITEBYTECODE in the environment: ${PYTHONDONTWRITEBYTECODE:-unset} (unset for the runs but second-no-pyc)"
+unset PYTHONDONTWRITEBYTECODE
 rm -rf "$OUT/cache-a" "$OUT/cache-b"
 caches cache-a
 generate fresh
 generate second
+PYTHONDONTWRITEBYTECODE=1 generate second-no-pyc
 # warm .pyc cache (cache-a's), empty Triton and CUDA caches
 export TRITON_CACHE_DIR="$OUT/cache-b/triton" CUDA_CACHE_PATH="$OUT/cache-b/cuda"
 generate fresh-triton
