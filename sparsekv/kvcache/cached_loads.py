@@ -26,6 +26,20 @@ class CachedLoads:
             self.streams.wait_offloaded(torch.cuda.current_stream(self.device), layer)
         return slots
 
+    def cached_run(self, layer: int, cpu_blocks: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor, Scales | None] | None:
+        """(k, v [n * block_size, KVH, D], their scales or None) read in place when the GPU block cache already holds
+        every block of `cpu_blocks` in consecutive slots, in this order (the hits are counted and protected for the
+        step, and the compute stream waits for the layer's write-throughs); None otherwise, with nothing looked up,
+        loaded or counted."""
+        table = self.cache.slot_of[layer] if self.cache is not None else {}
+        slots = [table.get(block) for block in cpu_blocks]
+        if not slots or None in slots or any(b != a + 1 for a, b in zip(slots, slots[1:])):
+            return None
+        self.cache_slots(layer, cpu_blocks)
+        k, v, scales, _, _ = self._group_view(cpu_blocks, slots[0], None)
+        return k, v, scales
+
     def cached_block_groups(self, layer: int, cpu_blocks: list[int], group_size: int | None = None
                             ) -> Iterator[tuple[torch.Tensor, torch.Tensor, Scales | None, list[int], int | None]]:
         """Like stream_block_groups through the GPU block cache: yields (k, v [n * block_size, KVH, D], their K and V

@@ -94,6 +94,11 @@ class KVReader(Protocol):
 
     def num_groups(self, num_blocks: int, group_size: int | None = None) -> int: ...
 
+    def resident(self, blocks: Sequence[int]) -> KVGroup | None:
+        """`blocks` as one group when all of them already sit on the device in one run, in this order (the GPU block
+        cache), read in place and valid for the step; None otherwise (read them with groups())."""
+        ...
+
 
 def _fail(policy: "SparsePolicy", ctx: PolicyContext, what: str) -> PolicySelectionError:
     return PolicySelectionError(f"{type(policy).__name__}.select_blocks (layer {ctx.layer}, {ctx.phase}, "

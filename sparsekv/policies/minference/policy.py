@@ -20,8 +20,20 @@ kernels of sparsekv.policies.minference.vertical_slash_estimate (the scores are 
 otherwise adds its mass to the last_q diagonals it crosses, and those diagonals, each costing a key tile per query
 block, win slash budget for mass the column already keeps.
 
+offload=cpu (compute_chunked_prefill) with the prefix resident on the device
+----------------------------------------------------------------------------
+When the GPU block cache holds every prefix block in one run of consecutive slots (reader.resident; the usual case
+when the cache can hold the prompt, since each chunk's blocks are written through to the next slots), the prefix is
+one device view and the chunk is computed as offload=none computes it: the last-q rows' exact log-sum-exp merged
+from the prefix and the chunk, the masses of both pieces under it (one [H, c0 + n] column and diagonal estimate),
+offload=none's selection, one attention call on the prefix and one on the chunk's own keys, merged. So the pattern
+and the result are offload=none's, and the work per chunk is a fixed set of kernels whatever the number of prefix
+blocks (streaming, below, makes an estimate, two top-k, two compactions, an index and an attention call per group
+of half the ring).
+
 offload=cpu (compute_chunked_prefill), one pass over the host blocks
 ---------------------------------------------------------------------
+Otherwise (no cache, or a prefix it does not hold in one run):
 The prefix keys arrive only group by group through the KVReader (reader.groups: groups of ring_capacity / 2
 consecutive blocks, one attention call each), each block exactly once, and a group's attention must be computed
 while it is in its GPU slots, i.e. before the older groups have been seen. The global top-k cannot be known at
@@ -60,7 +72,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Callable, ClassVar, Optional
 
 import torch
 
@@ -158,12 +170,21 @@ class MInferencePolicy(SparsePolicy):
         offsets forced in); with slash_granularity 64 the offsets of the top bands (NS rounded up to whole
         bands; offsets past the keys are out of range, which the kernel ignores)."""
         L = min(self.last_q, q.shape[0])
-        V, NS = self.budgets(k.shape[0])
         col, diag = vertical_slash_masses(q[-L:], k, softmax_scale)  # [H, S] each: offsets 0 .. S-1
+
+        def diag_without(cols: torch.Tensor) -> torch.Tensor:
+            return vertical_slash_masses(q[-L:], k, softmax_scale, exclude_columns=cols)[1]
+
+        return self.select_pattern(col, diag, *self.budgets(k.shape[0]), diag_without)
+
+    def select_pattern(self, col: torch.Tensor, diag: torch.Tensor, V: int, NS: int,
+                       diag_without: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """estimate_pattern's choice from the masses col [H, S] and diag [H, S] (offsets 0 .. S-1), modified in place;
+        diag_without(vertical_idx) gives the diagonal masses without those columns (slash_excludes_vertical)."""
         col[:, :self.sink_tokens] = _INF
         vertical_idx = top_indices(col, V).sort(dim=1).values.to(torch.int32)
         if self.slash_excludes_vertical and V > 0:
-            _, diag = vertical_slash_masses(q[-L:], k, softmax_scale, exclude_columns=vertical_idx)
+            diag = diag_without(vertical_idx)
         if self.slash_granularity == 1:
             diag[:, :self.recent_diagonals] = _INF
             return vertical_idx, top_indices(diag, NS).sort(dim=1).values.to(torch.int32)
@@ -176,7 +197,8 @@ class MInferencePolicy(SparsePolicy):
     # ------------------------------------------------------------------------------------- offload=cpu
     def compute_chunked_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PolicyContext,
                                 reader: KVReader) -> torch.Tensor:
-        """q [n, H, D], k/v [n, KVH, D] of this chunk -> [n, H, D]; the prefix streams once (module docstring)."""
+        """q [n, H, D], k/v [n, KVH, D] of this chunk -> [n, H, D]; the prefix is read in place when the GPU block cache
+        holds it in one run, else streamed once (module docstring)."""
         n, H, _ = q.shape
         if n == 0:
             return torch.empty_like(q)
@@ -189,6 +211,9 @@ class MInferencePolicy(SparsePolicy):
             visible = H * (n * c0 + visible_pair_count(n, n, 0))
             self.record_density(visible, visible)
             return super().compute_chunked_prefill(q, k, v, ctx, reader)
+        prefix = reader.resident(blocks) if blocks else None
+        if prefix is not None:
+            return self._prefill_after_resident_prefix(q, k, v, prefix.k, prefix.v, softmax_scale)
         L = min(self.last_q, n)
         r0 = c0 + n - L  # absolute position of the first last-q row
         ql = q[-L:]
@@ -247,6 +272,36 @@ class MInferencePolicy(SparsePolicy):
         self.record_density(pairs, H * (n * c0 + visible_pair_count(n, n, 0)))
         return own_out
 
+    def _prefill_after_resident_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pre: torch.Tensor,
+                                       v_pre: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+        """compute_prefill's estimate and attention with the keys in two device pieces, the prefix k_pre/v_pre
+        [c0, KVH, D] and the chunk's own k/v [n, KVH, D]: the masses of each piece under the rows' exact
+        log-sum-exp (merged from both pieces) make the pattern of all c0 + n keys at once, two attention calls and a
+        merge compute it. One fixed set of kernels per chunk, whatever c0 (module docstring)."""
+        n, H, _ = q.shape
+        c0 = k_pre.shape[0]
+        L = min(self.last_q, n)
+        ql, r0 = q[-L:], c0 + n - L  # the last-q rows and the position of the first
+        lse = torch.logaddexp(last_rows_lse(ql, k_pre, softmax_scale, r0),
+                              last_rows_lse(ql, k, softmax_scale, n - L))  # [H, L] over all keys
+
+        def masses(exclude: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+            """col [H, c0 + n] and diag [H, c0 + n] (offsets 0 .. c0 + n - 1) of all keys."""
+            col_pre, diag = vertical_slash_masses(ql, k_pre, softmax_scale, r0, exclude_columns=exclude, lse=lse)
+            col_own, diag_own = vertical_slash_masses(ql, k, softmax_scale, n - L, lse=lse,
+                                                      exclude_columns=None if exclude is None else exclude - c0)
+            diag[:, :n] += diag_own
+            return torch.cat([col_pre, col_own], dim=1), diag
+
+        vertical_idx, slash_offsets = self.select_pattern(*masses(), *self.budgets(c0 + n), lambda c: masses(c)[1])
+        pairs = torch.zeros(1, dtype=torch.int64, device=q.device)  # computed pairs, counted by the kernels
+        out, lse_pre = vertical_slash_attention(q, k_pre, v_pre, vertical_idx, slash_offsets, softmax_scale, c0, pairs)
+        own_columns = torch.where(vertical_idx >= c0, vertical_idx - c0, _SENTINEL).sort(dim=1).values
+        own_out, own_lse = vertical_slash_attention(q, k, v, own_columns, slash_offsets, softmax_scale, 0, pairs)
+        out, _ = merge_attention_outputs(out, lse_pre, own_out, own_lse)
+        self.record_density(pairs, H * (n * c0 + visible_pair_count(n, n, 0)))
+        return out
+
 
 # ---------------------------------------------------------------------------------------------- helpers
 def band_sums(diag: torch.Tensor, band: int) -> torch.Tensor:
@@ -295,17 +350,19 @@ def _offsets_kept(kept: torch.Tensor, e0: int, e1: int, g: int) -> torch.Tensor:
 
 
 def _top_values(x: torch.Tensor, k: int) -> torch.Tensor:
-    """The k largest values per row [h, k], padded with -inf when a row has fewer."""
+    """The k largest values per row [h, k] in no particular order (unsorted top-k: k runs to thousands), padded with
+    -inf when a row has fewer."""
     if x.shape[1] < k:
         x = torch.nn.functional.pad(x, (0, k - x.shape[1]), value=-_INF)
-    return torch.topk(x, k, dim=1).values
+    return torch.topk(x, k, dim=1, sorted=False).values
 
 
 def _kth(top: torch.Tensor, k: int) -> torch.Tensor:
-    """[h, 1] threshold: the k-th largest value (+inf when k == 0: nothing but forced entries is kept)."""
+    """[h, 1] threshold: the k-th largest value, the least of _top_values' k (+inf when k == 0: nothing but forced
+    entries is kept)."""
     if k == 0:
         return torch.full((top.shape[0], 1), _INF, device=top.device)
-    return top[:, k - 1:k]
+    return top.amin(dim=1, keepdim=True)
 
 
 def _compact(selected: torch.Tensor, base: int) -> torch.Tensor:
