@@ -27,18 +27,21 @@ class CachedLoads:
         return slots
 
     def cached_run(self, layer: int, cpu_blocks: list[int]
-                   ) -> tuple[torch.Tensor, torch.Tensor, Scales | None] | None:
-        """(k, v [n * block_size, KVH, D], their scales or None) read in place when the GPU block cache already holds
-        every block of `cpu_blocks` in consecutive slots, in this order (the hits are counted and protected for the
-        step, and the compute stream waits for the layer's write-throughs); None otherwise, with nothing looked up,
-        loaded or counted."""
+                   ) -> tuple[torch.Tensor, torch.Tensor, Scales | None, int] | None:
+        """The longest leading run of `cpu_blocks` the GPU block cache already holds in consecutive slots, in this
+        order, read in place: (k, v [m * block_size, KVH, D], their scales or None, m), its hits counted and protected
+        for the step and the compute stream ordered after the layer's write-throughs; None when the cache does not
+        hold the first block (nothing looked up, loaded or counted)."""
         table = self.cache.slot_of[layer] if self.cache is not None else {}
-        slots = [table.get(block) for block in cpu_blocks]
-        if not slots or None in slots or any(b != a + 1 for a, b in zip(slots, slots[1:])):
+        first = table.get(cpu_blocks[0]) if cpu_blocks else None
+        if first is None:
             return None
-        self.cache_slots(layer, cpu_blocks)
-        k, v, scales, _, _ = self._group_view(cpu_blocks, slots[0], None)
-        return k, v, scales
+        m = 1
+        while m < len(cpu_blocks) and table.get(cpu_blocks[m]) == first + m:
+            m += 1
+        self.cache_slots(layer, cpu_blocks[:m])
+        k, v, scales, _, _ = self._group_view(cpu_blocks[:m], first, None)
+        return k, v, scales, m
 
     def cached_block_groups(self, layer: int, cpu_blocks: list[int], group_size: int | None = None
                             ) -> Iterator[tuple[torch.Tensor, torch.Tensor, Scales | None, list[int], int | None]]:

@@ -95,8 +95,8 @@ class KVReader(Protocol):
     def num_groups(self, num_blocks: int, group_size: int | None = None) -> int: ...
 
     def resident(self, blocks: Sequence[int]) -> KVGroup | None:
-        """`blocks` as one group when all of them already sit on the device in one run, in this order (the GPU block
-        cache), read in place and valid for the step; None otherwise (read them with groups())."""
+        """The longest leading run of `blocks` already on the device in one piece, in this order (the GPU block cache),
+        as one group read in place and valid for the step; None when the first block is not (read with groups())."""
         ...
 
 

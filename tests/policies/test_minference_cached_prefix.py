@@ -1,14 +1,15 @@
 """MInference's offloaded prefill when the GPU block cache holds the whole prefix in one run of slots.
 
 The prefix is then attended like offload=none: one estimate over all keys and two attention calls per chunk, whatever
-the number of prefix blocks, with offload=none's pattern and result. Prefixes the cache does not hold in one run stream
-through the online per-group selection (policy module docstring), unchanged by the cache.
+the number of prefix blocks, with offload=none's pattern and result. Of a prefix the cache holds only in part, the
+leading cached run is one group of the online per-group selection (policy module docstring); the rest streams.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from sparsekv.kernels import flash_attn_with_lse_reference
 from sparsekv.kvcache.host_pool import HostPool
 from sparsekv.kvcache.offload_engine import OffloadEngine
 from sparsekv.kvcache.reader import RingReader
@@ -91,20 +92,33 @@ def test_cached_prefix_equals_resident_in_two_calls(c0, overrides, attention_cal
     assert policy.last_density < 0.5
 
 
-def test_prefix_the_cache_cannot_hold_streams_as_without_cache(attention_calls):
-    # half the prefix fits the cache: no single run, so the online per-group selection runs, with the same groups
-    # (and so the same result) as through the ring alone
+@pytest.mark.parametrize("budget", ["full", "small"])
+def test_partly_cached_prefix_streams_the_rest_then_the_cached_run_as_one_group(budget, attention_calls, monkeypatch):
+    # the cache holds the oldest half of the prefix: the newer half streams in groups of half the ring (2 blocks),
+    # newest first, then the cached run is one group, then the chunk
     c0, n, bs = 256, 64, 16
     q, k, v = _qkv(n, c0 + n, seed=3)
-    ring_only = _offloaded(_policy(), q, k, v, c0, bs)
-    calls = attention_calls["calls"]
-    assert calls == c0 // (2 * bs) + 1  # groups of half the ring (2 blocks), then the chunk
-    partly_cached = _offloaded(_policy(), q, k, v, c0, bs, cache_slots=c0 // (2 * bs))
-    assert attention_calls["calls"] == 2 * calls
-    assert torch.allclose(partly_cached, ring_only, rtol=0, atol=1e-6)
+    if budget == "full":  # every key kept: dense attention, exactly, through the sparse path
+        monkeypatch.setattr(MInferencePolicy, "dense_when_all_kept", False)
+        policy = _policy(vertical_size=10 ** 6, slash_size=10 ** 6)
+    else:
+        policy = _policy()
+    ring_only = _offloaded(policy, q, k, v, c0, bs)
+    ring_density = policy.last_density
+    assert attention_calls["calls"] == c0 // (2 * bs) + 1
+    attention_calls.update(calls=0, keys=0)
+    out = _offloaded(policy, q, k, v, c0, bs, cache_slots=c0 // (2 * bs))
+    assert attention_calls == {"calls": c0 // (4 * bs) + 2, "keys": c0 + n}
+    if budget == "full":
+        for result in (out, ring_only):
+            dense = flash_attn_with_lse_reference(q.cpu(), k.cpu(), v.cpu(), SCALE, causal=True)[0]
+            assert ((result.cpu() - dense).norm() / dense.norm()).item() < EXACT
+        assert policy.last_density == pytest.approx(1.0)
+    else:
+        assert torch.isfinite(out).all() and 0.0 < policy.last_density < 0.5 and ring_density < 0.5
 
 
-def test_reader_resident_is_one_in_place_run_or_nothing():
+def test_reader_resident_is_the_leading_cached_run_read_in_place():
     c0, bs = 128, 16
     _, k, v = _qkv(1, c0, seed=4)
     engine, table = _engine(k, v, c0, bs, slots=4, cache_slots=c0 // bs)
@@ -114,9 +128,11 @@ def test_reader_resident_is_one_in_place_run_or_nothing():
     assert torch.equal(group.k, k) and torch.equal(group.v, v)
     assert group.k.data_ptr() == engine.cache.k.data_ptr()  # read in place
     assert engine.transfer_stats["cache_hit_blocks"] == len(table)
-    assert reader.resident(table[::-1]) is None  # not one run in this order
-    assert reader.resident(table[:-1] + [99]) is None  # a block the cache does not hold
-    assert engine.transfer_stats["cache_hit_blocks"] == len(table)  # refusals count nothing
+    assert reader.resident([99] + table) is None  # the cache does not hold the first block
+    assert engine.transfer_stats["cache_hit_blocks"] == len(table)  # a refusal counts nothing
+    assert reader.resident(table[::-1]).ids == table[-1:]  # the leading run in this order: one block
+    assert reader.resident(table[:3] + [99] + table[3:]).ids == table[:3]
+    assert engine.transfer_stats["cache_hit_blocks"] == len(table) + 4  # only the runs returned are counted
     no_cache, table = _engine(k, v, c0, bs, slots=4, cache_slots=0)
     assert RingReader(no_cache, 0).resident(table) is None
 
