@@ -26,6 +26,23 @@ class CachedLoads:
             self.streams.wait_offloaded(torch.cuda.current_stream(self.device), layer)
         return slots
 
+    def cached_run(self, layer: int, cpu_blocks: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor, Scales | None, int] | None:
+        """The longest leading run of `cpu_blocks` the GPU block cache already holds in consecutive slots, in this
+        order, read in place: (k, v [m * block_size, KVH, D], their scales or None, m), its hits counted and protected
+        for the step and the compute stream ordered after the layer's write-throughs; None when the cache does not
+        hold the first block (nothing looked up, loaded or counted)."""
+        table = self.cache.slot_of[layer] if self.cache is not None else {}
+        first = table.get(cpu_blocks[0]) if cpu_blocks else None
+        if first is None:
+            return None
+        m = 1
+        while m < len(cpu_blocks) and table.get(cpu_blocks[m]) == first + m:
+            m += 1
+        self.cache_slots(layer, cpu_blocks[:m])
+        k, v, scales, _, _ = self._group_view(cpu_blocks[:m], first, None)
+        return k, v, scales, m
+
     def cached_block_groups(self, layer: int, cpu_blocks: list[int], group_size: int | None = None
                             ) -> Iterator[tuple[torch.Tensor, torch.Tensor, Scales | None, list[int], int | None]]:
         """Like stream_block_groups through the GPU block cache: yields (k, v [n * block_size, KVH, D], their K and V

@@ -21,7 +21,8 @@ class RingReader:
     per group, for readers that compute on K/V themselves (MInference's prefill). With a GPU block cache, a host
     list's cached blocks are read in place (fp8 host tier: fp8 with their scales, like ring slots) and its groups may
     be shorter than group_size (runs of consecutive cache slots); an explicit group_size still gives exactly
-    group_size blocks per group."""
+    group_size blocks per group, and resident() gives the longest leading run of a list that the cache holds as one
+    group."""
     __slots__ = ("engine", "layer", "tail", "check_selections")
 
     def __init__(self, engine: OffloadEngine, layer: int, tail=None, check_selections: bool = False):
@@ -51,6 +52,19 @@ class RingReader:
         """Like groups(), each group with its scales: fp8 host blocks come as fp8 K/V with their [n, KVH] K and V
         scales, model-dtype ones with None."""
         return self._groups(blocks, group_size, scaled=True)
+
+    def resident(self, blocks: Sequence[int]) -> KVGroup | None:
+        """The longest leading run of `blocks` the GPU block cache holds in consecutive slots, in this order, as one
+        group read in place (fp8 host tier: dequantized into new tensors), valid for the whole step; None when the
+        cache does not hold the first block. Nothing is loaded: read the rest with groups()."""
+        engine = self.engine
+        run = engine.cached_run(self.layer, list(blocks)) if engine.cache is not None else None
+        if run is None:
+            return None
+        k, v, scales, m = run
+        if scales is not None:
+            k, v = engine.fp8.dequantized(k, v, scales)
+        return KVGroup(list(blocks[:m]), k, v)
 
     def _groups(self, blocks, group_size: int | None, scaled: bool) -> Iterator[tuple[KVGroup, Scales | None]]:
         engine = self.engine

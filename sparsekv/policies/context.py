@@ -94,6 +94,11 @@ class KVReader(Protocol):
 
     def num_groups(self, num_blocks: int, group_size: int | None = None) -> int: ...
 
+    def resident(self, blocks: Sequence[int]) -> KVGroup | None:
+        """The longest leading run of `blocks` already on the device in one piece, in this order (the GPU block cache),
+        as one group read in place and valid for the step; None when the first block is not (read with groups())."""
+        ...
+
 
 def _fail(policy: "SparsePolicy", ctx: PolicyContext, what: str) -> PolicySelectionError:
     return PolicySelectionError(f"{type(policy).__name__}.select_blocks (layer {ctx.layer}, {ctx.phase}, "

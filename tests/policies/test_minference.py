@@ -30,7 +30,8 @@ from sparsekv.kvcache.host_pool import HostPool
 from sparsekv.kvcache.reader import RingReader
 from sparsekv.policies.context import PolicyContext
 from sparsekv.kvcache.offload_engine import OffloadEngine
-from sparsekv.policies.minference.policy import SLASH_BAND, MInferencePolicy, _compact, band_offsets, band_sums, top_indices
+from sparsekv.policies.minference.policy import SLASH_BAND, MInferencePolicy
+from sparsekv.policies.minference.selection import band_offsets, band_sums, compact, top_indices
 from tests.conftest import random_prompt
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -301,7 +302,7 @@ def test_band_and_compaction_helpers():
     assert band_sums(diag, 4).tolist() == [[6.0, 22.0, 17.0]] * 2
     assert band_offsets(torch.tensor([[0, 2]]), 3).tolist() == [[0, 1, 2, 6, 7, 8]]
     sel = torch.tensor([[True, False, True, True], [False] * 4])
-    assert _compact(sel, 5).tolist() == [[5, 7, 8, 1 << 30], [1 << 30] * 4]
+    assert compact(sel, 5).tolist() == [[5, 7, 8, 1 << 30], [1 << 30] * 4]
 
 
 # ------------------------------------------------------------------------------------------------ policy

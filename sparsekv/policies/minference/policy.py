@@ -20,10 +20,22 @@ kernels of sparsekv.policies.minference.vertical_slash_estimate (the scores are 
 otherwise adds its mass to the last_q diagonals it crosses, and those diagonals, each costing a key tile per query
 block, win slash budget for mass the column already keeps.
 
+offload=cpu (compute_chunked_prefill) with the prefix resident on the device
+----------------------------------------------------------------------------
+When the GPU block cache holds every prefix block in one run of consecutive slots (reader.resident; the usual case
+when the cache can hold the prompt, since each chunk's blocks are written through to the next slots), the prefix is
+one device view and the chunk is computed as offload=none computes it: the last-q rows' exact log-sum-exp merged
+from the prefix and the chunk, the masses of both pieces under it (one [H, c0 + n] column and diagonal estimate),
+offload=none's selection, one attention call on the prefix and one on the chunk's own keys, merged. So the pattern
+and the result are offload=none's, and the work per chunk is a fixed set of kernels whatever the number of prefix
+blocks (streaming, below, makes an estimate, two top-k, two compactions, an index and an attention call per group
+of half the ring).
+
 offload=cpu (compute_chunked_prefill), one pass over the host blocks
 ---------------------------------------------------------------------
-The prefix keys arrive only group by group through the KVReader (reader.groups: groups of ring_capacity / 2
-consecutive blocks, one attention call each), each block exactly once, and a group's attention must be computed
+Otherwise (no cache, or a prefix it holds only in part) the prefix keys arrive group by group through the KVReader
+(reader.groups: groups of ring_capacity / 2 consecutive blocks, one attention call each; a leading run of blocks
+the cache holds is one more group, the oldest), each block exactly once, and a group's attention must be computed
 while it is in its GPU slots, i.e. before the older groups have been seen. The global top-k cannot be known at
 that time, so the selection is made online, one group at a time (below, "candidate" is a column, or a granule of
 slash_granularity offsets: a diagonal or a band):
@@ -58,20 +70,22 @@ top-k, two compactions, the attention), independent of the group's size.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Callable, ClassVar, Optional
 
 import torch
 
 from sparsekv.kernels import merge_attention_outputs
 from sparsekv.policies.minference.vertical_slash import vertical_slash_attention, visible_pair_count
+from sparsekv.policies.minference.selection import (SENTINEL, add_to_granules, band_offsets, band_sums, compact,
+                                                    kth_value, offsets_kept, top_indices, top_values)
 from sparsekv.policies.minference.vertical_slash_estimate import last_rows_lse, vertical_slash_masses
 from sparsekv.policies.base import SparsePolicy
 from sparsekv.policies.context import KVReader, PolicyContext
 
 SLASH_BAND = 64  # offsets per band when slash_granularity > 1
-_SENTINEL = 1 << 30  # pads ragged per-head index lists (ignored by the kernel: out of range)
 _INF = float("inf")
 
 
@@ -158,12 +172,21 @@ class MInferencePolicy(SparsePolicy):
         offsets forced in); with slash_granularity 64 the offsets of the top bands (NS rounded up to whole
         bands; offsets past the keys are out of range, which the kernel ignores)."""
         L = min(self.last_q, q.shape[0])
-        V, NS = self.budgets(k.shape[0])
         col, diag = vertical_slash_masses(q[-L:], k, softmax_scale)  # [H, S] each: offsets 0 .. S-1
+
+        def diag_without(cols: torch.Tensor) -> torch.Tensor:
+            return vertical_slash_masses(q[-L:], k, softmax_scale, exclude_columns=cols)[1]
+
+        return self.select_pattern(col, diag, *self.budgets(k.shape[0]), diag_without)
+
+    def select_pattern(self, col: torch.Tensor, diag: torch.Tensor, V: int, NS: int,
+                       diag_without: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """estimate_pattern's choice from the masses col [H, S] and diag [H, S] (offsets 0 .. S-1), modified in place;
+        diag_without(vertical_idx) gives the diagonal masses without those columns (slash_excludes_vertical)."""
         col[:, :self.sink_tokens] = _INF
         vertical_idx = top_indices(col, V).sort(dim=1).values.to(torch.int32)
         if self.slash_excludes_vertical and V > 0:
-            _, diag = vertical_slash_masses(q[-L:], k, softmax_scale, exclude_columns=vertical_idx)
+            diag = diag_without(vertical_idx)
         if self.slash_granularity == 1:
             diag[:, :self.recent_diagonals] = _INF
             return vertical_idx, top_indices(diag, NS).sort(dim=1).values.to(torch.int32)
@@ -176,7 +199,8 @@ class MInferencePolicy(SparsePolicy):
     # ------------------------------------------------------------------------------------- offload=cpu
     def compute_chunked_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PolicyContext,
                                 reader: KVReader) -> torch.Tensor:
-        """q [n, H, D], k/v [n, KVH, D] of this chunk -> [n, H, D]; the prefix streams once (module docstring)."""
+        """q [n, H, D], k/v [n, KVH, D] of this chunk -> [n, H, D]; the prefix is read in place when the GPU block cache
+        holds it in one run, else streamed once (module docstring)."""
         n, H, _ = q.shape
         if n == 0:
             return torch.empty_like(q)
@@ -189,6 +213,10 @@ class MInferencePolicy(SparsePolicy):
             visible = H * (n * c0 + visible_pair_count(n, n, 0))
             self.record_density(visible, visible)
             return super().compute_chunked_prefill(q, k, v, ctx, reader)
+        cached = reader.resident(blocks) if blocks else None  # the oldest blocks, when the cache holds them
+        if cached is not None and len(cached.ids) == len(blocks):
+            return self._prefill_after_resident_prefix(q, k, v, cached.k, cached.v, softmax_scale)
+        num_cached = 0 if cached is None else len(cached.ids)
         L = min(self.last_q, n)
         r0 = c0 + n - L  # absolute position of the first last-q row
         ql = q[-L:]
@@ -200,120 +228,82 @@ class MInferencePolicy(SparsePolicy):
         col_loc, diag_loc = vertical_slash_masses(ql, k, softmax_scale, n - L, lse=lse_loc)  # [H, n] each
         col_loc[:, :max(0, self.sink_tokens - c0)] = _INF
         slash_m = torch.zeros((H, NG), dtype=torch.float32, device=q.device)  # mass per granule of offsets
-        _add_to_granules(slash_m, diag_loc, 0, g)
+        add_to_granules(slash_m, diag_loc, 0, g)
         slash_m[:, :-(-self.recent_diagonals // g)] = _INF
 
         def finished(fin: int) -> int:  # granules whose offsets are all <= fin
             return NG if fin >= T - 1 else (fin + 1) // g
 
-        col_top = _top_values(col_loc, V)  # running top-V column masses
+        col_top = top_values(col_loc, V)  # running top-V column masses
         fg = finished(n - L if blocks else n - 1)  # offsets <= n - L have all their evidence in the chunk
-        slash_top = _top_values(slash_m[:, :fg], NSg)  # running top-NSg over finished granules
+        slash_top = top_values(slash_m[:, :fg], NSg)  # running top-NSg over finished granules
 
         out = lse = None
         pairs = torch.zeros(1, dtype=torch.int64, device=q.device)  # computed pairs, counted by the kernels
         size = max(1, reader.ring_capacity // 2)
-        ends = list(range(len(blocks), 0, -size))  # groups of consecutive blocks, newest first
-        order = [b for end in ends for b in blocks[max(0, end - size):end]]
-        for (group, k_grp, v_grp), end in zip(reader.groups(order, group_size=size), ends):  # k/v [W, KVH, D]
-            W = len(group) * bs
+        ends = list(range(len(blocks), num_cached, -size))  # groups of consecutive blocks, newest first
+        order = [b for end in ends for b in blocks[max(num_cached, end - size):end]]
+        groups = ((group.k, group.v, end) for group, end in zip(reader.groups(order, group_size=size), ends))
+        if cached is not None:  # the cached run is the oldest group
+            groups = itertools.chain(groups, [(cached.k, cached.v, num_cached)])
+        for k_grp, v_grp, end in groups:  # k/v [W, KVH, D]
+            W = k_grp.shape[0]
             a = end * bs - W  # position of the group's first key
             # (i) last-q evidence of this group: offsets d0 .. r0 - a + L - 1
             d0 = r0 - a - W + 1
             col_g, diag_g = vertical_slash_masses(ql, k_grp, softmax_scale, r0 - a, lse=lse_loc, offsets_from=d0)
             col_g[:, :max(0, self.sink_tokens - a)] = _INF
-            _add_to_granules(slash_m, diag_g, d0, g)
-            col_top = _top_values(torch.cat([col_top, col_g], dim=1), V)
+            add_to_granules(slash_m, diag_g, d0, g)
+            col_top = top_values(torch.cat([col_top, col_g], dim=1), V)
             seen = (r0 - a + L - 1) // g + 1  # granules with evidence so far
-            slash_thr = _kth(_top_values(torch.cat([slash_top, slash_m[:, fg:seen]], dim=1), NSg), NSg)
+            slash_thr = kth_value(top_values(torch.cat([slash_top, slash_m[:, fg:seen]], dim=1), NSg), NSg)
             new_fg = finished(r0 - a)  # evidence of offsets <= r0 - a lies at keys >= a: complete now
-            slash_top = _top_values(torch.cat([slash_top, slash_m[:, fg:new_fg]], dim=1), NSg)
+            slash_top = top_values(torch.cat([slash_top, slash_m[:, fg:new_fg]], dim=1), NSg)
             fg = new_fg
             # (ii) all chunk queries against this group, on the selected columns and diagonals
             e0, e1 = c0 - a - W + 1, c0 + n - a  # offsets chunk queries can have in this group
-            vertical_idx = _compact(col_g >= _kth(col_top, V), 0)
-            slash_offsets = _compact(_offsets_kept(slash_m >= slash_thr, e0, e1, g), e0)
+            vertical_idx = compact(col_g >= kth_value(col_top, V), 0)
+            slash_offsets = compact(offsets_kept(slash_m >= slash_thr, e0, e1, g), e0)
             grp_out, grp_lse = vertical_slash_attention(q, k_grp, v_grp, vertical_idx, slash_offsets,
                                                         softmax_scale, c0 - a, pairs)
             out, lse = (grp_out, grp_lse) if out is None else merge_attention_outputs(out, lse, grp_out, grp_lse)
 
         # the chunk's own keys, with the final thresholds
-        slash_top = _top_values(torch.cat([slash_top, slash_m[:, fg:]], dim=1), NSg)
-        vertical_idx = _compact(col_loc >= _kth(col_top, V), 0)
-        slash_offsets = _compact(_offsets_kept(slash_m >= _kth(slash_top, NSg), 0, n, g), 0)
+        slash_top = top_values(torch.cat([slash_top, slash_m[:, fg:]], dim=1), NSg)
+        vertical_idx = compact(col_loc >= kth_value(col_top, V), 0)
+        slash_offsets = compact(offsets_kept(slash_m >= kth_value(slash_top, NSg), 0, n, g), 0)
         own_out, own_lse = vertical_slash_attention(q, k, v, vertical_idx, slash_offsets, softmax_scale, 0, pairs)
         if out is not None:
             own_out, _ = merge_attention_outputs(out, lse, own_out, own_lse)
         self.record_density(pairs, H * (n * c0 + visible_pair_count(n, n, 0)))
         return own_out
 
+    def _prefill_after_resident_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pre: torch.Tensor,
+                                       v_pre: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+        """compute_prefill's estimate and attention with the keys in two device pieces, the prefix k_pre/v_pre
+        [c0, KVH, D] and the chunk's own k/v [n, KVH, D]: the masses of each piece under the rows' exact
+        log-sum-exp (merged from both pieces) make the pattern of all c0 + n keys at once, two attention calls and a
+        merge compute it. One fixed set of kernels per chunk, whatever c0 (module docstring)."""
+        n, H, _ = q.shape
+        c0 = k_pre.shape[0]
+        L = min(self.last_q, n)
+        ql, r0 = q[-L:], c0 + n - L  # the last-q rows and the position of the first
+        lse = torch.logaddexp(last_rows_lse(ql, k_pre, softmax_scale, r0),
+                              last_rows_lse(ql, k, softmax_scale, n - L))  # [H, L] over all keys
 
-# ---------------------------------------------------------------------------------------------- helpers
-def band_sums(diag: torch.Tensor, band: int) -> torch.Tensor:
-    """diag [h, W] per-offset masses -> [h, ceil(W / band)]: the sum over offsets band*b .. band*b + band - 1."""
-    h, W = diag.shape
-    nb = -(-W // band)
-    return torch.nn.functional.pad(diag, (0, nb * band - W)).view(h, nb, band).sum(-1)
+        def masses(exclude: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+            """col [H, c0 + n] and diag [H, c0 + n] (offsets 0 .. c0 + n - 1) of all keys."""
+            col_pre, diag = vertical_slash_masses(ql, k_pre, softmax_scale, r0, exclude_columns=exclude, lse=lse)
+            col_own, diag_own = vertical_slash_masses(ql, k, softmax_scale, n - L, lse=lse,
+                                                      exclude_columns=None if exclude is None else exclude - c0)
+            diag[:, :n] += diag_own
+            return torch.cat([col_pre, col_own], dim=1), diag
 
-
-def band_offsets(bands: torch.Tensor, band: int) -> torch.Tensor:
-    """bands [h, nb] sorted band indices -> [h, nb * band] int32 sorted offsets of those bands."""
-    offsets = bands[:, :, None] * band + torch.arange(band, device=bands.device)  # [h, nb, band]
-    return offsets.flatten(1).to(torch.int32)
-
-
-def top_indices(x: torch.Tensor, k: int, segment: int = 16) -> torch.Tensor:
-    """Indices [h, k] (unsorted) of the k largest entries of each row of x [h, W], as torch.topk (ties may pick
-    other indices). Long rows go through segment maxima: an entry of the top k lies in a segment whose maximum is
-    among the k largest segment maxima (else k other segments each hold a larger entry), so a top-k over those
-    k segments' k * segment entries finds them; two small top-k instead of one over the whole row."""
-    h, W = x.shape
-    if not segment or W < 4 * k * segment:
-        return torch.topk(x, k, dim=1, sorted=False).indices
-    if W % segment:
-        x = torch.nn.functional.pad(x, (0, segment - W % segment), value=-_INF)
-        W = x.shape[1]
-    seg_max = x.view(h, W // segment, segment).amax(-1)  # [h, W / segment]
-    segs = torch.topk(seg_max, k, dim=1, sorted=False).indices  # [h, k]
-    cand = (segs[:, :, None] * segment + torch.arange(segment, device=x.device)).flatten(1)  # [h, k * segment]
-    pick = torch.topk(x.gather(1, cand), k, dim=1, sorted=False).indices
-    return cand.gather(1, pick)
-
-
-def _add_to_granules(masses: torch.Tensor, diag: torch.Tensor, d0: int, g: int) -> None:
-    """masses [h, NG] per granule of g offsets += diag [h, w], the masses of offsets d0 .. d0 + w - 1."""
-    left = d0 % g
-    sums = band_sums(torch.nn.functional.pad(diag, (left, 0)), g) if g > 1 else diag
-    masses[:, d0 // g:d0 // g + sums.shape[1]] += sums
-
-
-def _offsets_kept(kept: torch.Tensor, e0: int, e1: int, g: int) -> torch.Tensor:
-    """kept [h, NG] bool per granule -> [h, e1 - e0] bool per offset e0 .. e1 - 1."""
-    if g == 1:
-        return kept[:, e0:e1]
-    return kept[:, torch.arange(e0, e1, device=kept.device) // g]
-
-
-def _top_values(x: torch.Tensor, k: int) -> torch.Tensor:
-    """The k largest values per row [h, k], padded with -inf when a row has fewer."""
-    if x.shape[1] < k:
-        x = torch.nn.functional.pad(x, (0, k - x.shape[1]), value=-_INF)
-    return torch.topk(x, k, dim=1).values
-
-
-def _kth(top: torch.Tensor, k: int) -> torch.Tensor:
-    """[h, 1] threshold: the k-th largest value (+inf when k == 0: nothing but forced entries is kept)."""
-    if k == 0:
-        return torch.full((top.shape[0], 1), _INF, device=top.device)
-    return top[:, k - 1:k]
-
-
-def _compact(selected: torch.Tensor, base: int) -> torch.Tensor:
-    """selected [h, W] bool -> [h, W] int32 sorted positions base + j of the selected entries, padded with
-    an out-of-range sentinel (the kernel ignores it); a prefix sum and a scatter, no sort."""
-    h, W = selected.shape
-    slot = torch.where(selected, selected.cumsum(1) - 1, W)  # [h, W]: where each selected entry goes
-    out = torch.full((h, W + 1), _SENTINEL, dtype=torch.int32, device=selected.device)
-    positions = torch.arange(base, base + W, dtype=torch.int32, device=selected.device)
-    out.scatter_(1, slot, positions.expand(h, -1))
-    return out[:, :W]
+        vertical_idx, slash_offsets = self.select_pattern(*masses(), *self.budgets(c0 + n), lambda c: masses(c)[1])
+        pairs = torch.zeros(1, dtype=torch.int64, device=q.device)  # computed pairs, counted by the kernels
+        out, lse_pre = vertical_slash_attention(q, k_pre, v_pre, vertical_idx, slash_offsets, softmax_scale, c0, pairs)
+        own_columns = torch.where(vertical_idx >= c0, vertical_idx - c0, SENTINEL).sort(dim=1).values
+        own_out, own_lse = vertical_slash_attention(q, k, v, own_columns, slash_offsets, softmax_scale, 0, pairs)
+        out, _ = merge_attention_outputs(out, lse_pre, own_out, own_lse)
+        self.record_density(pairs, H * (n * c0 + visible_pair_count(n, n, 0)))
+        return out
