@@ -49,7 +49,9 @@ class PagedKVStore(KVStore):
             if decode_policy is not prefill_policy:
                 decode_policy.initialize(layout)
             self.selection = PagedSelection(decode_policy, block_size, torch.device(device), check_selections)
-            self.overlapped_decode_safe = False  # the metadata hooks read the sequences' lengths on the host
+            # a batch chosen on the device keeps every step stream-ordered kernels (the hooks of end_step too); a
+            # choice per sequence may read the device from the host mid-step
+            self.overlapped_decode_safe = self.selection.batched
 
     def kv_write_target(self, layer_id: int, context: Context
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

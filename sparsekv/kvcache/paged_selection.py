@@ -15,7 +15,7 @@ import torch
 
 from sparsekv.engine.context import Context
 from sparsekv.kernels import paged_decode_attention
-from sparsekv.kvcache.paged_batch_selection import attend_selected_batch
+from sparsekv.kvcache.paged_batch_selection import BatchRows, attend_selected_batch, batch_rows
 from sparsekv.policies.base import SparsePolicy
 from sparsekv.policies.context import PolicyContext, check_selection
 
@@ -27,6 +27,7 @@ class PagedSelection:
         # one device-side choice per layer for the batch, or one select_blocks call per sequence
         self.batched = policy.paged_device_selection and policy.decode_graph_safe
         self._ids: dict[tuple[int, ...], torch.Tensor] = {}  # candidate lists -> [n] int64 on the device
+        self._step: tuple[Context, BatchRows] | None = None  # the batched path's rows of the step running
 
     def device_ids(self, blocks) -> torch.Tensor:
         key = tuple(blocks)
@@ -39,6 +40,7 @@ class PagedSelection:
 
     def forget(self) -> None:
         self._ids.clear()
+        self._step = None
 
     # ---- metadata hooks
     def prefill_written(self, layer: int, k_cache: torch.Tensor, context: Context) -> None:
@@ -64,7 +66,10 @@ class PagedSelection:
         """q [B, H, D] -> [B, H, D] over each sequence's selected blocks and unfinished block; None when every
         sequence keeps all its blocks."""
         if self.batched:
-            return attend_selected_batch(self.policy, layer, q, k_cache, v_cache, scale, context,
+            if layer == 0 or self._step is None or self._step[0] is not context:  # each forward pass (a graph
+                # capture included) derives the rows in its first layer; later layers reuse them
+                self._step = (context, batch_rows(context, self.block_size))
+            return attend_selected_batch(self.policy, layer, q, k_cache, v_cache, scale, context, self._step[1],
                                          self.check_selections)
         bs, policy = self.block_size, self.policy
         tables, lens, selected = [], [], False

@@ -86,7 +86,7 @@ class PagedChoice(NamedTuple):
     """What select_blocks_paged returns: row b attends blocks[b, :counts[b]] (distinct candidates of row b, any
     order), then its unfinished block. The width C of `blocks` is fixed by the policy's settings and the candidates'
     width, never by their values: the store plans its kernel for (C + 1) * block_size keys, so keep C small."""
-    blocks: torch.Tensor  # [B, C] int64
+    blocks: torch.Tensor  # [B, C] int32 or int64
     counts: torch.Tensor  # [B] int64, at most num_candidates
 
 
@@ -196,7 +196,7 @@ def check_paged_choice(policy: "SparsePolicy", ctx: PagedDecodeContext, choice: 
         if not isinstance(value, torch.Tensor) or value.dim() != dim or value.shape[0] != rows \
                 or value.dtype not in (torch.int64, torch.int32) or value.device != ctx.query.device:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise PolicySelectionError(f"{where}: {name} must be a {dim}-D int64 tensor of {rows} rows on "
+            raise PolicySelectionError(f"{where}: {name} must be a {dim}-D integer tensor of {rows} rows on "
                                        f"{ctx.query.device}, got {shape}")
     if check_device:
         candidates, numbers = ctx.candidates.tolist(), ctx.num_candidates.tolist()

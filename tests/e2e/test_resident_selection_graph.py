@@ -9,8 +9,10 @@ import torch
 
 from sparsekv import LLM
 from sparsekv.graphs.cuda_graph import CudaGraphRunner
+from sparsekv.kvcache.paged import PagedKVStore
 from tests.conftest import random_prompt
 from tests.e2e.test_cuda_graph import CPU, DECODE_STEPS, NONE, OFFLOAD, ONE, emulated, gpu, policy_overrides, tokens
+from tests.unit.test_paged_store import HostQuest
 
 # 5, 2 and 8 full blocks of 16: with 3 kept, the first and last sequences select, the second keeps its blocks; a
 # batch of 3 runs in the size-4 graph (one padding row)
@@ -98,3 +100,50 @@ def test_gpu_resident_quest_long_context_graph_equals_eager(qwen3_ckpt):
     llm = LLM(str(qwen3_ckpt), overrides=overrides)
     assert llm.engine.graph_stats["mode"] == "cudagraph"
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
+
+
+def test_overlapped_decode_with_the_batched_selection(qwen3_ckpt):
+    """The batched choice and the decode hooks are stream-ordered kernels: overlapped decode (scheduler.async_decode)
+    stays on and gives the synchronous tokens, sequences leaving the batch at different steps; the per-sequence
+    path decodes synchronously."""
+    from sparsekv import SamplingParams
+
+    quest = CPU + NONE + policy_overrides("quest") + ["graph=eager"]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (9, 20, 14)]
+    sync = LLM(str(qwen3_ckpt), overrides=quest + ["scheduler.async_decode=false"])
+    overlapped = LLM(str(qwen3_ckpt), overrides=quest)
+    assert overlapped.engine.overlap is not None and sync.engine.overlap is None
+    want = [o.token_ids for o in sync.generate(MIXED, params)]
+    assert [o.token_ids for o in overlapped.generate(MIXED, params)] == want
+    assert overlapped.engine.overlap.overlapped_steps > 0
+    host = PagedKVStore(1, 4, 16, 2, 16, torch.float32, torch.device("cpu"), overlapped.engine.kv_store.prefill_policy,
+                        decode_policy=HostQuest())
+    assert overlapped.engine.kv_store.overlapped_decode_safe and not host.overlapped_decode_safe
+
+
+@gpu
+def test_gpu_resident_quest_eager_step_does_not_sync(qwen3_ckpt):
+    """The batched selection path issues no host sync (an eager decode forward under sync debug mode "error")."""
+    from sparsekv.engine.context import set_context
+    from tests.e2e.test_cuda_graph import GREEDY
+
+    llm = LLM(str(qwen3_ckpt), overrides=["device=cuda", "dtype=bfloat16", *NONE, *policy_overrides("quest"),
+                                          "graph=eager"])
+    engine = llm.engine
+    seqs = [engine.add_request(p, GREEDY) for p in MIXED]
+    engine.step()  # prefill
+    engine.step()  # a first decode step: kernels compiled, Quest's tables grown
+    batch = engine.scheduler.schedule()
+    assert not batch.is_prefill and len(batch.seqs) == 3
+    with torch.inference_mode():
+        ids, positions, context, _ = engine.runner.prepare_decode(batch)
+        torch.cuda.synchronize()
+        set_context(context)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            engine.model(ids, positions)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            set_context(None)
+    for seq in seqs:
+        engine.abort(seq)

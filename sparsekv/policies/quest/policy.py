@@ -177,7 +177,7 @@ class QuestPolicy(SparsePolicy):
         full blocks choose keep of them; the others keep all theirs (at most that many): C = max(keep, threshold)."""
         keep = self.budget_blocks(ctx.block_size)
         limit = max(keep, self.threshold_blocks)  # rows with more full blocks than this select
-        ids = ctx.candidates.long()  # [B, W]
+        ids = ctx.candidates  # [B, W]
         if ctx.layer < self.dense_layers or ids.shape[1] <= limit:
             return None  # no row can select
         kmax, kmin = self._tables(ctx.layer, whole=True)
