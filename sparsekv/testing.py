@@ -23,6 +23,9 @@ in a few seconds.
                    ring against compute_prefill with every key on the device; decode against dense attention)
   graph_safe       a policy declaring decode_graph_safe selects the same blocks when only host-side per-token state
                    (ctx.kv_len, ctx.query_start) changes
+  paged_selection  a policy declaring paged_device_selection chooses in select_blocks_paged, row by row of a
+                   batch (short rows, a padding row and stale table entries included), what select_blocks chooses
+                   for each row, and passes the validator (check_paged_choice, synced)
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ from typing import Any, Callable
 import torch
 
 from sparsekv.policies.base import SparsePolicy
-from sparsekv.policies.context import PolicyContext, check_selection
+from sparsekv.policies.context import (KVLayout, PagedDecodeContext, PolicyContext, check_paged_choice,
+                                       check_selection)
 from sparsekv.policies.scorer import ScorerPolicy
 
 TINY = dict(context=192, block_size=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, prefill_chunk=64,
@@ -126,6 +130,55 @@ def check_graph_safe(policy_cls: type[SparsePolicy], covering: dict | None = Non
     run_offloaded(policy, _inputs(seed=3), phases=("decode",))
 
 
+PAGED_ROWS = (11, 3, 0, 7, 1, 2)  # full blocks per row of the batch; 0: a padding row of a captured batch
+
+
+def check_paged_selection(policy_cls: type[SparsePolicy], covering: dict | None = None, **fields: Any) -> None:
+    """paged_device_selection: select_blocks_paged agrees with select_blocks on every row of a batch."""
+    if not policy_cls.paged_device_selection or not policy_cls.supports_decode:
+        return
+    policy = policy_cls(**fields)
+    lay, gen = TINY, torch.Generator().manual_seed(4)
+    bs, kv_heads, dim, heads = lay["block_size"], lay["num_kv_heads"], lay["head_dim"], lay["num_heads"]
+    num_blocks = sum(PAGED_ROWS) + len(PAGED_ROWS)
+    policy.initialize(KVLayout(num_layers=lay["num_layers"], num_kv_heads=kv_heads, head_dim=dim, block_size=bs,
+                               max_blocks=num_blocks, dtype=torch.float32, device=torch.device("cpu")))
+    keys = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen)
+    for layer in range(lay["num_layers"]):
+        for block in range(num_blocks):
+            policy.on_prefill_offload(block, layer, keys[block], bs)
+    order = torch.randperm(num_blocks, generator=gen)  # block ids out of position order
+    width = max(PAGED_ROWS) + 1
+    tables = order[torch.randint(0, num_blocks, (len(PAGED_ROWS), width), generator=gen)]  # stale entries
+    start = 0
+    for row, n in enumerate(PAGED_ROWS):
+        tables[row, :n + 1] = order[start:start + n + 1]  # the row's full blocks and its unfinished one
+        start += n + 1
+    counts = torch.tensor(PAGED_ROWS)
+    query = torch.randn(len(PAGED_ROWS), heads, dim, generator=gen)
+    for layer in range(lay["num_layers"]):
+        ctx = PagedDecodeContext(layer=layer, query=query, candidates=tables.to(torch.int32), num_candidates=counts,
+                                 block_size=bs, softmax_scale=dim ** -0.5)
+        choice = check_paged_choice(policy, ctx, policy.select_blocks_paged(ctx), check_device=True)
+        for row, n in enumerate(PAGED_ROWS):
+            candidates = tables[row, :n].tolist()
+            got = set(candidates) if choice is None else set(choice.blocks[row, :choice.counts[row]].tolist())
+            want = set(candidates)
+            if n:
+                one = PolicyContext(phase="decode", layer=layer, query=query[row:row + 1], candidates=candidates,
+                                    block_size=bs, query_start=(n + 1) * bs - 1, kv_len=(n + 1) * bs,
+                                    softmax_scale=dim ** -0.5)
+                selection = check_selection(policy, one, policy.select_blocks(one), check_device=True)
+                want = want if selection is None else set(_ids(selection))
+            assert got == want, (f"{policy_cls.__name__} declares paged_device_selection but select_blocks_paged "
+                                 f"chose {sorted(got)} for row {row} (layer {layer}, {n} candidates) where "
+                                 f"select_blocks chose {sorted(want)}")
+
+
+def _ids(selection) -> list[int]:
+    return selection.tolist() if isinstance(selection, torch.Tensor) else list(selection)
+
+
 def _spy(policy: SparsePolicy, inspect: Callable[[PolicyContext, Any], None]) -> list:
     """Make policy.select_blocks call inspect(ctx, selection) on everything it returns; returns the list of those."""
     select, seen = policy.select_blocks, []
@@ -150,6 +203,7 @@ CHECKS: dict[str, Callable[..., None]] = {
     "valid_selections": check_valid_selections,
     "offload_resident": check_offload_resident,
     "graph_safe": check_graph_safe,
+    "paged_selection": check_paged_selection,
 }
 
 

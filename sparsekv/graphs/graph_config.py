@@ -38,16 +38,20 @@ def as_enum(value, cls):
 def resolve_graph_mode(mode, offload, device: torch.device, decode_policy=None) -> GraphMode:
     """The decode mode a run uses; a mode the run cannot use is a ValueError that names graph.mode and the fix.
 
-    auto on CUDA: cudagraph when the Triton kernels are in use (and, offloaded, the decode policy allows captured
-    steps: SparsePolicy.decode_graph_safe), else segmented; eager without CUDA.
+    auto on CUDA: cudagraph when the Triton kernels are in use and the decode policy allows captured steps
+    (offloaded: SparsePolicy.decode_graph_safe; resident with a block-selecting policy: paged_device_selection too),
+    else segmented; eager without CUDA.
     """
     from sparsekv.kernels._dispatch import ENV_BACKEND, use_triton
 
     mode, offload = as_enum(mode, GraphMode), as_enum(offload, OffloadMode)
     graph_safe = getattr(decode_policy, "decode_graph_safe", True)
     offloaded = offload == OffloadMode.cpu
-    # offload=none: a selecting decode policy builds each step's block table on the host (paged_selection)
-    paged_selecting = not offloaded and getattr(decode_policy, "requires_block_selection", False)
+    # offload=none: a selecting decode policy builds each step's block table on the host (paged_selection), unless
+    # it chooses for the whole batch on the device (SparsePolicy.paged_device_selection): that step is capturable
+    device_choice = graph_safe and getattr(decode_policy, "paged_device_selection", False)
+    paged_selecting = not offloaded and getattr(decode_policy, "requires_block_selection", False) \
+        and not device_choice
     if mode == GraphMode.eager:
         return mode
     if device.type != "cuda":

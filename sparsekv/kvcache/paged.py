@@ -49,7 +49,9 @@ class PagedKVStore(KVStore):
             if decode_policy is not prefill_policy:
                 decode_policy.initialize(layout)
             self.selection = PagedSelection(decode_policy, block_size, torch.device(device), check_selections)
-            self.overlapped_decode_safe = False  # selections are made on the host per step
+            # a batch chosen on the device keeps every step stream-ordered kernels (the hooks of end_step too); a
+            # choice per sequence may read the device from the host mid-step
+            self.overlapped_decode_safe = self.selection.batched
 
     def kv_write_target(self, layer_id: int, context: Context
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -77,9 +79,11 @@ class PagedKVStore(KVStore):
             out, _ = paged_decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens,
                                             scale, max_context_len=max_len, num_splits=splits,
                                             min_split_tokens=MIN_SPLIT_TOKENS)
-        if selection is not None:
-            selection.decode_written(layer_id, k_cache, context)
         return out
+
+    def end_step(self, context: Context) -> None:
+        if self.selection is not None and not context.is_prefill:  # also after a replayed CUDA graph of the step
+            self.selection.decode_written(self.k_cache, context)
 
     def _prefill(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                  context: Context) -> torch.Tensor:

@@ -1,10 +1,13 @@
 """offload=none with a block-selecting decode policy: the policy chooses among the sequence's resident blocks.
 
 The paged store calls the policy's metadata hooks when its blocks are written (every block a prefill chunk touches,
-with its valid rows; a block that decode fills), and per decode step asks it for a selection among the sequence's
-full blocks (the same PolicyContext as offload=cpu, candidates being paged block ids). Each sequence then attends
-to its selected blocks followed by its unfinished block, through the paged decode kernel with a per-step block
-table. A step where every selection is None (all blocks) returns None: the store runs its dense path unchanged.
+with its valid rows, after the prefill layer; the blocks that a decode step fills, after the step: graph replays
+included). A policy with paged_device_selection chooses for the whole batch per layer on the device
+(sparsekv.kvcache.paged_batch_selection; capturable). Any other is asked per decode step and sequence for a
+selection among the sequence's full blocks (the same PolicyContext as offload=cpu, candidates being paged block
+ids); each sequence then attends to its selected blocks followed by its unfinished block, through the paged decode
+kernel with a per-step block table. A step where every selection is None (all blocks) returns None: the store runs
+its dense path unchanged.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import torch
 
 from sparsekv.engine.context import Context
 from sparsekv.kernels import paged_decode_attention
+from sparsekv.kvcache.paged_batch_selection import BatchRows, attend_selected_batch, batch_rows
 from sparsekv.policies.base import SparsePolicy
 from sparsekv.policies.context import PolicyContext, check_selection
 
@@ -20,7 +24,10 @@ class PagedSelection:
     def __init__(self, policy: SparsePolicy, block_size: int, device: torch.device, check_selections: bool = False):
         self.policy, self.block_size, self.device = policy, block_size, device
         self.check_selections = check_selections
+        # one device-side choice per layer for the batch, or one select_blocks call per sequence
+        self.batched = policy.paged_device_selection and policy.decode_graph_safe
         self._ids: dict[tuple[int, ...], torch.Tensor] = {}  # candidate lists -> [n] int64 on the device
+        self._step: tuple[Context, BatchRows] | None = None  # the batched path's rows of the step running
 
     def device_ids(self, blocks) -> torch.Tensor:
         key = tuple(blocks)
@@ -33,6 +40,7 @@ class PagedSelection:
 
     def forget(self) -> None:
         self._ids.clear()
+        self._step = None
 
     # ---- metadata hooks
     def prefill_written(self, layer: int, k_cache: torch.Tensor, context: Context) -> None:
@@ -44,18 +52,25 @@ class PagedSelection:
                 block, n = chunk.seq.block_table[index], min(bs, end - index * bs)
                 self.policy.on_prefill_offload(block, layer, k_cache[block, :n], n)
 
-    def decode_written(self, layer: int, k_cache: torch.Tensor, context: Context) -> None:
+    def decode_written(self, k_cache: torch.Tensor, context: Context) -> None:
+        """k_cache [L, blocks + 1, block_size, KVH, D], after a decode step stored every layer's keys."""
         bs = self.block_size
-        for seq in context.seqs:
-            if len(seq) % bs == 0:  # the new token filled its block
-                block = seq.block_table[(len(seq) - 1) // bs]
-                self.policy.on_decode_offload(block, layer, k_cache[block], bs)
+        filled = [seq.block_table[(len(seq) - 1) // bs] for seq in context.seqs if len(seq) % bs == 0]
+        for layer in range(k_cache.shape[0]) if filled else ():
+            for block in filled:  # the new token filled its block
+                self.policy.on_decode_offload(block, layer, k_cache[layer, block], bs)
 
     # ---- decode
     def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                context: Context) -> torch.Tensor | None:
         """q [B, H, D] -> [B, H, D] over each sequence's selected blocks and unfinished block; None when every
         sequence keeps all its blocks."""
+        if self.batched:
+            if layer == 0 or self._step is None or self._step[0] is not context:  # each forward pass (a graph
+                # capture included) derives the rows in its first layer; later layers reuse them
+                self._step = (context, batch_rows(context, self.block_size))
+            return attend_selected_batch(self.policy, layer, q, k_cache, v_cache, scale, context, self._step[1],
+                                         self.check_selections)
         bs, policy = self.block_size, self.policy
         tables, lens, selected = [], [], False
         for b, seq in enumerate(context.seqs):

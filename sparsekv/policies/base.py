@@ -22,8 +22,8 @@ import torch
 from sparsekv.kernels import flash_attn_with_lse, merge_attention_outputs
 from sparsekv.kernels.decode_attention import DecodePartials
 from sparsekv.kernels.fp8_attention import flash_attn_fp8_with_lse
-from sparsekv.policies.context import (KVLayout, KVReader, PolicyContext, PolicySelectionError, Selection,
-                                       check_selection)
+from sparsekv.policies.context import (KVLayout, KVReader, PagedChoice, PagedDecodeContext, PolicyContext,
+                                       PolicySelectionError, Selection, check_selection)
 
 
 @dataclass
@@ -37,6 +37,11 @@ class SparsePolicy:
     # ctx.layer and device tensors (ctx.query, ctx.candidate_ids), not on per-token host state such as ctx.kv_len.
     # A policy that cannot promise this sets False and decodes with graph=segmented.
     decode_graph_safe: ClassVar[bool] = True
+    # offload=none: a block-selecting policy that can choose for a whole decode batch on the device, from the
+    # resident block tables (select_blocks_paged), sets True. Its decode steps then select once per layer for the
+    # batch, without host syncs, and are captured whole by graph.mode=cudagraph (needs decode_graph_safe too).
+    # Without it, offload=none selects per sequence (select_blocks) with eager attention (graph.mode=segmented).
+    paged_device_selection: ClassVar[bool] = False
     # An empty selection means "only the chunk's own keys / the unfinished block"; without this flag it is an error.
     allow_empty_selection: ClassVar[bool] = False
 
@@ -102,6 +107,15 @@ class SparsePolicy:
         checked = (check_selection(self, ctx, selection, reader.check_selections)
                    for ctx, selection in zip(ctxs, selections))
         return [ctx.candidates if selection is None else selection for ctx, selection in zip(ctxs, checked)]
+
+    def select_blocks_paged(self, ctx: PagedDecodeContext) -> PagedChoice | None:
+        """offload=none, policies with paged_device_selection: the choice of every row of a decode batch, made on the
+        device (no .item(), .tolist() or host branch on device values: the step is captured in a CUDA graph). Row b
+        must choose what select_blocks would for its PolicyContext (as a set; None there means every candidate,
+        here counts[b] = num_candidates[b]). None: every row attends all its candidates (e.g. a dense layer).
+        See sparsekv.policies.context.PagedChoice for the shape rules."""
+        raise NotImplementedError(f"{type(self).__name__} sets paged_device_selection but does not implement "
+                                  "select_blocks_paged; implement it or leave the flag False")
 
     # ---- computation
     def compute_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,

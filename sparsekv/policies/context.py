@@ -3,12 +3,14 @@
 A policy receives
   KVLayout       once, in initialize(layout): the shape of the KV it will see
   PolicyContext  per attention call (layer, phase, query, candidate host blocks, positions): read-only
+  PagedDecodeContext  offload=none, per layer of a decode step: the whole batch's query and block tables on the
+                 device (select_blocks_paged, answered by a PagedChoice)
   KVReader       compute policies only: yields groups of host blocks loaded into GPU ring slots as K/V views
 and returns a selection (select_blocks), scores (ScorerPolicy.score_blocks) or an attention output. It never
 receives the store, the ring engine or an engine Sequence, and never copies KV itself.
 
-Every selection goes through check_selection before anything loads; a bad one raises PolicySelectionError naming
-the policy class, the layer and the bad value.
+Every selection goes through check_selection (a PagedChoice through check_paged_choice) before anything loads; a
+bad one raises PolicySelectionError naming the policy class, the layer and the bad value.
 """
 from __future__ import annotations
 
@@ -64,6 +66,28 @@ class PolicyContext:
     @property
     def is_prefill(self) -> bool:
         return self.phase == "prefill"
+
+
+@dataclass(frozen=True)
+class PagedDecodeContext:
+    """offload=none: one layer's decode step of a whole batch, for SparsePolicy.select_blocks_paged. Everything
+    is a device tensor of a shape fixed by the batch (a captured step replays it), nothing needs the host."""
+    layer: int
+    query: torch.Tensor  # [B, H, D]
+    # [B, W] int32 block ids: row b's full blocks in position order are its first num_candidates[b] entries; the
+    # entries after them are ids of other blocks of the cache (not candidates; never choose them)
+    candidates: torch.Tensor
+    num_candidates: torch.Tensor  # [B] int64; 0 for the padding rows of a captured batch
+    block_size: int
+    softmax_scale: float
+
+
+class PagedChoice(NamedTuple):
+    """What select_blocks_paged returns: row b attends blocks[b, :counts[b]] (distinct candidates of row b, any
+    order), then its unfinished block. The width C of `blocks` is fixed by the policy's settings and the candidates'
+    width, never by their values: the store plans its kernel for (C + 1) * block_size keys, so keep C small."""
+    blocks: torch.Tensor  # [B, C] int32 or int64
+    counts: torch.Tensor  # [B] int64, at most num_candidates
 
 
 class KVGroup(NamedTuple):
@@ -159,3 +183,33 @@ def _check_ids(policy: "SparsePolicy", ctx: PolicyContext, ids: list) -> None:
 def _short(ids: Sequence[int], limit: int = 8) -> str:
     ids = list(ids)
     return str(ids) if len(ids) <= limit else f"[{', '.join(map(str, ids[:limit]))}, ... {len(ids)} in all]"
+
+
+def check_paged_choice(policy: "SparsePolicy", ctx: PagedDecodeContext, choice: object,
+                       check_device: bool = False) -> PagedChoice | None:
+    """Validate what select_blocks_paged returned: None, or a PagedChoice of [B, C] int ids and [B] int counts on
+    the query's device. With check_device (one host sync per layer and step) each row's chosen blocks must also be
+    distinct candidates of the row, at most num_candidates of them."""
+    where = f"{type(policy).__name__}.select_blocks_paged (layer {ctx.layer}, batch {ctx.query.shape[0]})"
+    if choice is None:
+        return None
+    if not isinstance(choice, tuple) or len(choice) != 2:
+        raise PolicySelectionError(f"{where}: returned {type(choice).__name__}; expected None or a PagedChoice")
+    blocks, counts = choice
+    rows = ctx.query.shape[0]
+    for name, value, dim in (("blocks", blocks, 2), ("counts", counts, 1)):
+        if not isinstance(value, torch.Tensor) or value.dim() != dim or value.shape[0] != rows \
+                or value.dtype not in (torch.int64, torch.int32) or value.device != ctx.query.device:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise PolicySelectionError(f"{where}: {name} must be a {dim}-D integer tensor of {rows} rows on "
+                                       f"{ctx.query.device}, got {shape}")
+    if check_device:
+        candidates, numbers = ctx.candidates.tolist(), ctx.num_candidates.tolist()
+        for row, (ids, count) in enumerate(zip(blocks.tolist(), counts.tolist())):
+            allowed = set(candidates[row][:numbers[row]])
+            chosen = ids[:count]
+            if count > numbers[row] or not set(chosen) <= allowed or len(set(chosen)) != len(chosen):
+                raise PolicySelectionError(f"{where}: row {row} chose {_short(chosen)} (count {count}); it must "
+                                           f"choose distinct blocks among its {numbers[row]} candidates "
+                                           f"{_short(candidates[row][:numbers[row]])}")
+    return PagedChoice(blocks, counts)

@@ -160,3 +160,35 @@ def test_select_refuses_a_budget_outside_the_candidates():
         quest_select(q, hi, lo, ids, 1.0, 6)
     with pytest.raises(ValueError, match="keep=1"):
         quest_select(q, hi, lo, ids, 1.0, 1)
+
+
+@pytest.mark.usefixtures("triton_kernels")
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (6, 3, 16), (4, 4, 32)])
+def test_row_scores_kernel_matches_reference(heads, kv_heads, dim, monkeypatch):
+    """The batched (rows of candidates) score kernel: each row's own count read on the device, rows of 0 (padding),
+    1 and every column, ids past a row's count never read (out of range here), -inf outside each row's middle."""
+    from sparsekv.policies.quest import row_select
+
+    calls = []
+    kernel = row_select._quest_row_scores_kernel
+    monkeypatch.setattr(row_select, "_quest_row_scores_kernel",
+                        type("Spy", (), {"__getitem__": lambda _, grid: (calls.append(grid), kernel[grid])[1]})())
+    g = torch.Generator().manual_seed(dim)
+    blocks, width, counts = 40, 19, [19, 0, 5, 1, 12]
+    lo = torch.randn(blocks, kv_heads, dim, generator=g)
+    hi = (lo + torch.rand(blocks, kv_heads, dim, generator=g) * 2).to(DEV)
+    lo = lo.to(DEV)
+    q = torch.randn(len(counts), heads, dim, generator=g).to(DEV)
+    ids = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in counts]).to(DEV)
+    num = torch.tensor(counts, device=DEV)
+    for row, n in enumerate(counts):
+        ids[row, n:] = 10 ** 6  # a read past the count would fault or load garbage
+    got = row_select.quest_row_scores(q, hi, lo, ids, num, dim ** -0.5)
+    assert calls == [(len(counts),)]
+    want = row_select.quest_row_scores_reference(q, hi, lo, ids, num, dim ** -0.5)
+    assert torch.equal(got.isinf(), want.isinf()) and got.isinf().sum() == sum(width - max(n - 2, 0) for n in counts)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    for row, n in enumerate(counts):
+        if n > 2:  # one query's shares, summed over the KV heads: the single-row kernel's reference
+            single = quest_block_shares_reference(q[row], hi, lo, ids[row, :n], dim ** -0.5).sum(dim=0)
+            torch.testing.assert_close(got[row, 1:n - 1], single[1:n - 1], atol=1e-6, rtol=1e-5)

@@ -14,7 +14,10 @@ import torch
 from sparsekv import plugins
 from sparsekv.builtin_plugin import POLICY_CLASSES, load
 from sparsekv.policies import PolicyContext, PolicySelectionError, SparsePolicy, check_selection
-from sparsekv.testing import CHECKS, check_full_budget, check_graph_safe, check_policy, check_valid_selections, run_check
+from sparsekv.policies.context import PagedChoice
+from sparsekv.policies.quest import QuestPolicy
+from sparsekv.testing import (CHECKS, check_full_budget, check_graph_safe, check_paged_selection, check_policy,
+                              check_valid_selections, run_check)
 from tests.policies.test_streaming_plugin import install_streaming_plugin, plugin_site_on_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -125,6 +128,22 @@ def test_full_budget_fails_when_blocks_are_dropped():
 def test_graph_safe_fails_on_host_state():
     with pytest.raises(AssertionError, match="ReadsKvLen declares decode_graph_safe"):
         check_graph_safe(ReadsKvLen)
+
+
+@dataclass
+class PagedKeepsAll(QuestPolicy):
+    """Declares paged_device_selection, but its batched choice keeps every block where select_blocks drops some."""
+    name: str = "paged_keeps_all"
+
+    def select_blocks_paged(self, ctx):
+        return PagedChoice(ctx.candidates.long(), ctx.num_candidates)
+
+
+def test_paged_selection_fails_when_the_batched_choice_differs():
+    check_paged_selection(QuestPolicy, token_budget=32, dense_layers=0)
+    with pytest.raises(AssertionError, match="PagedKeepsAll declares paged_device_selection but select_blocks_paged "
+                                             r"chose .* for row 0 \(layer 0, 11 candidates\)"):
+        check_paged_selection(PagedKeepsAll, token_budget=32, dense_layers=0)
 
 
 # ---------------------------------------------------------------------------------------------- the validator

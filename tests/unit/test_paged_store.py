@@ -1,8 +1,13 @@
-"""offload=none paged store: the sequence K/V read for chunked prefill."""
+"""offload=none paged store: the sequence K/V read for chunked prefill, decode with a block-selecting policy."""
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
 import torch
 
 from sparsekv.kvcache.paged import PagedKVStore
 from sparsekv.policies.full import FullAttentionPolicy
+from sparsekv.policies.quest import QuestPolicy
 
 
 def _store() -> PagedKVStore:
@@ -58,8 +63,9 @@ def test_chunked_prefill_reads_runs_as_views_and_fragmented_tables_by_gather(lla
 
 
 def test_selecting_decode_policy_selects_among_resident_blocks(qwen3_ckpt):
-    """offload=none with quest: decode attends to the blocks quest selects, the same ones as offload=cpu (equal
-    greedy tokens), and only those (the attention over the selection differs from dense attention)."""
+    """offload=none with quest: decode attends to the blocks quest selects for the whole batch at once, the same ones
+    as offload=cpu (equal greedy tokens), and only those (the attention over the selection differs from dense
+    attention)."""
     from sparsekv import LLM, SamplingParams
     from tests.conftest import random_prompt
 
@@ -70,30 +76,54 @@ def test_selecting_decode_policy_selects_among_resident_blocks(qwen3_ckpt):
     resident = LLM(str(qwen3_ckpt), overrides=base + quest)
     policy = resident.engine.kv_store.selection.policy
     calls = []
-    select = policy.select_blocks
+    select = policy.select_blocks_paged
 
     def spy(ctx):
-        chosen = select(ctx)
-        calls.append((ctx.phase, list(ctx.candidates), None if chosen is None else sorted(chosen.tolist())))
-        return chosen
+        choice = select(ctx)
+        rows = zip(ctx.candidates.tolist(), ctx.num_candidates.tolist(), choice.blocks.tolist(),
+                   choice.counts.tolist())
+        calls.append([(table[:n], sorted(blocks[:count])) for table, n, blocks, count in rows])  # per row
+        return choice
 
-    policy.select_blocks = spy
+    policy.select_blocks_paged = spy
+    policy.select_blocks = lambda ctx: pytest.fail("a per-sequence selection in the batched path")
     got = [o.token_ids for o in resident.generate(prompts, greedy)]
     offloaded = LLM(str(qwen3_ckpt), overrides=base + quest + ["offload=cpu", "offload.num_gpu_blocks=4"])
     assert got == [o.token_ids for o in offloaded.generate(prompts, greedy)]
-    assert calls and all(phase == "decode" for phase, _, _ in calls)
-    for _, candidates, chosen in calls:
-        assert chosen is None or (len(chosen) == 2 and chosen[0] == candidates[0] and chosen[1] == candidates[-1])
-    assert any(chosen is not None for _, _, chosen in calls)
+    assert calls and all(len(rows) == 2 for rows in calls)  # one call per layer and step, for both sequences
+    for candidates, chosen in (row for rows in calls for row in rows):
+        kept = candidates if len(candidates) <= 2 else candidates[:1] + candidates[-1:]  # sink and newest
+        assert chosen == sorted(kept)
     dense = LLM(str(qwen3_ckpt), overrides=base).generate(prompts, greedy)
     assert got != [o.token_ids for o in dense]
 
 
-def test_selecting_decode_policy_refuses_captured_graphs_without_offload():
-    import pytest
+@dataclass
+class HostQuest(QuestPolicy):
+    """Quest without its device-side batch selection: offload=none selects per sequence, eagerly."""
+    name: str = "test_host_quest"
+    paged_device_selection: ClassVar[bool] = False
 
+
+def test_host_selecting_policy_refuses_captured_graphs_without_offload(monkeypatch):
+    from sparsekv.config import GraphMode
     from sparsekv.graphs.graph_config import resolve_graph_mode
-    from sparsekv.policies.quest import QuestPolicy
 
+    monkeypatch.delenv("SPARSEKV_ATTN_BACKEND", raising=False)
+    cuda = torch.device("cuda")
     with pytest.raises(ValueError, match="selects blocks per step on the host; use graph=segmented"):
-        resolve_graph_mode("cudagraph", "none", torch.device("cuda"), QuestPolicy())  # checked before any CUDA call
+        resolve_graph_mode("cudagraph", "none", cuda, HostQuest())  # checked before any CUDA call
+    assert resolve_graph_mode("auto", "none", cuda, HostQuest()) == GraphMode.segmented
+
+
+def test_device_selecting_policy_captures_whole_resident_steps(monkeypatch):
+    """Quest chooses for the whole batch on the device (select_blocks_paged): resident steps are captured whole."""
+    from sparsekv.config import GraphMode
+    from sparsekv.graphs.graph_config import resolve_graph_mode
+
+    monkeypatch.delenv("SPARSEKV_ATTN_BACKEND", raising=False)
+    cuda = torch.device("cuda")
+    assert QuestPolicy.paged_device_selection and QuestPolicy.decode_graph_safe
+    assert resolve_graph_mode("auto", "none", cuda, QuestPolicy()) == GraphMode.cudagraph
+    assert resolve_graph_mode("cudagraph", "none", cuda, QuestPolicy()) == GraphMode.cudagraph
+    assert resolve_graph_mode("auto", "cpu", cuda, QuestPolicy()) == GraphMode.cudagraph

@@ -22,7 +22,9 @@ choice stays on the device (select_blocks returns a device tensor): the chosen b
 memory by a kernel, so no layer waits for the host. In decode, scores and choice are one kernel launch (quest_select
 in sparsekv/policies/quest/quest_score.py); score_blocks and sparsekv.policies.scorer.top_blocks are its reference.
 A batched decode step chooses for all of its selecting sequences at once (select_blocks_batch): their candidates
-padded to the longest, the same scores over the padded rows, one top-k per row.
+padded to the longest, the same scores over the padded rows, one top-k per row. With offload=none the resident
+store asks for every row of a decode batch at once from its block tables (select_blocks_paged: the same rows'
+computation, no host sync), so the whole decode step is captured in a CUDA graph.
 
 Decode only: prefill runs full attention (the factory pairs the phases), while the hooks still record the metadata
 of every prompt block.
@@ -35,8 +37,9 @@ from typing import ClassVar, Optional
 import torch
 
 from sparsekv.policies.block_metadata import BlockMetadata
-from sparsekv.policies.context import KVLayout, PolicyContext, Selection
-from sparsekv.policies.quest.quest_score import quest_block_shares, quest_row_shares, quest_select
+from sparsekv.policies.context import KVLayout, PagedChoice, PagedDecodeContext, PolicyContext, Selection
+from sparsekv.policies.quest.quest_score import quest_block_shares, quest_select
+from sparsekv.policies.quest.row_select import quest_select_rows
 from sparsekv.policies.base import SparsePolicy
 from sparsekv.policies.scorer import top_blocks
 
@@ -63,6 +66,7 @@ class QuestPolicy(SparsePolicy):
     supports_prefill: ClassVar[bool] = False
     supports_decode: ClassVar[bool] = True
     requires_block_selection: ClassVar[bool] = True
+    paged_device_selection: ClassVar[bool] = True  # offload=none: select_blocks_paged, captured whole
 
     def __post_init__(self) -> None:
         _check_int("token_budget", self.token_budget, 1, optional=True)
@@ -156,8 +160,7 @@ class QuestPolicy(SparsePolicy):
 
     def _select_padded(self, ctxs: list[PolicyContext]) -> torch.Tensor:
         """[R, keep] chosen ids of R selecting decode contexts: sink, newest, then the best of the middle."""
-        if self._kmax is None or self._kmin is None:
-            raise RuntimeError("QuestPolicy.initialize() must run before blocks are selected")
+        kmax, kmin = self._tables(ctxs[0].layer)
         first = ctxs[0]
         keep, width = self.budget_blocks(first.block_size), max(len(ctx.candidates) for ctx in ctxs)
         padded = [block for ctx in ctxs for block in [*ctx.candidates, *[-1] * (width - len(ctx.candidates))]]
@@ -166,14 +169,32 @@ class QuestPolicy(SparsePolicy):
         else:
             flat = torch.tensor(padded, dtype=torch.int64).to(first.query.device, non_blocking=True)
         ids = flat.view(len(ctxs), width)  # [R, N], -1 past each row's candidates
-        valid = ids >= 0
-        safe = ids.clamp(min=0)
         query = torch.cat([ctx.query for ctx in ctxs])  # [R, H, D]
-        layer = first.layer
-        scores = quest_row_shares(query, self._kmax.data[layer][safe], self._kmin.data[layer][safe],
-                                  query.shape[-1] ** -0.5, valid).sum(dim=1)  # [R, N]
-        newest = valid.sum(dim=1, keepdim=True) - 1  # [R, 1] position of each row's newest block
-        position = torch.arange(width, device=ids.device)
-        middle = valid & (position > 0) & (position[None, :] != newest)
-        best = torch.topk(scores.masked_fill(~middle, float("-inf")), keep - 2, dim=1, sorted=False).indices
-        return torch.cat([ids[:, :1], ids.gather(1, newest), ids.gather(1, best)], dim=1)
+        return quest_select_rows(query, kmax, kmin, ids, (ids >= 0).sum(dim=1), query.shape[-1] ** -0.5, keep)
+
+    def select_blocks_paged(self, ctx: PagedDecodeContext) -> PagedChoice | None:
+        """offload=none: every row's choice at once, on the device. Rows with more than max(keep, threshold_blocks)
+        full blocks choose keep of them; the others keep all theirs (at most that many): C = max(keep, threshold)."""
+        keep = self.budget_blocks(ctx.block_size)
+        limit = max(keep, self.threshold_blocks)  # rows with more full blocks than this select
+        ids = ctx.candidates  # [B, W]
+        if ctx.layer < self.dense_layers or ids.shape[1] <= limit:
+            return None  # no row can select
+        kmax, kmin = self._tables(ctx.layer, whole=True)
+        counts = ctx.num_candidates  # [B]
+        chosen = quest_select_rows(ctx.query, kmax, kmin, ids, counts, ctx.query.shape[-1] ** -0.5, keep)
+        selects = counts > limit  # [B]
+        chosen = torch.cat([chosen, ids[:, keep:limit]], dim=1)  # [B, limit]; the columns past keep: never read
+        blocks = torch.where(selects[:, None], chosen, ids[:, :limit])
+        return PagedChoice(blocks, torch.where(selects, torch.full_like(counts, keep), counts))
+
+    def _tables(self, layer: int, whole: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's key max/min tables [blocks, KVH, D]; `whole`: grown first to every block id of the layout,
+        so that a captured step reads tables that no later block write reallocates."""
+        if self._kmax is None or self._kmin is None:
+            raise RuntimeError("QuestPolicy.initialize() must run before blocks are selected")
+        if whole:
+            for table in (self._kmax, self._kmin):
+                if table.max_blocks and table.capacity < table.max_blocks:
+                    table.ensure(table.max_blocks - 1)
+        return self._kmax.data[layer], self._kmin.data[layer]
