@@ -10,6 +10,8 @@ import torch
 from probe_tokenizer import build_probe_tokenizer
 from sparsekv.tasks.ruler.generators import answer_text, make_sample
 
+RESTATED_TASKS = ("niah_single", "niah_multikey")  # one asked key: the answer may restate it
+
 TRAIN_SEED_BASE = 10 ** 9  # training sample seeds are >= this; evaluation (task=ruler) uses seeds below it
 QUESTION_WORDS = ["What", "Question"]  # the first word of every task's question (never in a haystack)
 # Seconds of a 32K-token micro-batch at context L: MICRO_FIXED_S + MICRO_PER_LEN_S * L (docs/probe.md), the
@@ -91,16 +93,26 @@ def plan_summary(plan: list[tuple[int, list]], micro_tokens: int = 32768) -> str
             f"about {plan_seconds(plan, micro_tokens):.0f} s of training on one H200 (cost model)")
 
 
+def restated_answer(sample, tokenizer) -> str:
+    """A one-key answer that first restates the asked key as its needle states it: " amber is: 6073604." (the
+    needle reads "... for amber is: 6073604."), so the value follows the same three tokens in the answer as in
+    the asked needle alone. The key is the word after the last "for" of the prompt (the answer prefix's)."""
+    tokens = tokenizer.convert_ids_to_tokens(sample.prompt_ids)
+    key = tokens[len(tokens) - 1 - tokens[::-1].index("for") + 1]
+    return f" {key} is: " + ", ".join(sample.answers) + "."
+
+
 class MicroBatches(torch.utils.data.Dataset):
     """Item m: micro-batch m of the plan as input_ids [B, T] (right-padded) and its targets as flat positions
     into [B * T] with the token each must predict: the answer and EOS (weight 1), and with `tail_weight` the
     question and answer prefix, whose key and value words repeat the context's (they teach copying)."""
 
     def __init__(self, plan: list[tuple[int, list[tuple[str, int]]]], tail_weight: float = 0.0,
-                 spell_names: bool = False):
+                 spell_names: bool = False, restate_key: bool = False):
         self.plan = plan
         self.tail_weight = tail_weight
         self.spell_names = spell_names
+        self.restate_key = restate_key
         self.tokenizer = None
 
     def __len__(self) -> int:
@@ -116,7 +128,9 @@ class MicroBatches(torch.utils.data.Dataset):
         for task, seed in samples:
             sample = make_sample(task, tok, length, seed)
             prompt = sample.prompt_ids
-            answer = tok.encode(answer_text(sample), add_special_tokens=False) + [tok.eos_token_id]
+            restate = self.restate_key and task in RESTATED_TASKS
+            text = restated_answer(sample, tok) if restate else answer_text(sample)
+            answer = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
             tail = next((i for i in range(len(prompt) - 1, 0, -1) if prompt[i] in question_starts), len(prompt))
             rows.append(prompt + answer)
             spans.append((tail, len(prompt)))
@@ -140,12 +154,14 @@ def _worker_init(_: int) -> None:
     torch.set_num_threads(1)
 
 
-def make_loader(plan, workers: int, pin: bool, tail_weight: float, spell_names: bool = False):
+def make_loader(plan, workers: int, pin: bool, tail_weight: float, spell_names: bool = False,
+                restate_key: bool = False):
     import multiprocessing
 
     extra = {}
     if workers:
         context = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
         extra = dict(prefetch_factor=4, worker_init_fn=_worker_init, multiprocessing_context=context)
-    return torch.utils.data.DataLoader(MicroBatches(plan, tail_weight, spell_names), batch_size=None, shuffle=False,
+    dataset = MicroBatches(plan, tail_weight, spell_names, restate_key)
+    return torch.utils.data.DataLoader(dataset, batch_size=None, shuffle=False,
                                        num_workers=workers, pin_memory=pin, **extra)

@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--task-weights", default="", help="task=weight,... overriding the mix of probe_data.TASK_WEIGHTS")
     p.add_argument("--spell-names", action="store_true",
                    help="spell variable names one token per letter (a vocabulary unlike the committed checkpoint's)")
+    p.add_argument("--restate-key", action="store_true",
+                   help="one-key answers restate the key as the needle does: \" amber is: 6073604.\" (a trial)")
     p.add_argument("--short-len", type=int, default=None, help="longest context of the short phase (default --min-len)")
     p.add_argument("--short-frac", type=float, default=0.0,
                    help="fraction of the steps spent at --min-len to --short-len before the ramp")
@@ -367,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"plan: {plan_summary(plan, args.micro_tokens)}", flush=True)
     attention = fast_attention(model, args, device, plan, deadline - time.time())
     loader = make_loader(plan, args.workers, pin=device.type == "cuda", tail_weight=args.tail_weight,
-                         spell_names=args.spell_names)
+                         spell_names=args.spell_names, restate_key=args.restate_key)
     progress = train(args, model, loader, device, attention, deadline, t0)
     with torch.no_grad():  # parameters only: the rotary inv_freq buffer stays float32, as loaders rebuild it
         for param in model.parameters():

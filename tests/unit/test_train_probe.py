@@ -214,3 +214,30 @@ def test_bad_arguments_fail_before_training(train_probe, tmp_path, capsys):
     assert (foreign / "thesis.txt").read_text() == "keep me"
     with pytest.raises(SystemExit, match="--min-len 40 is too small"):
         train_probe.main(["--out", str(tmp_path / "x"), *TOY, "--min-len", "40"])
+
+
+def test_restated_answer_repeats_the_asked_needles_words_before_the_value(train_probe, probe_data):
+    from sparsekv.tasks.ruler.generators import answer_text, make_sample
+
+    assert not train_probe.parse_args([]).restate_key and train_probe.parse_args(["--restate-key"]).restate_key
+    plan = [(512, [("niah_multikey", 10**9 + 5), ("niah_multiquery", 10**9 + 6)])]
+    restated, plain = probe_data.MicroBatches(plan, restate_key=True), probe_data.MicroBatches(plan)
+    batch, before = restated[0], plain[0]
+    tok = restated.tokenizer
+    sample = make_sample("niah_multikey", tok, 512, 10**9 + 5)
+    prompt = tok.convert_ids_to_tokens(sample.prompt_ids)
+    key = prompt[-7]  # "... for KEY mentioned in the provided text is"
+    assert prompt[-8] == "for" and prompt.count(key) == 3  # the asked needle, the question, the prefix
+    width = batch["input_ids"].shape[1]
+    first_row = batch["positions"] < width
+    answer = tok.convert_ids_to_tokens(batch["labels"][batch["answer"] & first_row].tolist())
+    value = list(sample.answers[0])
+    assert answer == [key, "is", ":", *value, ".", "<eos>"]
+    assert len(answer) - 1 <= sample.max_new_tokens  # task=ruler generates enough tokens for it
+    needle = prompt.index(key)  # the asked needle's key, the first time it occurs
+    assert prompt[needle:needle + 10] == answer[:10]  # "KEY is : d d d d d d d", as in the answer
+    # the multi-value tasks keep their answer; without the option, every answer is answer_text's
+    plain_first = before["positions"] < before["input_ids"].shape[1]
+    assert batch["labels"][~first_row].tolist() == before["labels"][~plain_first].tolist()
+    plain_answer = before["labels"][before["answer"] & plain_first].tolist()
+    assert plain_answer == tok.encode(answer_text(sample), add_special_tokens=False) + [tok.eos_token_id]
