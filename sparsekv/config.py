@@ -195,6 +195,9 @@ class Config:
     # validate policies' device-tensor selections too (ids, duplicates, length): one host sync per layer and step;
     # list selections are always validated
     check_selections: bool = False
+    # processes that compile a cold process's Triton kernels in parallel before the CUDA warm-up
+    # (sparsekv/kernels/compile_ahead.py); null: one per CPU core; 0: each kernel compiles when first launched
+    compile_workers: Optional[int] = bounded(None, ge=0)
 
 
 SCHEMA_NAME = "sparsekv_schema"

@@ -18,6 +18,7 @@ from sparsekv.distributed.worker import run_torchrun_worker
 from sparsekv.graphs.cuda_graph import attach_graph_runner
 from sparsekv.graphs.graph_config import check_graph_config, graph_settings, resolve_graph_mode
 from sparsekv.engine.llm_engine import LLMEngine
+from sparsekv.engine.warm_start import warm_up
 from sparsekv.kernels._dispatch import activate_kernels
 from sparsekv.kernels.backend import resolve_kernels
 from sparsekv.kvcache.base import available_host_memory, format_bytes
@@ -333,7 +334,7 @@ def build_engine(cfg: DictConfig, tp: TensorParallel | None = None) -> LLMEngine
     # kernels compile and batch size 1's graph is captured here, not in a request; tensor-parallel ranks would each
     # run it on their own while rank 0 also mirrors its calls to them, so they start cold
     if device.type == "cuda" and tp.size == 1:
-        engine.warm_up()
+        warm_up(engine, kernels, graph_mode, graph_cfg)  # a cold process compiles its kernels in parallel first
     return engine
 
 

@@ -12,6 +12,9 @@
 #                 one process can make it. Python's byte-compiling of torch is not sparsekv's to fix; the next run
 #                 shows the share it has.
 #   fresh-triton  empty Triton cache, warm .pyc cache: the kernel compile share alone
+#   fresh-serial  the same with compile_workers=0 (each kernel compiled at its first launch, one after another)
+#   fresh-install empty Triton and CUDA caches, .pyc files for every installed package (pip writes them at install)
+#                 but none for this checkout's modules: a machine right after the README's set-up command
 #   second        every cache warm (the same directories as `fresh`)
 #   second-no-pyc the same with PYTHONDONTWRITEBYTECODE=1 (some images set it: Python then byte-compiles every
 #                 module, torch's included, in every process, since no .pyc is ever written)
@@ -35,15 +38,16 @@ mkdir -p "$OUT"
 read -ra MODEL <<< "${STARTUP_MODEL_ARGS:-model=qwen3_4b model.load_format=dummy}"
 MAX_TOKENS="${MAX_TOKENS:-64}"
 
-generate() {  # generate LABEL: one CLI run with the cache directories exported by the caller
+generate() {  # generate LABEL [OVERRIDE ...]: one CLI run with the cache directories exported by the caller
     local label="$1" start end rc
+    shift
     start=$(date +%s.%N)
-    python3 -m sparsekv "${MODEL[@]}" "sampling.max_tokens=$MAX_TOKENS" task.progress=false \
+    python3 -m sparsekv "${MODEL[@]}" "sampling.max_tokens=$MAX_TOKENS" task.progress=false "$@" \
         hydra.run.dir="$OUT/$label" > "$OUT/$label.log" 2>&1
     rc=$?
     end=$(date +%s.%N)
     printf '==== %-13s wall %6.2f s  rc=%s\n' "$label" "$(awk "BEGIN { print $end - $start }")" "$rc"
-    grep -E '^(start-up|prompt tokens)|captured graphs|warning' "$OUT/$label.log" | sed 's/^/    /'
+    grep -E '^(start-up|prompt tokens)|captured graphs|compiled .* ahead|warning' "$OUT/$label.log" | sed 's/^/    /'
     [ "$rc" = 0 ] || tail -n 20 "$OUT/$label.log"
 }
 
@@ -55,7 +59,7 @@ caches() {  # caches NAME: point every compiler cache at $OUT/NAME
 # the runs above assume Python writes its .pyc files (its default); an image may have turned that off
 echo "PYTHONDONTWRITEBYTECODE in the environment: ${PYTHONDONTWRITEBYTECODE:-unset} (unset for the runs but second-no-pyc)"
 unset PYTHONDONTWRITEBYTECODE
-rm -rf "$OUT/cache-a" "$OUT/cache-b"
+rm -rf "$OUT/cache-a" "$OUT/cache-b" "$OUT/cache-c" "$OUT/cache-d"
 caches cache-a
 generate fresh
 generate second
@@ -63,6 +67,13 @@ PYTHONDONTWRITEBYTECODE=1 generate second-no-pyc
 # warm .pyc cache (cache-a's), empty Triton and CUDA caches
 export TRITON_CACHE_DIR="$OUT/cache-b/triton" CUDA_CACHE_PATH="$OUT/cache-b/cuda"
 generate fresh-triton
+# the same with every kernel compiled serially at its first launch (compile_workers=0): what compiling ahead saves
+export TRITON_CACHE_DIR="$OUT/cache-c/triton" CUDA_CACHE_PATH="$OUT/cache-c/cuda"
+generate fresh-serial compile_workers=0
+# a machine just set up: pip wrote the installed packages' .pyc files, this checkout has none, compiler caches empty
+mkdir -p "$OUT/cache-d" && cp -r "$OUT/cache-a/pyc" "$OUT/cache-d/pyc" && rm -rf "$OUT/cache-d/pyc$PWD"
+export TRITON_CACHE_DIR="$OUT/cache-d/triton" CUDA_CACHE_PATH="$OUT/cache-d/cuda" PYTHONPYCACHEPREFIX="$OUT/cache-d/pyc"
+generate fresh-install
 
 caches cache-a
 echo "==== llm-api (warm caches)"
@@ -106,5 +117,5 @@ for attempt in ("first", "second"):  # equal figures: no kernel compiled or grap
 print("torch._dynamo imported:", "torch._dynamo" in sys.modules)
 EOF
 
-[ "${KEEP:-0}" = 1 ] || rm -rf "$OUT/cache-a" "$OUT/cache-b"
+[ "${KEEP:-0}" = 1 ] || rm -rf "$OUT/cache-a" "$OUT/cache-b" "$OUT/cache-c" "$OUT/cache-d"
 echo "logs: $OUT"

@@ -235,14 +235,13 @@ class LLMEngine:
     def warm_up(self) -> float:
         """Two short requests, greedy and sampled (a prefill and a decode step each), so that kernels compile
         (Triton, cuBLAS, the sampler's) and batch size 1's decode graph is captured here rather than inside the first
-        request's figures. The run's
-        figures and counters are reset after it; returns its seconds (startup["warmup_seconds"])."""
-        num_tokens = min(WARMUP_PROMPT_TOKENS, self.max_seq_len - 2)
-        if num_tokens < 1 or -(-num_tokens // self.kv_store.block_size) > self.kv_store.num_blocks:
+        request's figures. The run's figures and counters are reset after it; returns its seconds
+        (startup["warmup_seconds"])."""
+        prompt = self._warm_up_prompt()
+        if prompt is None:
             return 0.0
         captured = float(self.graph_stats.get("capture_seconds", 0.0))
         start = time.perf_counter()
-        prompt = [1 + i % (self.spec.vocab_size - 1) for i in range(num_tokens)]
         self.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         # and a sampled one: top-k / top-p / multinomial kernels load lazily on first use, which a CLI run
         # (sampled by default) would otherwise pay inside its prefill figure
@@ -255,6 +254,20 @@ class LLMEngine:
         self.startup["warmup_seconds"] = seconds
         self.startup["warmup_capture_seconds"] = float(self.graph_stats.get("capture_seconds", 0.0)) - captured
         return seconds
+
+    def warm_up_greedy(self) -> None:
+        """The warm-up's greedy request alone, figures reset after it: what kernels_compile_ahead records (its
+        kernels are the sampled request's too; the sampler is torch's)."""
+        prompt = self._warm_up_prompt()
+        if prompt is not None:
+            self.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        self.reset_figures()
+
+    def _warm_up_prompt(self) -> list[int] | None:
+        num_tokens = min(WARMUP_PROMPT_TOKENS, self.max_seq_len - 2)
+        if num_tokens < 1 or -(-num_tokens // self.kv_store.block_size) > self.kv_store.num_blocks:
+            return None
+        return [1 + i % (self.spec.vocab_size - 1) for i in range(num_tokens)]
 
     def reset_figures(self) -> None:
         """Zero the run's figures: timings, the policy's density, graph replay counts and the store's transfer
@@ -269,11 +282,12 @@ class LLMEngine:
             transfers[key] = 0
 
     def summary(self) -> dict[str, float]:
-        """The run's figures in three parts: start-up (weights, KV allocation), compile (kernels: the warm-up less
-        its graph captures; graphs: every capture so far) and steady state (prefill tok/s, decode ms/token)."""
+        """The run's figures in three parts: start-up (weights, KV allocation), compile (kernels: the kernels compiled
+        ahead and the warm-up less its graph captures; graphs: every capture so far) and steady state (prefill tok/s, decode ms/token)."""
         graphs = float(self.graph_stats.get("capture_seconds", 0.0))
         warmup = self.startup.get("warmup_seconds", 0.0)
-        kernels = max(0.0, warmup - self.startup.get("warmup_capture_seconds", 0.0))
+        kernels = max(0.0, warmup - self.startup.get("warmup_capture_seconds", 0.0)) + self.startup.get(
+            "compile_ahead_seconds", 0.0)
         return {"weights_seconds": self.startup.get("weights_seconds", 0.0),
                 "kv_seconds": self.startup.get("kv_seconds", 0.0),
                 "compile_seconds": kernels + graphs, "kernel_compile_seconds": kernels,

@@ -133,6 +133,7 @@ def test_gpu_resident_quest_eager_step_does_not_sync(qwen3_ckpt):
     seqs = [engine.add_request(p, GREEDY) for p in MIXED]
     engine.step()  # prefill
     engine.step()  # a first decode step: kernels compiled, Quest's tables grown
+    engine.drain()  # that step was launched ahead (async decode): its tokens replace the pending ids first
     batch = engine.scheduler.schedule()
     assert not batch.is_prefill and len(batch.seqs) == 3
     with torch.inference_mode():
