@@ -256,7 +256,7 @@ class LLMEngine:
         return seconds
 
     def warm_up_greedy(self) -> None:
-        """The warm-up's greedy request alone, figures reset after it: what kernels_compile_ahead records (its
+        """The warm-up's greedy request alone, figures reset after it: what compile_kernels_ahead records (its
         kernels are the sampled request's too; the sampler is torch's)."""
         prompt = self._warm_up_prompt()
         if prompt is not None:
