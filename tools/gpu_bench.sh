@@ -37,6 +37,7 @@
 #                   default 2 dense layers and with every layer selecting, streaming_llm (the plugin in plugins/) at
 #                   2K tokens, minference, minference_band, xattn_bsa, xattn_bsa_090; then task=report over them;
 #                   12 runs per offload mode: RULER_OFFLOADS=none and =cpu fit one 10-minute call each       ~2 x 8 min
+#                   (RULER_ROWS="streaming_llm-2048 minference ..." runs only the rows of those labels)
 #   tp              TP=1 beside TP=N for N in TP_SIZES (default "1 2"; "1 2 4" on 4 GPUs) per model of TP_MODELS
 #                   (default "qwen3_8b llama3_8b", dummy weights), rows of TP_ROWS (default "decode offload
 #                   prefill"): resident decode at 4K, offloaded full decode at 128K (no GPU block cache: every step
@@ -326,6 +327,8 @@ section_ruler_policies() {  # the policies judged on the probe: accuracy per tas
            "xattn_bsa|policy=xattn_bsa" "xattn_bsa_090|policy=xattn_bsa_090")
     for off in ${RULER_OFFLOADS:-none cpu}; do
         for row in "${ROWS[@]}"; do
+            # RULER_ROWS="minference xattn_bsa ...": only the rows with these labels
+            [ -n "${RULER_ROWS:-}" ] && [[ " $RULER_ROWS " != *" ${row%%|*} "* ]] && continue
             read -ra args <<< "${row#*|}"
             PYTHONPATH="$site:$PYTHONPATH" EXTRA=task.progress=false BENCH_TIMEOUT="${RULER_TIMEOUT:-120}" \
                 run_task ruler_policies "${row%%|*}-$off" ruler model=probe offload="$off" "${args[@]}" \
