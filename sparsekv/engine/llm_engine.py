@@ -283,7 +283,8 @@ class LLMEngine:
 
     def summary(self) -> dict[str, float]:
         """The run's figures in three parts: start-up (weights, KV allocation), compile (kernels: the kernels compiled
-        ahead and the warm-up less its graph captures; graphs: every capture so far) and steady state (prefill tok/s, decode ms/token)."""
+        ahead and the warm-up less its graph captures; graphs: every capture so far) and steady state (prefill tok/s,
+        decode ms/token)."""
         graphs = float(self.graph_stats.get("capture_seconds", 0.0))
         warmup = self.startup.get("warmup_seconds", 0.0)
         kernels = max(0.0, warmup - self.startup.get("warmup_capture_seconds", 0.0)) + self.startup.get(
