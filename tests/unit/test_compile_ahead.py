@@ -1,6 +1,7 @@
 """Compiling Triton kernels ahead (sparsekv/kernels/compile_ahead.py) on the CPU: a stand-in driver gives Triton a
 Hopper target, so the record pass, the forked compiles (Triton ships ptxas) and the on-disk cache are the real ones.
-The whole path on a GPU (tokens equal to a serial compile's, nothing left to the warm-up): tests/e2e/test_gpu_compile_ahead.py."""
+The whole path on a GPU (tokens equal to a serial compile's, nothing left to the warm-up):
+tests/e2e/test_gpu_compile_ahead.py."""
 from __future__ import annotations
 
 import json
