@@ -45,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--restate-key", action="store_true", help="one-key answers restate the key (probe_data)")
     p.add_argument("--few-needles-until", type=float, default=0.0,
                    help="fraction of the steps whose samples have 2 needles (multikey: 1 distractor), not 4")
+    p.add_argument("--needles", type=int, default=0,
+                   help="needles (variable_tracking: chains) of every training sample of probe_data.DENSE_TASKS, "
+                        "halved until it fits (0: the suite's counts)")
     p.add_argument("--spell-names", action="store_true")
     p.add_argument("--init", default="", help="start from this checkpoint (e.g. sparsekv/checkpoints/probe)")
     p.add_argument("--seed", type=int, default=0)
@@ -61,15 +64,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def step_plan(args: argparse.Namespace, step: int) -> tuple[int, list[tuple[str, int]]]:
+def step_plan(args: argparse.Namespace, step: int) -> tuple[int, list[tuple]]:
     import random
 
     rng = random.Random(f"trial:{args.seed}:{step}")
     long = args.long_length and step >= args.long_from * args.steps
     length = args.long_length if long else args.length
     count = max(1, args.batch * args.length // length)
-    return length, [(rng.choices(args.tasks, args.weights)[0], probe_data.TRAIN_SEED_BASE + rng.randrange(10 ** 9))
-                    for _ in range(count)]
+    facts = 2 if step < args.few_needles_until * args.steps else args.needles
+    samples = []
+    for _ in range(count):
+        task, seed = rng.choices(args.tasks, args.weights)[0], probe_data.TRAIN_SEED_BASE + rng.randrange(10 ** 9)
+        samples.append((task, seed, facts) if facts and task in probe_data.DENSE_TASKS else (task, seed))
+    return length, samples
 
 
 @torch.no_grad()
@@ -133,7 +140,6 @@ def main(argv: list[str] | None = None) -> None:
     device, t0, window = torch.device("cpu"), time.time(), [0, 0, 0]
     model.train()
     for step in range(args.steps):
-        generators.NUM_NEEDLES = 2 if step < args.few_needles_until * args.steps else 4  # this process only
         mb = probe_data.MicroBatches([step_plan(args, step)], args.tail_weight, args.spell_names, args.restate_key)[0]
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args) * group["lr_mult"]
@@ -148,7 +154,6 @@ def main(argv: list[str] | None = None) -> None:
                   f"tok/s {window[2] / max(1e-9, elapsed - getattr(main, 'last', 0)):,.0f} elapsed {elapsed:.0f}s",
                   flush=True)
             main.last, window = elapsed, [0, 0, 0]
-    generators.NUM_NEEDLES = 4
     evaluate(args, model, tok)
     print(f"done in {time.time() - t0:.0f}s", flush=True)
 

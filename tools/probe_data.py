@@ -11,6 +11,9 @@ from probe_tokenizer import build_probe_tokenizer
 from sparsekv.tasks.ruler.generators import answer_text, make_sample
 
 RESTATED_TASKS = ("niah_single", "niah_multikey")  # one asked key: the answer may restate it
+# tasks whose trial samples may hold more or fewer facts (needles, or chains; tools/probe_cpu_trial.py --needles):
+# each fact is another key to match against (multiquery asks every key, in an order unlike the context's)
+DENSE_TASKS = ("niah_multikey", "niah_multiquery", "variable_tracking")
 
 TRAIN_SEED_BASE = 10 ** 9  # training sample seeds are >= this; evaluation (task=ruler) uses seeds below it
 QUESTION_WORDS = ["What", "Question"]  # the first word of every task's question (never in a haystack)
@@ -57,7 +60,7 @@ def longest_length(step: int, args: argparse.Namespace) -> float:
     return args.short_len * (args.max_len / args.short_len) ** min(1.0, progress)
 
 
-def micro_plan(args: argparse.Namespace) -> list[tuple[int, list[tuple[str, int]]]]:
+def micro_plan(args: argparse.Namespace) -> list[tuple[int, list[tuple]]]:
     """Per micro-batch: its context length and its (task, seed) samples, a pure function of the arguments. A
     micro-batch's length is drawn from the top two octaves reached with probability --frontier-share, else
     uniformly from every length reached."""
@@ -76,6 +79,19 @@ def micro_plan(args: argparse.Namespace) -> list[tuple[int, list[tuple[str, int]
             plan.append((length, [(rng.choices(tasks, weights)[0], TRAIN_SEED_BASE + rng.randrange(TRAIN_SEED_BASE))
                                   for _ in range(count)]))
     return plan
+
+
+def fitted_sample(task: str, tokenizer, length: int, seed: int, facts: int | None = None):
+    """make_sample with `facts` needles or chains, halved until the prompt fits `length`; the suite's own counts
+    when `facts` is None or no count from 4 up fits."""
+    while facts is not None:
+        try:
+            return make_sample(task, tokenizer, length, seed, needles=facts)
+        except ValueError:
+            if facts <= 4:
+                break
+            facts //= 2
+    return make_sample(task, tokenizer, length, seed)
 
 
 def plan_seconds(plan: list[tuple[int, list]], micro_tokens: int = 32768) -> float:
@@ -103,11 +119,12 @@ def restated_answer(sample, tokenizer) -> str:
 
 
 class MicroBatches(torch.utils.data.Dataset):
-    """Item m: micro-batch m of the plan as input_ids [B, T] (right-padded) and its targets as flat positions
+    """Item m: micro-batch m of the plan (samples (task, seed), or (task, seed, facts) for a sample with that many
+    needles or chains: fitted_sample) as input_ids [B, T] (right-padded) and its targets as flat positions
     into [B * T] with the token each must predict: the answer and EOS (weight 1), and with `tail_weight` the
     question and answer prefix, whose key and value words repeat the context's (they teach copying)."""
 
-    def __init__(self, plan: list[tuple[int, list[tuple[str, int]]]], tail_weight: float = 0.0,
+    def __init__(self, plan: list[tuple[int, list[tuple]]], tail_weight: float = 0.0,
                  spell_names: bool = False, restate_key: bool = False):
         self.plan = plan
         self.tail_weight = tail_weight
@@ -125,8 +142,8 @@ class MicroBatches(torch.utils.data.Dataset):
         question_starts = set(tok.convert_tokens_to_ids(QUESTION_WORDS))
         length, samples = self.plan[m]
         rows, spans = [], []
-        for task, seed in samples:
-            sample = make_sample(task, tok, length, seed)
+        for task, seed, *facts in samples:
+            sample = fitted_sample(task, tok, length, seed, *facts)
             prompt = sample.prompt_ids
             restate = self.restate_key and task in RESTATED_TASKS
             text = restated_answer(sample, tok) if restate else answer_text(sample)

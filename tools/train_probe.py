@@ -83,7 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--workers", type=int, default=max(0, min(14, (os.cpu_count() or 1) - 2)))
     p.add_argument("--time-limit-min", type=float, default=9.0, help="the whole run, evaluation and save included")
-    p.add_argument("--eval-samples", type=int, default=3, help="held-out samples per task and length at the end")
+    p.add_argument("--eval-samples", type=int, default=3,
+                   help="held-out samples per task and length at the end (0: no end-of-run check)")
     p.add_argument("--log-every", type=int, default=25)
     args = p.parse_args(argv)
     args.tasks = [t for t in args.tasks.split(",") if t]
@@ -110,7 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                 f"{args.kv_heads}"),
               (args.max_len + 64 <= 65536, f"--max-len {args.max_len} leaves no room for the answer below 65536 "
                                            "positions"),
-              (args.time_limit_min > 0, "--time-limit-min must be > 0"), (args.workers >= 0, "--workers >= 0")]
+              (args.time_limit_min > 0, "--time-limit-min must be > 0"), (args.workers >= 0, "--workers >= 0"),
+              (args.eval_samples >= 0, f"--eval-samples {args.eval_samples} must be >= 0")]
     for ok, message in checks:
         if not ok:
             p.error(message)
@@ -377,13 +379,15 @@ def main(argv: list[str] | None = None) -> None:
     record = {"args": {k: v for k, v in vars(args).items() if k != "out"}, **progress,
               "train_seed_base": TRAIN_SEED_BASE, "train_seconds": round(time.time() - t0, 1)}
     save(model, tokenizer, out, record)  # before the evaluation, which only adds its scores
-    try:
-        results = evaluate(args, model, tokenizer, device, hard_stop)
-        record["eval"] = {task: {str(n): score for n, score in row.items()} for task, row in results.items()}
-        record["eval_seeds"] = list(range(args.eval_samples))
-        (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
-    except Exception as exc:  # the checkpoint is saved; a failing sanity check must not lose it
-        print(f"evaluation failed ({type(exc).__name__}: {exc}); the checkpoint is saved, run task=ruler", flush=True)
+    if args.eval_samples:
+        try:
+            results = evaluate(args, model, tokenizer, device, hard_stop)
+            record["eval"] = {task: {str(n): score for n, score in row.items()} for task, row in results.items()}
+            record["eval_seeds"] = list(range(args.eval_samples))
+            (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+        except Exception as exc:  # the checkpoint is saved; a failing sanity check must not lose it
+            print(f"evaluation failed ({type(exc).__name__}: {exc}); the checkpoint is saved, run task=ruler",
+                  flush=True)
     print(f"done in {time.time() - t0:.0f}s{' (stopped early)' if progress['stopped_early'] else ''}; "
           "prove it with task=ruler (docs/probe.md)", flush=True)
 

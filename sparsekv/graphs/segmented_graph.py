@@ -98,8 +98,10 @@ class SegmentedGraphRunner(DecodeGraphRunner):
         self.ensure_bucket(n)
         bs = self.bucket(n)
         static = self.inputs[:2 * bs].view(2, bs)
-        static[0, :n].copy_(input_ids)  # padding rows keep earlier (valid) ids and positions; rows never mix
+        static[0, :n].copy_(input_ids)
         static[1, :n].copy_(positions)
+        if n < bs:  # buckets share the buffer: a smaller size's positions may sit in these padding ids
+            static[:, n:].zero_()
         (embed, rope), layers, (final, normed) = self.graphs[bs]
         embed()
         layout, entry = self.layouts.plan_step(context.seqs) if self.layouts else (None, None)

@@ -126,6 +126,7 @@ class RulerTask:
     batch_size: int = bounded(4, ge=1)  # prompts generated together
     chat_template: Any = "auto"  # auto: the tokenizer's chat template when it has one; true / false
     with_needles: bool = True  # false: the facts asked about are left out (the answers score at chance)
+    needles: Optional[int] = None  # 2-32: needles of the multi-needle tasks, chains of variable_tracking (harder)
     warmup: bool = True  # the first prompt once, untimed, first: compilation stays out of the first cell's figures
     progress: bool = True  # a tqdm bar over the samples on stderr
     label: Optional[str] = None  # row label in records (default: "<model> <offload> <policy>")

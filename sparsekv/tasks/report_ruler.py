@@ -2,7 +2,7 @@
 report.csv): a table per (policy setting, length, task) and two plots.
 
   ruler_accuracy_vs_density.png  one panel per context length: accuracy over the tasks against the policy's density,
-                                 one line per policy joining its settings (a budget sweep), sorted by density
+                                 one line per policy through its budgets (sweep_lines), sorted by density
   ruler_accuracy_vs_length.png   accuracy over the tasks against the context length, one line per policy setting
 """
 from __future__ import annotations
@@ -77,17 +77,37 @@ def _differing_args(rows: list[dict[str, Any]]) -> list[str]:
     return [k for k in names if len({json.dumps(d.get(k), sort_keys=True) for d in dicts}) > 1]
 
 
-def sweep_points(rows: list[dict[str, Any]]) -> list[tuple[float, float, str]]:
-    """(density, accuracy, label) per policy setting of one line, medians over its jobs, sorted by density."""
+def _args(row: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(row["policy_args"]) if row.get("policy_args") else {}
+
+
+def sweep_lines(rows: list[dict[str, Any]]) -> list[tuple[str, str | None, list[dict[str, Any]]]]:
+    """One policy's rows split into budget sweeps: (what fixes the line, e.g. "dense_layers=2"; the swept setting,
+    the differing one with the most values, e.g. token_budget; the line's rows). Each other differing setting gives
+    a line per value, so a sweep never zig-zags between, say, Quest with and without dense layers."""
+    differing = _differing_args(rows)
+    if not differing:
+        return [("", None, rows)]
+    values = {k: {json.dumps(_args(r).get(k), sort_keys=True) for r in rows} for k in differing}
+    swept = max(differing, key=lambda k: (len(values[k]), -differing.index(k)))
+    fixed = [k for k in differing if k != swept]
+    lines: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        args = _args(row)
+        lines.setdefault(", ".join(f"{k}={args.get(k)}" for k in fixed), []).append(row)
+    return [(name, swept, group) for name, group in sorted(lines.items())]
+
+
+def sweep_points(rows: list[dict[str, Any]], swept: str | None) -> list[tuple[float, float, str]]:
+    """(density, accuracy, label) per setting of one line, medians over its jobs, sorted by density; the label
+    names the swept setting's value."""
     settings: dict[Any, list[dict[str, Any]]] = {}
     for row in rows:
         if is_number(row.get("density")) and is_number(row.get("accuracy")):
             settings.setdefault(row.get("policy_args"), []).append(row)
-    differing = _differing_args([r for group in settings.values() for r in group])
     points = []
     for args, group in settings.items():
-        values = json.loads(args) if args else {}
-        label = ", ".join(f"{k}={values.get(k)}" for k in differing)
+        label = f"{swept}={(json.loads(args) if args else {}).get(swept)}" if swept else ""
         points.append((_median([r["density"] for r in group]), _median([r["accuracy"] for r in group]), label))
     return sorted(points)
 
@@ -105,19 +125,23 @@ def plot_accuracy_vs_density(rows: list[dict[str, Any]], path: Path) -> Path | N
     grid_rows = -(-len(lengths) // columns)
     fig = Figure(figsize=(4.6 * columns + 2.8, 4.2 * grid_rows), dpi=120)
     labels = series_labels([{**r, "policy_args": None} for r in means])
-    colors = {key: f"C{i % 10}" for i, key in enumerate(labels)}
+    lines = [(f"{label}, {fixed}" if fixed else label, swept, group) for key, label in labels.items()
+             for fixed, swept, group in sweep_lines([r for r in means if _line_key(r) == key])]
+    styles = [(f"C{i % 10}", "-" if i < 10 else "--") for i in range(len(lines))]
+    legend: set[str] = set()
     for i, length in enumerate(lengths):
         ax = fig.add_subplot(grid_rows, columns, i + 1)
-        for key, label in labels.items():
-            points = sweep_points([r for r in means if r["context"] == length and _line_key(r) == key])
+        for (label, swept, group), (color, style) in zip(lines, styles):
+            points = sweep_points([r for r in group if r["context"] == length], swept)
             if not points:
                 continue
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=colors[key],
-                    label=label if i == 0 else None)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=color, linestyle=style,
+                    label=None if label in legend else label)
+            legend.add(label)
             for k, (x, y, text) in enumerate(points):
                 if text:  # alternately above and below: neighbouring settings stay legible
                     ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 5 if k % 2 == 0 else -11),
-                                fontsize="x-small", color=colors[key])
+                                fontsize="x-small", color=color)
         ax.set_xlim(0, 1.05)
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("density (fraction of the attention computed)")

@@ -222,6 +222,19 @@ def test_cudagraph_padding_rows_write_only_the_scratch_slot(qwen3_ckpt, eager_to
     assert not store.k_cache[:, scratch_block].isnan().all()  # the padding row wrote there
 
 
+def test_segmented_padding_rows_never_read_another_sizes_positions_as_ids(qwen3_ckpt):
+    """Buckets share one static input buffer (ids, then positions): a size-8 step puts its positions where a
+    size-16 step's padding ids sit. Positions past the vocabulary there used to reach the embedding (a device
+    assert on CUDA, an IndexError here); padding rows now embed id 0."""
+    five = [random_prompt(150 + n, seed=n) for n in range(5)]  # bucket 8: positions >= 150 > vocab 128
+    nine = [random_prompt(20 + n, seed=50 + n) for n in range(9)]  # bucket 16: rows 9-15 are padding
+    eager = LLM(str(qwen3_ckpt), overrides=CPU + NONE + ["graph=eager"])
+    expected = tokens(eager, nine), tokens(eager, five), tokens(eager, nine)
+    llm = emulated(qwen3_ckpt, NONE, "segmented")  # sizes 1-16 captured by the first batch, then none again
+    assert (tokens(llm, nine), tokens(llm, five), tokens(llm, nine)) == expected
+    assert llm.engine.runner.graph_runner.replayed_steps == 3 * DECODE_STEPS
+
+
 def test_larger_batches_fall_back_to_eager(qwen3_ckpt, eager_tokens):
     llm = emulated(qwen3_ckpt, OFFLOAD, "segmented", "graph.max_batch_size=2")
     runner = llm.engine.runner.graph_runner

@@ -89,6 +89,13 @@ def test_task_names_accept_all_lists_and_comma_strings():
         task_names("niah_single,nope")
 
 
+@pytest.mark.parametrize("value, message", [(1, "task.needles=1: give 2 to 32"), (33, "task.needles=33: give 2 to 32"),
+                                            ("many", "task.needles=many.*could not be converted to Integer")])
+def test_bad_needle_count_is_refused_when_the_config_composes(qwen3_ckpt, value, message):
+    with pytest.raises(ValueError, match=message):
+        compose_config(ruler_args(qwen3_ckpt, f"task.needles={value}"))
+
+
 def test_chat_template_auto_follows_the_tokenizer(qwen3_ckpt, tmp_path):
     import shutil
 
@@ -193,3 +200,27 @@ def test_report_over_a_sweep(qwen3_ckpt, tmp_path, monkeypatch, capsys):
     assert len(table) == 1 + 4 * 2  # header + per job: niah_single and the length's mean
     assert sum("| all |" in line for line in table) == 4
     assert "token_budget" in section
+
+
+def test_budget_sweeps_split_by_the_other_settings():
+    """Quest swept over budgets with and without dense layers: two lines (one per dense_layers value), each
+    through its budgets; a policy with one differing setting stays one line."""
+    import json
+
+    from sparsekv.tasks.report_ruler import sweep_lines, sweep_points
+
+    def row(policy, density, **args):
+        return {"policy": policy, "policy_args": json.dumps(args, sort_keys=True), "density": density,
+                "accuracy": 0.5, "context": 4096, "subtask": "all"}
+
+    quest = [row("quest", budget / 8192 + dense / 10, token_budget=budget, dense_layers=dense, threshold_blocks=0)
+             for budget in (1024, 2048, 4096) for dense in (0, 2)]
+    lines = sweep_lines(quest)
+    assert [(fixed, swept, len(group)) for fixed, swept, group in lines] == [
+        ("dense_layers=0", "token_budget", 3), ("dense_layers=2", "token_budget", 3)]
+    points = sweep_points(lines[1][2], "token_budget")
+    assert [p[2] for p in points] == ["token_budget=1024", "token_budget=2048", "token_budget=4096"]
+    assert [p[0] for p in points] == sorted(p[0] for p in points)
+    xattn = [row("xattn_bsa", d, threshold=t, stride=8) for d, t in ((0.9, 0.9), (0.95, 0.95))]
+    assert [(fixed, swept) for fixed, swept, _ in sweep_lines(xattn)] == [("", "threshold")]
+    assert sweep_lines([row("full", 1.0)]) == [("", None, [row("full", 1.0)])]

@@ -463,6 +463,20 @@ def test_quest_budget_rules():
     assert QuestPolicy(token_budget=100).budget_blocks(16) == 6
 
 
+
+@pytest.mark.parametrize("fields, block_size, warns", [
+    ({"token_budget": 2048}, 1024, True),  # the offload=cpu default block: 2 blocks, sink and newest only
+    ({"topk_blocks": 2}, 16, True),
+    ({"token_budget": 4096}, 1024, False),
+    ({"token_budget": 2048}, 256, False)])
+def test_quest_warns_when_its_budget_leaves_nothing_to_choose(caplog, fields, block_size, warns):
+    with caplog.at_level("WARNING", logger="sparsekv.policies.quest.policy"):
+        QuestPolicy(**fields).initialize(make_layout(2, 1, 8, block_size))
+    text = caplog.text
+    assert ("chooses nothing" in text) == warns
+    if warns:
+        assert f"blocks of {block_size} tokens" in text and f"token_budget >= {3 * block_size}" in text
+
 # ---------------------------------------------------------------------------------------------- GPU only
 @pytest.mark.gpu
 def test_gpu_bf16_hooks_do_not_sync_and_only_host_selection_syncs():

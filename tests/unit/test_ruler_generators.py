@@ -193,3 +193,24 @@ def test_too_small_context_is_refused(task, probe):
 def test_unknown_task_is_refused(probe):
     with pytest.raises(ValueError, match="task='niah' is not a RULER task"):
         make_sample("niah", probe, 1024, seed=0)
+
+
+def test_needles_set_the_facts_of_the_counted_tasks(bpe):
+    sample = make_sample("niah_multikey", bpe, 2048, seed=3, needles=12)
+    text = bpe.decode(sample.prompt_ids)
+    facts = dict(re.findall(r"magic numbers for (\w+) is: (\d+)\.", text))
+    asked = re.search(r"The special magic number for (\w+) mentioned", text).group(1)
+    assert len(facts) == 12 and sample.answers == (facts[asked],)
+    assert len(make_sample("niah_multiquery", bpe, 2048, seed=3, needles=6).answers) == 6
+    chains = make_sample("variable_tracking", bpe, 2048, seed=4, needles=5)
+    assert len(re.findall(r"VAR [A-Z]+ = \d+\.", bpe.decode(chains.prompt_ids))) == 5
+    assert make_sample("niah_multikey", bpe, 2048, seed=3, needles=None) == make_sample("niah_multikey", bpe, 2048, 3)
+
+
+@pytest.mark.parametrize("task, needles, fix", [
+    ("niah_multikey", 1, "give 2 to 32"), ("niah_multikey", 33, "give 2 to 32"),
+    ("niah_single", 4, "only niah_multikey, niah_multivalue, niah_multiquery, variable_tracking take a count"),
+    ("common_words", 4, "only niah_multikey")])
+def test_bad_needle_counts_are_refused(bpe, task, needles, fix):
+    with pytest.raises(ValueError, match=rf"needles={needles} for task {task}: {fix}"):
+        make_sample(task, bpe, 2048, seed=0, needles=needles)

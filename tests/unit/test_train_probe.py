@@ -190,6 +190,27 @@ def test_time_limit_stops_early_and_still_saves(train_probe, tmp_path, capsys):
     assert list(out.glob("*.safetensors"))
 
 
+def test_eval_samples_zero_skips_the_check(train_probe, tmp_path, capsys):
+    out = tmp_path / "no-check"
+    train_probe.main(["--out", str(out), "--steps", "1", "--workers", "0", *TOY, "--eval-samples", "0"])
+    log = capsys.readouterr().out
+    assert "held-out accuracy" not in log and "evaluation failed" not in log
+    assert "eval" not in json.loads((out / "training.json").read_text())
+
+
+def test_fact_counts_of_trial_samples_fit_their_length(probe_data):
+    """A (task, seed, facts) sample holds that many needles when they fit, halved until they do, the suite's own
+    count when none from 4 up fits."""
+    mb = probe_data.MicroBatches([(1024, [("niah_multiquery", 10**9 + 1, 32), ("niah_multiquery", 10**9 + 2, 8),
+                                          ("niah_multiquery", 10**9 + 3)])])
+    tok = mb.tokenizer or probe_data.build_probe_tokenizer()
+    counts = [len(probe_data.fitted_sample("niah_multiquery", tok, 1024, 10**9 + i, *f).answers)
+              for i, f in ((1, (32,)), (2, (8,)), (3, ()))]
+    assert counts == [32, 8, 4]
+    assert len(probe_data.fitted_sample("niah_multiquery", tok, 512, 10**9 + 1, 32).answers) == 16
+    assert len(mb[0]["input_ids"]) == 3
+
+
 def test_bad_arguments_fail_before_training(train_probe, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_probe.parse_args(["--max-len", "4096", "--micro-tokens", "1024"])
@@ -203,6 +224,9 @@ def test_bad_arguments_fail_before_training(train_probe, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_probe.parse_args(["--task-weights", "niah_single=1,needle=2"])
     assert "--task-weights entry 'needle=2'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_probe.parse_args(["--eval-samples", "-1"])
+    assert "--eval-samples -1 must be >= 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         train_probe.parse_args(["--task-weights", "common_words=-1"])
     assert "weight >= 0" in capsys.readouterr().err

@@ -31,6 +31,7 @@ of every prompt block.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
@@ -44,6 +45,7 @@ from sparsekv.policies.base import SparsePolicy
 from sparsekv.policies.scorer import top_blocks
 
 DEFAULT_TOKEN_BUDGET = 4096
+log = logging.getLogger(__name__)
 
 
 def _check_int(name: str, value, minimum: int, optional: bool = False) -> None:
@@ -85,6 +87,12 @@ class QuestPolicy(SparsePolicy):
 
     # ---- metadata hooks (keys still on the GPU)
     def initialize(self, layout: KVLayout) -> None:
+        if self.budget_blocks(layout.block_size) <= 2:
+            budget = (f"policy.topk_blocks={self.topk_blocks}" if self.token_budget is None and self.topk_blocks
+                      else f"policy.token_budget={self.token_budget or DEFAULT_TOKEN_BUDGET}")
+            log.warning(f"quest: {budget} with blocks of {layout.block_size} tokens keeps only the sink and the newest "
+                        "block, so Quest chooses nothing (a StreamingLLM window); give it at least 3 blocks "
+                        f"(token_budget >= {3 * layout.block_size}) or smaller blocks (offload.block_size)")
         shape = (layout.num_kv_heads, layout.head_dim)
         self._kmax = BlockMetadata(layout.num_layers, shape, layout.dtype, layout.device, layout.max_blocks)
         self._kmin = BlockMetadata(layout.num_layers, shape, layout.dtype, layout.device, layout.max_blocks)

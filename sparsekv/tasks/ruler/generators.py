@@ -26,6 +26,8 @@ TASKS: tuple[str, ...] = ("niah_single", "niah_multikey", "niah_multivalue", "ni
 
 NIAH_DIGITS = 7
 NUM_NEEDLES = 4  # multikey: the target and 3 distractors; multivalue: values of the key; multiquery: keys asked
+MAX_NEEDLES = 32  # make_sample's `needles` at most (the keys and names are drawn without repeats)
+COUNTED_TASKS = ("niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking")  # take `needles`
 VT_DIGITS = 5
 VT_HOPS = 4  # a chain assigns the value to 1 + VT_HOPS variables
 VT_CHAINS = 2  # the asked chain and one distractor chain
@@ -84,19 +86,28 @@ def score_output(sample: RulerSample, output_text: str) -> float:
 
 
 def make_sample(task: str, tokenizer, context_len: int, seed: int, *, chat_template: bool = False,
-                with_needles: bool = True) -> RulerSample:
+                with_needles: bool = True, needles: int | None = None) -> RulerSample:
+    """`needles` (None: the suite's own counts) sets how many facts a prompt holds, for the tasks of
+    COUNTED_TASKS: the needles of niah_multikey, niah_multivalue and niah_multiquery, or the chains of
+    variable_tracking, the asked one included. More of them make a harder variant (as RULER's own options do)
+    and give the probe's training more key matches per sample."""
     if task not in TASKS:
         raise ValueError(f"task={task!r} is not a RULER task; choose one of {', '.join(TASKS)}")
+    if needles is not None and (task not in COUNTED_TASKS or not 2 <= needles <= MAX_NEEDLES):
+        fix = (f"give 2 to {MAX_NEEDLES}" if task in COUNTED_TASKS else
+               f"only {', '.join(COUNTED_TASKS)} take a count")
+        raise ValueError(f"needles={needles} for task {task}: {fix}, or None for the suite's own count")
     if chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat_template=True but this tokenizer has no chat template; pass chat_template=False")
-    key = f"ruler:{task}:{context_len}:{seed}"
-    layout = _LAYOUTS[task](random.Random(key), with_needles)
+    key = f"ruler:{task}:{context_len}:{seed}" + ("" if needles is None else f":{needles}")
+    count = needles or (VT_CHAINS if task == "variable_tracking" else NUM_NEEDLES)
+    layout = _LAYOUTS[task](random.Random(key), with_needles, count)
 
     def encode(n: int) -> list[int]:
         return _encode(tokenizer, layout(n)[0], chat_template)
 
     # the minimum with needles in both modes, so that both accept the same lengths
-    needed = len(_encode(tokenizer, _LAYOUTS[task](random.Random(key), True)(0)[0], chat_template))
+    needed = len(_encode(tokenizer, _LAYOUTS[task](random.Random(key), True, count)(0)[0], chat_template))
     if needed > context_len:
         raise ValueError(f"context_len={context_len} is too small for task {task}: its instruction, needles and "
                          f"question alone take {needed} tokens of this tokenizer; use context_len >= {needed}")
@@ -182,11 +193,11 @@ def _numbers(rng: random.Random, count: int, digits: int) -> list[str]:
     return [str(v) for v in rng.sample(range(10 ** (digits - 1), 10 ** digits), count)]
 
 
-def _niah(kind: str) -> Callable[[random.Random, bool], _Layout]:
-    def layout(rng: random.Random, with_needles: bool) -> _Layout:
-        keys = rng.sample(KEYS, NUM_NEEDLES)
-        values = _numbers(rng, NUM_NEEDLES, NIAH_DIGITS)
-        depths = [rng.random() for _ in range(NUM_NEEDLES)]
+def _niah(kind: str) -> Callable[[random.Random, bool, int], _Layout]:
+    def layout(rng: random.Random, with_needles: bool, count: int) -> _Layout:
+        keys = rng.sample(KEYS, count)
+        values = _numbers(rng, count, NIAH_DIGITS)
+        depths = [rng.random() for _ in range(count)]
         if kind == "single":
             needles, asked, answers = [(keys[0], values[0])], keys[:1], values[:1]
         elif kind == "multikey":  # needle 0 is asked; the others are distractors with other keys
@@ -210,11 +221,11 @@ def _niah(kind: str) -> Callable[[random.Random, bool], _Layout]:
     return layout
 
 
-def _variable_tracking(rng: random.Random, with_needles: bool) -> _Layout:
-    names = rng.sample(VAR_NAMES, VT_CHAINS * (VT_HOPS + 1))
-    values = _numbers(rng, VT_CHAINS, VT_DIGITS)
+def _variable_tracking(rng: random.Random, with_needles: bool, chains: int) -> _Layout:
+    names = rng.sample(VAR_NAMES, chains * (VT_HOPS + 1))
+    values = _numbers(rng, chains, VT_DIGITS)
     inserts: list[tuple[float, str]] = []
-    for c in range(VT_CHAINS):
+    for c in range(chains):
         chain = names[c * (VT_HOPS + 1):(c + 1) * (VT_HOPS + 1)]
         depths = sorted(rng.random() for _ in chain)
         if c == 0 and not with_needles:
@@ -228,7 +239,7 @@ def _variable_tracking(rng: random.Random, with_needles: bool) -> _Layout:
     return _haystack_layout(rng, VT_INTRO, inserts, question, prefix, answers)
 
 
-def _common_words(rng: random.Random, with_needles: bool) -> _Layout:
+def _common_words(rng: random.Random, with_needles: bool, _: int) -> _Layout:
     pool = list(LIST_WORDS)
     rng.shuffle(pool)
     common, others = pool[:CW_TOP], pool[CW_TOP:]
@@ -257,7 +268,7 @@ def _common_words(rng: random.Random, with_needles: bool) -> _Layout:
     return layout
 
 
-_LAYOUTS: dict[str, Callable[[random.Random, bool], _Layout]] = {
+_LAYOUTS: dict[str, Callable[[random.Random, bool, int], _Layout]] = {
     "niah_single": _niah("single"), "niah_multikey": _niah("multikey"), "niah_multivalue": _niah("multivalue"),
     "niah_multiquery": _niah("multiquery"), "variable_tracking": _variable_tracking,
     "common_words": _common_words}

@@ -63,7 +63,15 @@ def has_chat_template(tokenizer: Tokenizer | None) -> bool:
 def check_ruler_config(task: DictConfig) -> tuple[tuple[str, ...], tuple[int, ...], bool | None]:
     """What the settings alone decide (sparsekv.config_check runs it when the config is composed): (task names,
     ascending distinct lengths, chat template wanted: True / False / None for auto)."""
+    from sparsekv.tasks.ruler.generators import MAX_NEEDLES
+
     tasks = task_names(task.tasks)
+    needles = task.get("needles")
+    if needles is not None and (isinstance(needles, bool) or not isinstance(needles, int)
+                                or not 2 <= needles <= MAX_NEEDLES):
+        raise ValueError(f"task.needles={needles!r}: give 2 to {MAX_NEEDLES} (needles of niah_multikey, "
+                         f"niah_multivalue and niah_multiquery, chains of variable_tracking), or null for the "
+                         f"suite's own 4 and 2")
     if not task.lengths:
         raise ValueError("task.lengths is empty: give at least one context length in tokens, e.g. "
                          "task.lengths=[4096,16384]")

@@ -7,7 +7,9 @@ For each task of task.tasks (sparsekv.tasks.ruler.generators.TASKS: needle retri
 values and queries, variable tracking, common-word counting) and each length of task.lengths, task.samples prompts
 of that many tokens are generated greedily (ignore_eos=False, each sample's own max_new_tokens), task.batch_size
 at a time, and scored (generators.score_output: the share of the expected answers found in the output). With
-task.with_needles=false the facts asked about are left out: a sound pipeline then scores at chance.
+task.with_needles=false the facts asked about are left out: a sound pipeline then scores at chance. task.needles
+(2-32) sets how many needles the multi-needle tasks hold and how many chains variable_tracking does (the suite's
+own: 4 and 2): more distractors, a harder suite.
 
 Per (task, length) cell: accuracy (mean score in [0, 1]), samples, prompt tokens, prefill seconds per sample and
 tok/s, decode ms/token (median engine step, as task=bench), and the policy's density (sparsekv.tasks.ruler.density:
@@ -41,16 +43,18 @@ def sample_seed(seed: int, task: str, length: int, index: int) -> int:
 def build_samples(cfg: DictConfig, settings: RulerSettings) -> dict[tuple[str, int], list]:
     """The prompts of every (task, length) cell; a prompt and its answer that do not fit max_model_len are an error
     here, before the weights load."""
-    from sparsekv.tasks.ruler.generators import make_sample
+    from sparsekv.tasks.ruler.generators import COUNTED_TASKS, make_sample
 
     task = cfg.task
     cells = {}
     for length in settings.lengths:
         for name in settings.tasks:
+            needles = task.get("needles") if name in COUNTED_TASKS else None
             try:
                 cells[(name, length)] = [
                     make_sample(name, settings.tokenizer, length, sample_seed(int(task.seed), name, length, i),
-                                chat_template=settings.chat_template, with_needles=bool(task.with_needles))
+                                chat_template=settings.chat_template, with_needles=bool(task.with_needles),
+                                needles=needles)
                     for i in range(int(task.samples))]
             except ValueError as exc:
                 raise ValueError(f"task.lengths has {length}: {exc}") from exc
@@ -184,6 +188,7 @@ def run(cfg: DictConfig) -> dict:
         "samples": int(task.samples),
         "chat_template": settings.chat_template,
         "with_needles": bool(task.with_needles),
+        "needles": task.get("needles"),
         "accuracy": _mean(c["accuracy"] for c in cells),
         "density": _mean(c["density"] for c in cells),
         "accuracy_by_length": {str(s["length"]): s["accuracy"] for s in by_length},
