@@ -203,7 +203,7 @@ def test_fact_counts_of_trial_samples_fit_their_length(probe_data):
     count when none from 4 up fits."""
     mb = probe_data.MicroBatches([(1024, [("niah_multiquery", 10**9 + 1, 32), ("niah_multiquery", 10**9 + 2, 8),
                                           ("niah_multiquery", 10**9 + 3)])])
-    tok = mb.tokenizer or probe_data.build_probe_tokenizer()
+    tok = probe_data.build_probe_tokenizer()
     counts = [len(probe_data.fitted_sample("niah_multiquery", tok, 1024, 10**9 + i, *f).answers)
               for i, f in ((1, (32,)), (2, (8,)), (3, ()))]
     assert counts == [32, 8, 4]
