@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--few-needles-until", type=float, default=0.0,
                    help="fraction of the steps whose samples have 2 needles (multikey: 1 distractor), not 4")
     p.add_argument("--needles", type=int, default=0,
-                   help="needles (variable_tracking: chains) of every training sample of probe_data.DENSE_TASKS, "
+                   help="needles (variable_tracking: chains) of every training sample of generators.COUNTED_TASKS, "
                         "halved until it fits (0: the suite's counts)")
     p.add_argument("--spell-names", action="store_true")
     p.add_argument("--init", default="", help="start from this checkpoint (e.g. sparsekv/checkpoints/probe)")
@@ -75,7 +75,7 @@ def step_plan(args: argparse.Namespace, step: int) -> tuple[int, list[tuple]]:
     samples = []
     for _ in range(count):
         task, seed = rng.choices(args.tasks, args.weights)[0], probe_data.TRAIN_SEED_BASE + rng.randrange(10 ** 9)
-        samples.append((task, seed, facts) if facts and task in probe_data.DENSE_TASKS else (task, seed))
+        samples.append((task, seed, facts) if facts and task in generators.COUNTED_TASKS else (task, seed))
     return length, samples
 
 

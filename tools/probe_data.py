@@ -11,9 +11,6 @@ from probe_tokenizer import build_probe_tokenizer
 from sparsekv.tasks.ruler.generators import answer_text, make_sample
 
 RESTATED_TASKS = ("niah_single", "niah_multikey")  # one asked key: the answer may restate it
-# tasks whose trial samples may hold more or fewer facts (needles, or chains; tools/probe_cpu_trial.py --needles):
-# each fact is another key to match against (multiquery asks every key, in an order unlike the context's)
-DENSE_TASKS = ("niah_multikey", "niah_multiquery", "variable_tracking")
 
 TRAIN_SEED_BASE = 10 ** 9  # training sample seeds are >= this; evaluation (task=ruler) uses seeds below it
 QUESTION_WORDS = ["What", "Question"]  # the first word of every task's question (never in a haystack)

@@ -70,15 +70,15 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def _differing_args(rows: list[dict[str, Any]]) -> list[str]:
-    """The policy settings whose values differ between these rows (what tells the points of one line apart)."""
-    dicts = [json.loads(r["policy_args"]) if r.get("policy_args") else {} for r in rows]
-    names = sorted({k for d in dicts for k in d})
-    return [k for k in names if len({json.dumps(d.get(k), sort_keys=True) for d in dicts}) > 1]
-
-
 def _args(row: dict[str, Any]) -> dict[str, Any]:
     return json.loads(row["policy_args"]) if row.get("policy_args") else {}
+
+
+def _differing_args(rows: list[dict[str, Any]]) -> list[str]:
+    """The policy settings whose values differ between these rows (what tells the points of one line apart)."""
+    dicts = [_args(r) for r in rows]
+    names = sorted({k for d in dicts for k in d})
+    return [k for k in names if len({json.dumps(d.get(k), sort_keys=True) for d in dicts}) > 1]
 
 
 def sweep_lines(rows: list[dict[str, Any]]) -> list[tuple[str, str | None, list[dict[str, Any]]]]:
@@ -106,8 +106,8 @@ def sweep_points(rows: list[dict[str, Any]], swept: str | None) -> list[tuple[fl
         if is_number(row.get("density")) and is_number(row.get("accuracy")):
             settings.setdefault(row.get("policy_args"), []).append(row)
     points = []
-    for args, group in settings.items():
-        label = f"{swept}={(json.loads(args) if args else {}).get(swept)}" if swept else ""
+    for group in settings.values():
+        label = f"{swept}={_args(group[0]).get(swept)}" if swept else ""
         points.append((_median([r["density"] for r in group]), _median([r["accuracy"] for r in group]), label))
     return sorted(points)
 
