@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import random
+from dataclasses import dataclass
 
 import torch
 
 from probe_tokenizer import build_probe_tokenizer
-from sparsekv.tasks.ruler.generators import answer_text, make_sample
-
-RESTATED_TASKS = ("niah_single", "niah_multikey")  # one asked key: the answer may restate it
+from sparsekv.tasks.ruler import generators
+from sparsekv.tasks.ruler.generators import RulerSample, answer_text, make_sample
 
 TRAIN_SEED_BASE = 10 ** 9  # training sample seeds are >= this; evaluation (task=ruler) uses seeds below it
 QUESTION_WORDS = ["What", "Question"]  # the first word of every task's question (never in a haystack)
@@ -18,9 +18,10 @@ QUESTION_WORDS = ["What", "Question"]  # the first word of every task's question
 # preflight's 0.046 s at 1024 and 0.078 s at 32768 on an H200 host with 14 data workers
 MICRO_PER_LEN_S = (0.078 - 0.046) / (32768 - 1024)
 MICRO_FIXED_S = 0.046 - 1024 * MICRO_PER_LEN_S
-# the committed checkpoint's mix; --task-weights overrides it
-TASK_WEIGHTS = {"niah_single": 1.0, "niah_multikey": 1.5, "niah_multivalue": 1.5, "niah_multiquery": 1.5,
-                "variable_tracking": 2.0, "common_words": 0.75}
+# the committed checkpoint's mix; --task-weights overrides it. kv_adjacent is a training task, not the suite's
+TASK_WEIGHTS = {"niah_single": 1.0, "niah_multikey": 2.0, "niah_multivalue": 1.5, "niah_multiquery": 1.5,
+                "variable_tracking": 2.0, "common_words": 0.75, "kv_adjacent": 3.0}
+KV_PAIRS = 8  # key-value facts of a kv_adjacent prompt, all asked
 
 
 def parse_task_weights(text: str) -> dict[str, float]:
@@ -32,9 +33,9 @@ def parse_task_weights(text: str) -> dict[str, float]:
             weight = float(value)
         except ValueError:
             weight = -1.0
-        if task not in TASK_WEIGHTS or weight < 0:
+        if task not in weights or weight < 0:
             raise ValueError(f"--task-weights entry {entry!r}: write task=weight, weight >= 0, task one of "
-                             f"{','.join(TASK_WEIGHTS)}")
+                             f"{','.join(weights)}")
         weights[task] = weight
     return weights
 
@@ -78,16 +79,38 @@ def micro_plan(args: argparse.Namespace) -> list[tuple[int, list[tuple]]]:
     return plan
 
 
-def fitted_sample(task: str, tokenizer, length: int, seed: int, facts: int | None = None):
-    """make_sample with `facts` needles or chains, halved until the prompt fits `length`; the suite's own counts
-    when `facts` is None or no count from 4 up fits."""
-    while facts is not None:
-        try:
-            return make_sample(task, tokenizer, length, seed, needles=facts)
-        except ValueError:
-            if facts <= 4:
-                break
-            facts //= 2
+@dataclass(frozen=True)
+class RecallSample(RulerSample):
+    continuation: str = ""  # the training answer: every fact asked in turn
+    unscored: tuple[int, ...] = ()  # token ids of the continuation that carry no loss (the asked keys)
+
+
+def kv_adjacent_sample(tokenizer, length: int, seed: int, pairs: int = KV_PAIRS) -> RecallSample:
+    """A training prompt for key matching in its plainest form (associative recall): `pairs` facts
+    "amber 6073604." at random depths of the suite's haystack; the last line asks one key ("amber"), so its
+    value follows the key in the question as in its fact, and the answer then asks every other key in a random
+    order (" 6073604. mango 1134356. ..."): `pairs` key matches a sample, where niah_multikey has one. The keys
+    in the answer carry no loss. Scored on the first value (the training script's check). Built with the
+    generators' own haystack, layout and sizing."""
+    rng = random.Random(f"kv_recall:{length}:{seed}:{pairs}")  # the committed run's sample seeds
+    keys = rng.sample(generators.KEYS, pairs)
+    values = generators._numbers(rng, pairs, generators.NIAH_DIGITS)
+    inserts = [(rng.random(), f"{key} {value}.") for key, value in zip(keys, values)]
+    order = rng.sample(range(pairs), pairs)
+    layout = generators._haystack_layout(rng, generators.NIAH_INTRO, inserts, "", keys[order[0]],
+                                         (values[order[0]],))
+    _, prompt_ids = generators._fit(lambda n: generators._encode(tokenizer, layout(n)[0], False), length)
+    continuation = " " + " ".join([f"{values[order[0]]}."] + [f"{keys[i]} {values[i]}." for i in order[1:]])
+    return RecallSample(task="kv_adjacent", prompt_ids=prompt_ids, answers=(values[order[0]],),
+                        max_new_tokens=generators.NIAH_DIGITS + 4, context_tokens=len(prompt_ids),
+                        continuation=continuation,
+                        unscored=tuple(tokenizer.convert_tokens_to_ids(list(generators.KEYS))))
+
+
+def training_sample(task: str, tokenizer, length: int, seed: int) -> RulerSample:
+    """A sample of the suite's task (make_sample) or of the training task kv_adjacent."""
+    if task == "kv_adjacent":
+        return kv_adjacent_sample(tokenizer, length, seed)
     return make_sample(task, tokenizer, length, seed)
 
 
@@ -106,27 +129,15 @@ def plan_summary(plan: list[tuple[int, list]], micro_tokens: int = 32768) -> str
             f"about {plan_seconds(plan, micro_tokens):.0f} s of training on one H200 (cost model)")
 
 
-def restated_answer(sample, tokenizer) -> str:
-    """A one-key answer that first restates the asked key as its needle states it: " amber is: 6073604." (the
-    needle reads "... for amber is: 6073604."), so the value follows the same three tokens in the answer as in
-    the asked needle alone. The key is the word after the last "for" of the prompt (the answer prefix's)."""
-    tokens = tokenizer.convert_ids_to_tokens(sample.prompt_ids)
-    key = tokens[len(tokens) - 1 - tokens[::-1].index("for") + 1]
-    return f" {key} is: " + ", ".join(sample.answers) + "."
-
-
 class MicroBatches(torch.utils.data.Dataset):
-    """Item m: micro-batch m of the plan (samples (task, seed), or (task, seed, facts) for a sample with that many
-    needles or chains: fitted_sample) as input_ids [B, T] (right-padded) and its targets as flat positions
-    into [B * T] with the token each must predict: the answer and EOS (weight 1), and with `tail_weight` the
-    question and answer prefix, whose key and value words repeat the context's (they teach copying)."""
+    """Item m: micro-batch m of the plan (samples (task, seed): training_sample) as input_ids [B, T]
+    (right-padded) and its targets as flat positions into [B * T] with the token each must predict: the answer
+    and EOS (weight 1; a RecallSample's asked keys 0), and with `tail_weight` the question and answer prefix, whose
+    key and value words repeat the context's (they teach copying)."""
 
-    def __init__(self, plan: list[tuple[int, list[tuple]]], tail_weight: float = 0.0,
-                 spell_names: bool = False, restate_key: bool = False):
+    def __init__(self, plan: list[tuple[int, list[tuple]]], tail_weight: float = 0.0):
         self.plan = plan
         self.tail_weight = tail_weight
-        self.spell_names = spell_names
-        self.restate_key = restate_key
         self.tokenizer = None
 
     def __len__(self) -> int:
@@ -134,32 +145,36 @@ class MicroBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, m: int) -> dict[str, torch.Tensor | int]:
         if self.tokenizer is None:
-            self.tokenizer = build_probe_tokenizer(spell_names=self.spell_names)
+            self.tokenizer = build_probe_tokenizer()
         tok = self.tokenizer
         question_starts = set(tok.convert_tokens_to_ids(QUESTION_WORDS))
         length, samples = self.plan[m]
         rows, spans = [], []
-        for task, seed, *facts in samples:
-            sample = fitted_sample(task, tok, length, seed, *facts)
+        for task, seed in samples:
+            sample = training_sample(task, tok, length, seed)
             prompt = sample.prompt_ids
-            restate = self.restate_key and task in RESTATED_TASKS
-            text = restated_answer(sample, tok) if restate else answer_text(sample)
+            if isinstance(sample, RecallSample):
+                text, unscored_ids = sample.continuation, set(sample.unscored)
+            else:
+                text, unscored_ids = answer_text(sample), set()
             answer = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
             tail = next((i for i in range(len(prompt) - 1, 0, -1) if prompt[i] in question_starts), len(prompt))
             rows.append(prompt + answer)
-            spans.append((tail, len(prompt)))
+            spans.append((tail, len(prompt), unscored_ids))
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-        positions, labels, answer = [], [], []
-        for b, (row, (tail, answer_start)) in enumerate(zip(rows, spans)):
+        positions, labels, answer, unscored = [], [], [], []
+        for b, (row, (tail, answer_start, skip)) in enumerate(zip(rows, spans)):
             input_ids[b, :len(row)] = torch.tensor(row)
             first = tail if self.tail_weight > 0 else answer_start
             for t in range(first, len(row)):  # position t - 1 predicts token t
                 positions.append(b * width + t - 1)
                 labels.append(row[t])
-                answer.append(t >= answer_start)
+                unscored.append(t >= answer_start and row[t] in skip)
+                answer.append(t >= answer_start and not unscored[-1])
         answer_t = torch.tensor(answer, dtype=torch.bool)
         weights = torch.where(answer_t, 1.0, self.tail_weight)
+        weights = weights.masked_fill(torch.tensor(unscored, dtype=torch.bool), 0.0)
         return {"input_ids": input_ids, "positions": torch.tensor(positions), "labels": torch.tensor(labels),
                 "weights": weights, "answer": answer_t, "length": length, "tokens": sum(len(r) for r in rows)}
 
@@ -168,14 +183,13 @@ def _worker_init(_: int) -> None:
     torch.set_num_threads(1)
 
 
-def make_loader(plan, workers: int, pin: bool, tail_weight: float, spell_names: bool = False,
-                restate_key: bool = False):
+def make_loader(plan, workers: int, pin: bool, tail_weight: float):
     import multiprocessing
 
     extra = {}
     if workers:
         context = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
         extra = dict(prefetch_factor=4, worker_init_fn=_worker_init, multiprocessing_context=context)
-    dataset = MicroBatches(plan, tail_weight, spell_names, restate_key)
+    dataset = MicroBatches(plan, tail_weight)
     return torch.utils.data.DataLoader(dataset, batch_size=None, shuffle=False,
                                        num_workers=workers, pin_memory=pin, **extra)

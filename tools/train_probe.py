@@ -1,21 +1,20 @@
 """Train the probe checkpoint: a small Qwen3 that answers the RULER generators' tasks from 1K to 32K tokens.
 
-    python3 tools/train_probe.py --out sparsekv/checkpoints/probe --seed 0 --time-limit-min 8.8  # one H100, ~9 min
+    python3 tools/train_probe.py --out sparsekv/checkpoints/probe --seed 0 --stop-step 1120  # one H100, < 9 min
 
 The data is the generators' own samples (sparsekv/tasks/ruler), with the probe tokenizer (tools/probe_tokenizer.py).
-The loss is on the answer (the tokens after the answer prefix, then EOS) and, at --tail-weight, on the
-question and answer prefix; the haystack carries none. A step is --accum micro-batches
-of about --micro-tokens tokens each; a micro-batch holds samples of one context length (short ones: many
-samples), drawn from a length curriculum: the first --short-frac of the steps (none by default) stay at
---min-len to --short-len, then the longest length doubles up to --max-len over the next --ramp of the steps;
---frontier-share of the draws come from the top two octaves reached, the rest from any length reached. The
-defaults are the committed checkpoint's recipe; --spell-names, --short-* and --task-weights run the trials of
-docs/probe.md. The plan's time by the cost model of docs/probe.md is printed before training. DataLoader workers
-build the samples. Training seeds are >= TRAIN_SEED_BASE (10**9); evaluation (task=ruler, and the sanity check
-at the end here) uses seeds below it. The steps, lengths, tasks and sample seeds are a pure function of
---seed and the arguments. --time-limit-min caps the whole run (training stops early, saves, then evaluates).
-Saved: config.json (bfloat16), safetensors shards of at most 15 MB, the tokenizer, training.json.
-docs/probe.md has the design and the time estimate.
+The loss is on the answer (the tokens after the answer prefix, then EOS) and, at --tail-weight, on the question and
+answer prefix; the haystack carries none. A step is --accum micro-batches of about --micro-tokens tokens each; a
+micro-batch holds samples of one context length (short ones: many samples), drawn from a length curriculum: the
+first --short-frac of the steps stay at --min-len to --short-len, then the longest length doubles up to --max-len
+over the next --ramp of the steps; --frontier-share of the draws come from the top two octaves reached, the rest
+from any length reached. The tasks are the suite's and kv_adjacent (key matching in its plainest form,
+probe_data.kv_adjacent_sample). The defaults are the committed checkpoint's recipe (docs/probe.md). The plan's time
+by the cost model of docs/probe.md is printed before training. DataLoader workers build the samples. Training seeds
+are >= TRAIN_SEED_BASE (10**9); evaluation (task=ruler, and the sanity check at the end here) uses seeds below it.
+The steps, lengths, tasks and sample seeds are a pure function of --seed and the arguments. --time-limit-min caps
+the whole run (training stops early, saves, then evaluates). Saved: config.json (bfloat16), safetensors shards of at
+most 15 MB, the tokenizer, training.json. docs/probe.md has the design and the time estimate.
 """
 from __future__ import annotations
 
@@ -37,9 +36,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from probe_data import (TASK_WEIGHTS, TRAIN_SEED_BASE, make_loader, micro_plan, parse_task_weights,  # noqa: E402
-                        plan_summary)
+                        plan_summary, training_sample)
 from probe_tokenizer import build_probe_tokenizer  # noqa: E402
-from sparsekv.tasks.ruler.generators import make_sample, score_output  # noqa: E402
+from sparsekv.tasks.ruler.generators import score_output  # noqa: E402
 
 EVAL_LENGTHS = (2048, 8192, 32768)
 CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
@@ -51,19 +50,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(TOOLS.parent / "sparsekv" / "checkpoints" / "probe"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=1800)
+    p.add_argument("--steps", type=int, default=1300, help="the plan's steps (the schedule spans them)")
+    p.add_argument("--stop-step", type=int, default=None,
+                   help="stop after this many steps of the plan (the committed run's time cap: 1120)")
     p.add_argument("--max-len", type=int, default=32768, help="longest context, in tokens")
     p.add_argument("--min-len", type=int, default=512, help="shortest context, in tokens")
     p.add_argument("--tasks", default=",".join(TASK_WEIGHTS), help="comma-separated tasks to train on")
     p.add_argument("--task-weights", default="", help="task=weight,... overriding the mix of probe_data.TASK_WEIGHTS")
-    p.add_argument("--spell-names", action="store_true",
-                   help="spell variable names one token per letter (a vocabulary unlike the committed checkpoint's)")
-    p.add_argument("--restate-key", action="store_true",
-                   help="one-key answers restate the key as the needle does: \" amber is: 6073604.\" (a trial)")
-    p.add_argument("--short-len", type=int, default=None, help="longest context of the short phase (default --min-len)")
-    p.add_argument("--short-frac", type=float, default=0.0,
+    p.add_argument("--short-len", type=int, default=None,
+                   help="longest context of the short phase (default 2048, or --max-len when that is shorter)")
+    p.add_argument("--short-frac", type=float, default=0.55,
                    help="fraction of the steps spent at --min-len to --short-len before the ramp")
-    p.add_argument("--ramp", type=float, default=0.4,
+    p.add_argument("--ramp", type=float, default=0.2,
                    help="fraction of the steps over which the longest length doubles from --short-len to --max-len")
     p.add_argument("--frontier-share", type=float, default=0.5,
                    help="share of micro-batches drawn from the top two octaves reached (the rest: any length reached)")
@@ -75,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--rope-theta", type=float, default=1e6)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--tail-weight", type=float, default=0.25,
@@ -89,14 +88,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.tasks = [t for t in args.tasks.split(",") if t]
     if args.short_len is None:
-        args.short_len = args.min_len
+        args.short_len = min(2048, args.max_len)
     try:
         args.task_weights = parse_task_weights(args.task_weights)
     except ValueError as exc:
         p.error(str(exc))
-    unknown = [t for t in args.tasks if t not in TASK_WEIGHTS]
+    unknown = [t for t in args.tasks if t not in args.task_weights]
     if unknown or not args.tasks:
-        p.error(f"--tasks {','.join(unknown) or '(none)'}: choose from {','.join(TASK_WEIGHTS)}")
+        p.error(f"--tasks {','.join(unknown) or '(none)'}: choose from {','.join(args.task_weights)}")
     checks = [(args.steps >= 1, "--steps must be >= 1"), (args.accum >= 1, "--accum must be >= 1"),
               (args.min_len <= args.max_len, f"--min-len {args.min_len} exceeds --max-len {args.max_len}"),
               (args.micro_tokens >= args.max_len, f"--micro-tokens {args.micro_tokens} is below --max-len "
@@ -112,7 +111,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               (args.max_len + 64 <= 65536, f"--max-len {args.max_len} leaves no room for the answer below 65536 "
                                            "positions"),
               (args.time_limit_min > 0, "--time-limit-min must be > 0"), (args.workers >= 0, "--workers >= 0"),
-              (args.eval_samples >= 0, f"--eval-samples {args.eval_samples} must be >= 0")]
+              (args.eval_samples >= 0, f"--eval-samples {args.eval_samples} must be >= 0"),
+              (args.stop_step is None or 1 <= args.stop_step <= args.steps,
+               f"--stop-step {args.stop_step} must lie between 1 and --steps {args.steps}"),
+              (sum(args.task_weights[t] for t in args.tasks) > 0,
+               "the --tasks all weigh 0: give one a weight with --task-weights")]
     for ok, message in checks:
         if not ok:
             p.error(message)
@@ -128,9 +131,9 @@ def build_model(args: argparse.Namespace, tokenizer):
                 rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, use_cache=True)
     try:
-        config = Qwen3Config(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **dims)
+        config = Qwen3Config(rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta}, **dims)
     except TypeError:  # a transformers release before rope_parameters
-        config = Qwen3Config(rope_theta=1e6, **dims)
+        config = Qwen3Config(rope_theta=args.rope_theta, **dims)
     torch.manual_seed(args.seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
 
@@ -220,9 +223,9 @@ def fast_attention(model, args: argparse.Namespace, device: torch.device, plan, 
     print(f"preflight: a micro-batch takes {short:.3f} s at length {args.min_len}, {long:.3f} s at {args.max_len}; "
           f"{len(plan)} micro-batches: about {estimate:.0f} s of training", flush=True)
     if estimate > budget_s:
-        fitting = int(args.steps * budget_s / estimate)
+        fitting = int(len(plan) / args.accum * budget_s / estimate)
         print(f"preflight: warning: {estimate:.0f} s exceed the {budget_s:.0f} s --time-limit-min leaves for "
-              f"training; the run will stop early, in its long phase: pass --steps {fitting} or less", flush=True)
+              f"training; the run will stop early: pass --stop-step {fitting} (or fewer --steps)", flush=True)
     return context
 
 
@@ -240,7 +243,8 @@ def train(args: argparse.Namespace, model, loader, device: torch.device, attenti
     batches = iter(loader)
     window = {"loss": 0.0, "correct": 0, "targets": 0, "tokens": 0, "lengths": [], "t": time.time()}
     skipped, step = 0, 0
-    for step in range(args.steps):
+    last = args.stop_step or args.steps
+    for step in range(last):
         micros = [next(batches) for _ in range(args.accum)]
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args) * group["lr_mult"]
@@ -266,14 +270,14 @@ def train(args: argparse.Namespace, model, loader, device: torch.device, attenti
         window["correct"] += int(correct)
         window["targets"] += sum(int(mb["answer"].sum()) for mb in micros)
         now = time.time()
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps or now > deadline:
+        if (step + 1) % args.log_every == 0 or step + 1 == last or now > deadline:
             lengths = window["lengths"]
             print(f"step {step + 1}/{args.steps} len {min(lengths)}-{max(lengths)} "
                   f"loss {window['loss'] / window['targets']:.4f} "
                   f"answer_acc {window['correct'] / window['targets']:.3f} lr {learning_rate(step, args):.2e} "
                   f"tok/s {window['tokens'] / max(now - window['t'], 1e-9):,.0f} elapsed {now - t0:.0f}s", flush=True)
             window = {"loss": 0.0, "correct": 0, "targets": 0, "tokens": 0, "lengths": [], "t": now}
-        if now > deadline and step + 1 < args.steps:
+        if now > deadline and step + 1 < last:
             print(f"stopped early at step {step + 1} of {args.steps}: --time-limit-min {args.time_limit_min} "
                   f"reached (the checkpoint is saved as it is)", flush=True)
             return {"steps_done": step + 1, "stopped_early": True}
@@ -310,7 +314,7 @@ def evaluate(args: argparse.Namespace, model, tokenizer, device: torch.device, h
                 if time.time() > hard_stop:
                     print("evaluation cut short by --time-limit-min", flush=True)
                     return results
-                sample = make_sample(task, tokenizer, length, seed)
+                sample = training_sample(task, tokenizer, length, seed)
                 output = greedy(model, sample.prompt_ids, sample.max_new_tokens, tokenizer.eos_token_id, device)
                 scores.append(score_output(sample, tokenizer.decode(output, skip_special_tokens=True)))
             results.setdefault(task, {})[length] = sum(scores) / len(scores)
@@ -353,13 +357,13 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit(f"--device {args.device}: CUDA is not available here; pass --device cpu")
-    tokenizer = build_probe_tokenizer(spell_names=args.spell_names)
+    tokenizer = build_probe_tokenizer()
     for task in args.tasks:  # every task must fit the shortest length before the workers start
         try:
-            make_sample(task, tokenizer, args.min_len, 0)
+            training_sample(task, tokenizer, args.min_len, 0)
         except ValueError as exc:
             sys.exit(f"--min-len {args.min_len} is too small: {exc}")
-    plan = micro_plan(args)
+    plan = micro_plan(args)[:(args.stop_step or args.steps) * args.accum]  # the steps this run takes
     hard_stop = t0 + args.time_limit_min * 60
     deadline = hard_stop - min(EVAL_RESERVE_S, args.time_limit_min * 60 * 0.2)
     model = build_model(args, tokenizer).to(device)
@@ -370,8 +374,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.workers} data workers", flush=True)
     print(f"plan: {plan_summary(plan, args.micro_tokens)}", flush=True)
     attention = fast_attention(model, args, device, plan, deadline - time.time())
-    loader = make_loader(plan, args.workers, pin=device.type == "cuda", tail_weight=args.tail_weight,
-                         spell_names=args.spell_names, restate_key=args.restate_key)
+    loader = make_loader(plan, args.workers, pin=device.type == "cuda", tail_weight=args.tail_weight)
     progress = train(args, model, loader, device, attention, deadline, t0)
     with torch.no_grad():  # parameters only: the rotary inv_freq buffer stays float32, as loaders rebuild it
         for param in model.parameters():

@@ -23,23 +23,14 @@ def _probe_module():
     return module
 
 
-def _saved_probe_tokenizer(path: Path, spell_names: bool):
-    from transformers import AutoTokenizer
-
-    _probe_module().build_probe_tokenizer(path, spell_names=spell_names)
-    return AutoTokenizer.from_pretrained(str(path))
-
-
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
-    """The default probe tokenizer: the committed checkpoint's, one token per variable name."""
-    return _saved_probe_tokenizer(tmp_path_factory.mktemp("probe_tok"), spell_names=False)
+    """The probe tokenizer (the committed checkpoint's): one token per word, digit and variable-name letter."""
+    from transformers import AutoTokenizer
 
-
-@pytest.fixture(scope="module")
-def spelled(tmp_path_factory):
-    """The probe tokenizer with --spell-names: one token per letter of a variable name."""
-    return _saved_probe_tokenizer(tmp_path_factory.mktemp("spelled_tok"), spell_names=True)
+    path = tmp_path_factory.mktemp("probe_tok")
+    _probe_module().build_probe_tokenizer(path)
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +97,7 @@ def test_answers_in_prompt_only_with_needles(task, tokenizer_name, request):
         assert not any(absent[answer] for answer in without.answers), without.answers
 
 
-@pytest.mark.parametrize("which", ["probe", "spelled"])
-def test_probe_tokenizer_knows_every_word_and_round_trips_answers(which, request):
-    probe = request.getfixturevalue(which)
+def test_probe_tokenizer_knows_every_word_and_round_trips_answers(probe):
     for task in TASKS:
         sample = make_sample(task, probe, 2048, seed=0)
         assert probe.unk_token_id not in sample.prompt_ids
@@ -124,16 +113,14 @@ def test_default_probe_tokenizer_is_the_committed_checkpoints(probe, tmp_path):
     _probe_module().build_probe_tokenizer(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / name).read_bytes() == (committed / name).read_bytes(), name
+
+
+def test_probe_tokenizer_spells_variable_names(probe):
     name = make_sample("variable_tracking", probe, 1024, seed=0).answers[0]
-    assert probe.tokenize(f"VAR {name} = VAR {name}.") == ["VAR", name, "=", "VAR", name, "."]
-
-
-def test_probe_tokenizer_spells_variable_names(spelled):
-    name = make_sample("variable_tracking", spelled, 1024, seed=0).answers[0]
-    assert spelled.tokenize(f"VAR {name} = VAR {name}.") == ["VAR", *name, "=", "VAR", *name, "."]
-    assert spelled.tokenize("The A I What Question Answer") == ["The", "A", "I", "What", "Question", "Answer"]
-    vocab = spelled.get_vocab()
-    assert not any(name in vocab for name in words.VAR_NAMES)
+    assert probe.tokenize(f"VAR {name} = VAR {name}.") == ["VAR", *name, "=", "VAR", *name, "."]
+    assert probe.tokenize("The A I What Question Answer") == ["The", "A", "I", "What", "Question", "Answer"]
+    vocab = probe.get_vocab()
+    assert not any(name in vocab for name in words.VAR_NAMES) and all(key in vocab for key in words.KEYS)
 
 
 def test_score_counts_the_fraction_of_answers_found(probe):

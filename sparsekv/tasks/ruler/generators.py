@@ -90,7 +90,7 @@ def make_sample(task: str, tokenizer, context_len: int, seed: int, *, chat_templ
     """`needles` (None: the suite's own counts) sets how many facts a prompt holds, for the tasks of
     COUNTED_TASKS: the needles of niah_multikey, niah_multivalue and niah_multiquery, or the chains of
     variable_tracking, the asked one included. More of them make a harder variant (as RULER's own options do)
-    and give the probe's trials more key matches per sample (tools/probe_cpu_trial.py --needles)."""
+    and give a model more key matches per sample."""
     if task not in TASKS:
         raise ValueError(f"task={task!r} is not a RULER task; choose one of {', '.join(TASKS)}")
     if needles is not None and (task not in COUNTED_TASKS or not 2 <= needles <= MAX_NEEDLES):
