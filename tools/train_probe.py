@@ -1,6 +1,6 @@
 """Train the probe checkpoint: a small Qwen3 that answers the RULER generators' tasks from 1K to 32K tokens.
 
-    python3 tools/train_probe.py --out sparsekv/checkpoints/probe --seed 0 --stop-step 1120  # one H100, < 9 min
+    python3 tools/train_probe.py --out sparsekv/checkpoints/probe --seed 0 --stop-step 1120  # one GPU, < 10 min
 
 The data is the generators' own samples (sparsekv/tasks/ruler), with the probe tokenizer (tools/probe_tokenizer.py).
 The loss is on the answer (the tokens after the answer prefix, then EOS) and, at --tail-weight, on the question and
