@@ -36,8 +36,9 @@
 #                   and length, offload none and cpu (RULER_OFFLOADS): full, quest at 1K / 2K / 4K tokens with the
 #                   default 2 dense layers and with every layer selecting, streaming_llm (the plugin in plugins/) at
 #                   2K tokens, minference, minference_band, xattn_bsa, xattn_bsa_090, and at cpu Quest at 2K / 4K
-#                   tokens with 256-token host blocks; then task=report over them; 12 runs at none, 14 at cpu:
-#                   one 10-minute call per offload mode, or two GPUs per mode side by side         ~2 x 8 min
+#                   tokens with 256-token host blocks; then task=report over them; 12 runs at none (40-100 s
+#                   each, 11 min on an H100), 14 at cpu (60-100 s, 17 min): two GPUs per mode side by side, or
+#                   RULER_ROWS split over more calls (RULER_TIMEOUT: 180 s per run)                    ~28 min
 #                   (RULER_ROWS="streaming_llm-2048 minference ..." runs only the rows of those labels)
 #   tp              TP=1 beside TP=N for N in TP_SIZES (default "1 2"; "1 2 4" on 4 GPUs) per model of TP_MODELS
 #                   (default "qwen3_8b llama3_8b", dummy weights), rows of TP_ROWS (default "decode offload
@@ -337,7 +338,7 @@ section_ruler_policies() {  # the policies judged on the probe: accuracy per tas
             # RULER_ROWS="minference xattn_bsa ...": only the rows with these labels
             [ -n "${RULER_ROWS:-}" ] && [[ " $RULER_ROWS " != *" ${row%%|*} "* ]] && continue
             read -ra args <<< "${row#*|}"
-            PYTHONPATH="$site:$PYTHONPATH" EXTRA=task.progress=false BENCH_TIMEOUT="${RULER_TIMEOUT:-120}" \
+            PYTHONPATH="$site:$PYTHONPATH" EXTRA=task.progress=false BENCH_TIMEOUT="${RULER_TIMEOUT:-180}" \
                 run_task ruler_policies "${row%%|*}-$off" ruler model=probe offload="$off" "${args[@]}" \
                 "task.lengths=$lengths" task.samples="$samples" task.batch_size="$samples"
         done
