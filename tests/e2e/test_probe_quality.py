@@ -1,7 +1,7 @@
 """The suite tells a good policy from a bad one on the trained probe checkpoint (model=probe), on the CPU at 2K tokens:
 full attention retrieves single needles, Quest keeping a quarter of the blocks stays with it, and StreamingLLM at
 the same budget (the first block and the newest ones) loses the needles in between. The checkpoint matches keys:
-it answers the asked needle among distractors."""
+it answers the asked needle among distractors, also with its KV offloaded to an fp8 host tier."""
 from __future__ import annotations
 
 import pytest
@@ -42,3 +42,12 @@ def test_probe_separates_quest_from_streaming_llm(tmp_path, site):
     assert full >= 0.95, f"full attention: {full:.0%} of single needles at {CONTEXT} tokens"
     assert quest_density < 0.5 and quest >= full - 0.05, f"quest at {BUDGET} tokens: {quest:.0%} vs full {full:.0%}"
     assert streaming <= full - 0.3, f"streaming_llm at {BUDGET} tokens: {streaming:.0%} vs full {full:.0%}"
+
+
+def test_probe_matches_keys_from_the_fp8_host_tier(tmp_path):
+    settings = [item for item in SETTINGS if not item.startswith("offload")]
+    figures = get_task("ruler")(compose_config([
+        *settings, "offload=cpu", "offload.block_size=256", "offload.host_dtype=float8_e4m3fn", "policy=full",
+        "task.tasks=[niah_multikey]", f"output_dir={tmp_path}"]))
+    multikey = figures["accuracy_by_task"]["niah_multikey"]
+    assert multikey >= 0.9, f"fp8 host KV: {multikey:.0%} of multi-key needles at {CONTEXT} tokens (chance: 25%)"
