@@ -6,7 +6,7 @@
     python3 tools/bench_table.py A.tgz B.tgz --update docs/benchmarks.md --block tp   # a named block, one table
 
 Each run directory holds run.json ({"section", "row", "vs", "command", "date"}) and the task's record (bench.json
-or quality.json). One table per section, in SECTIONS order; rows in the order the script ran them (each records
+or quality.json, or ruler.json). One table per section, in SECTIONS order; rows in the order the script ran them (each records
 path's runs in turn). --block NAME replaces the text between <!-- bench_table:NAME:begin --> and
 <!-- bench_table:NAME:end --> instead of the unnamed markers; a block named after a section holds that section's
 table only, without its "## title" (the document's own heading and introduction stand above the block).
@@ -40,6 +40,7 @@ SECTIONS = {
     "capacity": "Capacity",
     "hierarchy": "KV memory hierarchy: GPU block cache, fp8 host tier, batched Quest",
     "tp": "Tensor parallelism",
+    "ruler_policies": "Policies judged on the probe (RULER)",
 }
 NOTES = {
     "hierarchy": "tok/s: batch x 1000 / ms per step. PCIe floor: the KV bytes loaded from the host per decode step "
@@ -55,6 +56,10 @@ NOTES = {
           "sum of the ranks' pinned H2D rates measured concurrently (`h2d_gbps_per_rank`); the prefill floor is "
           "the model's FLOPs over N GPUs' measured GEMM rate. Prefill TFLOP/s is per GPU. Against TP=1: decode "
           "speed-up t1 / tN, prefill scaling efficiency t1 / (N x tN).",
+    "ruler_policies": "accuracy: the mean over the record's tasks at each length; retrieval: the mean of its niah "
+                      "tasks; density: the policy's measured share of the attention (decode for Quest, prefill for "
+                      "MInference and XAttention; '-' where the policy records none); decode per token at the "
+                      "record's batch size, prefill per prompt; these four at the longest length.",
 }
 
 
@@ -65,7 +70,7 @@ def load_runs(root: Path) -> list[dict[str, Any]]:
     for meta_path in sorted(root.rglob("run.json"), key=lambda p: p.stat().st_mtime):
         meta = json.loads(meta_path.read_text())
         record = None
-        for name in ("bench.json", "quality.json"):
+        for name in ("bench.json", "quality.json", "ruler.json"):
             if (meta_path.parent / name).is_file():
                 record = json.loads((meta_path.parent / name).read_text())
         runs.append({**meta, "record": record, "path": meta_path.parent})
@@ -278,9 +283,52 @@ TP: list[Column] = [
     ("prefill ratio", lambda r, _: _num(r["record"].get("prefill_ratio"), ".2f")),
     ("prefill scaling efficiency vs TP=1", lambda r, ids: _vs_tp1(r, ids, "prefill_seconds")),
 ]
+def _ruler_cells(record: dict, length: int) -> list[dict]:
+    return [c for c in record.get("cells") or [] if c.get("length") == length]
+
+
+def _ruler_longest(record: dict, figure: Callable[[list[dict]], float | None], spec: str, unit: str = "") -> str:
+    """A figure of the cells at the record's longest length."""
+    lengths = record.get("lengths") or []
+    cells = _ruler_cells(record, max(lengths)) if lengths else []
+    return _num(figure(cells) if cells else None, spec, unit)
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if isinstance(v, (int, float))]
+    return sum(values) / len(values) if values else None
+
+
+def _ruler_accuracy(record: dict) -> str:
+    return " / ".join(_num(_mean([100 * c["accuracy"] for c in _ruler_cells(record, n)]), ".1f")
+                      for n in record.get("lengths") or [])
+
+
+def _ruler_by_length(record: dict, key: str, spec: str, unit: str) -> str:
+    """The record's by_length row of every task at the longest length ("task": "all")."""
+    lengths = record.get("lengths") or []
+    row = next((b for b in record.get("by_length") or [] if b.get("task") == "all" and lengths
+                and b.get("length") == max(lengths)), {})
+    return _num(row.get(key), spec, unit)
+
+
+RULER: list[Column] = [
+    ("policy", lambda r, _: str(r["record"].get("policy", "-"))),
+    ("offload", lambda r, _: str(r["record"].get("offload", "-"))),
+    ("lengths", lambda r, _: " / ".join(f"{n // 1024}K" for n in r["record"].get("lengths") or [])),
+    ("accuracy %", lambda r, _: _ruler_accuracy(r["record"])),
+    ("retrieval %, longest", lambda r, _: _ruler_longest(
+        r["record"], lambda cells: _mean([100 * c["accuracy"] for c in cells if c["task"].startswith("niah")]),
+        ".1f")),
+    ("density, longest", lambda r, _: _ruler_longest(
+        r["record"], lambda cells: _mean([c.get("density") for c in cells]), ".3f")),
+    ("decode, longest", lambda r, _: _ruler_by_length(r["record"], "decode_ms_per_token", ".2f", " ms/token")),
+    ("prefill, longest", lambda r, _: _ruler_by_length(r["record"], "prefill_seconds", ".3f", " s")),
+]
 COLUMNS = {"decode": DECODE, "offload": DECODE, "quest": QUEST, "prefill": PREFILL, "sparse_prefill": SPARSE,
            "sparse_prefill_scaling": SPARSE,
-           "quality": QUALITY, "memory": MEMORY, "capacity": CAPACITY, "hierarchy": HIERARCHY, "tp": TP}
+           "quality": QUALITY, "memory": MEMORY, "capacity": CAPACITY, "hierarchy": HIERARCHY, "tp": TP,
+           "ruler_policies": RULER}
 
 
 def _cell(text: str) -> str:

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 
@@ -45,6 +46,7 @@ def run_identity(cfg: DictConfig, engine, name: str | None) -> dict[str, Any]:
         "offload": enum_value(cfg.offload.mode),
         "policy": cfg.policy.name,
         "device": str(engine.device),
+        "gpu_name": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None,
         "dtype": str(engine.dtype).replace("torch.", ""),
         "tensor_parallel_size": int(OmegaConf.select(cfg, "parallel.tensor_parallel_size", default=1)),
     }

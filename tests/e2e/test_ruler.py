@@ -55,6 +55,7 @@ def test_ruler_cli_record(qwen3_ckpt, offload, tmp_path, monkeypatch, capsys):
     assert len(record["outputs"]) == 2 * len(TASKS) * len(LENGTHS)
     assert all(0.0 <= s["score"] <= 1.0 and s["answers"] for s in record["outputs"])
     assert set(record["accuracy_by_task"]) == set(TASKS) and set(record["accuracy_by_length"]) == {"256", "384"}
+    assert record["device"] == "cpu" and record["gpu_name"] is None  # a CUDA run names its GPU
     assert "task \\ length" in out and "without needles" in out and "density" in out
 
 

@@ -1,5 +1,5 @@
-"""tools/bench_table.py on small fake records: the hierarchy and tp tables, named blocks, several record paths, and
-the decode floor of a budgeted block selection recomputed from a record's fields."""
+"""tools/bench_table.py on small fake records: the hierarchy, tp and RULER tables, named blocks, several record
+paths, and the decode floor of a budgeted block selection recomputed from a record's fields."""
 from __future__ import annotations
 
 import importlib.util
@@ -51,7 +51,8 @@ def full_record(ms: float, batch: int = 1, tp: int = 1, **extra) -> dict:
             "decode_h2d_bytes_per_step": 16e9, **extra}
 
 
-def write_run(root: Path, section: str, row: str, record: dict | None, vs: str | None = None, order: int = 0) -> None:
+def write_run(root: Path, section: str, row: str, record: dict | None, vs: str | None = None, order: int = 0,
+              name: str = "bench.json") -> None:
     folder = root / "records" / section / row
     folder.mkdir(parents=True)
     meta = folder / "run.json"
@@ -59,7 +60,7 @@ def write_run(root: Path, section: str, row: str, record: dict | None, vs: str |
                                 "date": "2026-11-25"}))
     os.utime(meta, (1e9 + order, 1e9 + order))  # the order the script ran them
     if record is not None:
-        (folder / "bench.json").write_text(json.dumps(record))
+        (folder / name).write_text(json.dumps(record))
 
 
 def rows_of(text: str) -> dict[str, list[str]]:
@@ -178,3 +179,32 @@ def test_unnamed_block_and_bad_arguments(bt, tmp_path, capsys):
         bt.main([str(tmp_path / "records"), "--block", "tp"])
     with pytest.raises(SystemExit, match="neither a folder nor a .tgz"):
         bt.main([str(tmp_path / "missing")])
+
+
+def ruler_record(policy: str, accuracy: dict[tuple[str, int], float], density: float | None) -> dict:
+    lengths = sorted({n for _, n in accuracy})
+    cells = [{"task": task, "length": n, "accuracy": a, "density": density} for (task, n), a in accuracy.items()]
+    by_length = [{"task": "all", "length": n, "prefill_seconds": 0.05 * n / 4096, "decode_ms_per_token": 1.5}
+                 for n in lengths]
+    return {"status": "ok", "policy": policy, "offload": "none", "lengths": lengths, "cells": cells,
+            "by_length": by_length, "gpu_name": "NVIDIA H100 80GB HBM3"}
+
+
+def test_ruler_table_gives_accuracy_per_length_and_the_longest_lengths_figures(bt, tmp_path):
+    full = {("niah_single", 4096): 1.0, ("variable_tracking", 4096): 0.5,
+            ("niah_single", 32768): 0.9, ("variable_tracking", 32768): 0.3}
+    quest = {key: value - 0.1 for key, value in full.items()}
+    write_run(tmp_path, "ruler_policies", "full-none", ruler_record("full", full, 1.0), name="ruler.json")
+    write_run(tmp_path, "ruler_policies", "quest-none", ruler_record("quest", quest, 0.25), order=1,
+              name="ruler.json")
+    write_run(tmp_path, "ruler_policies", "streaming-none", ruler_record("streaming_llm", full, None), order=2,
+              name="ruler.json")
+    text = bt.render(bt.load_runs(tmp_path / "records"))
+    assert "## Policies judged on the probe (RULER)" in text
+    rows = rows_of(text)
+    assert list(rows) == ["full-none", "quest-none", "streaming-none"]
+    #      policy, offload, lengths, accuracy %, retrieval % / density / decode / prefill at the longest length
+    assert rows["full-none"][1:9] == ["full", "none", "4K / 32K", "75.0 / 60.0", "90.0", "1.000", "1.50 ms/token",
+                                      "0.400 s"]
+    assert rows["quest-none"][4:7] == ["65.0 / 50.0", "80.0", "0.250"]
+    assert rows["streaming-none"][6] == "-" and rows["full-none"][10] == "H100 80GB HBM3"

@@ -212,8 +212,6 @@ def run(cfg: DictConfig) -> dict:
     decode_mean_s = statistics.mean(step_s) if step_s else None
     figures: dict[str, Any] = {
         **run_identity(cfg, engine, task.label),
-        "gpu_name": floors.get("gpu_name") if floors else (
-            torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None),
         "batch_size": batch,
         "context": context,
         "prompt_tokens": stats.prompt_tokens,
