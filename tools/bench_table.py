@@ -5,9 +5,9 @@
     python3 tools/bench_table.py OUT/records.tgz ...                      # the packed records work too
     python3 tools/bench_table.py A.tgz B.tgz --update docs/benchmarks.md --block tp   # a named block, one table
 
-Each run directory holds run.json ({"section", "row", "vs", "command", "date"}) and the task's record (bench.json
-or quality.json, or ruler.json). One table per section, in SECTIONS order; rows in the order the script ran them (each records
-path's runs in turn). --block NAME replaces the text between <!-- bench_table:NAME:begin --> and
+Each run directory holds run.json ({"section", "row", "vs", "command", "date"}) and the task's record (bench.json,
+quality.json or ruler.json). One table per section, in SECTIONS order; rows in the order the script ran them (each
+records path's runs in turn). --block NAME replaces the text between <!-- bench_table:NAME:begin --> and
 <!-- bench_table:NAME:end --> instead of the unnamed markers; a block named after a section holds that section's
 table only, without its "## title" (the document's own heading and introduction stand above the block).
 
@@ -283,15 +283,14 @@ TP: list[Column] = [
     ("prefill ratio", lambda r, _: _num(r["record"].get("prefill_ratio"), ".2f")),
     ("prefill scaling efficiency vs TP=1", lambda r, ids: _vs_tp1(r, ids, "prefill_seconds")),
 ]
-def _ruler_cells(record: dict, length: int) -> list[dict]:
+
+
+def _ruler_longest(record: dict) -> int | None:
+    return max(record.get("lengths") or [0]) or None
+
+
+def _ruler_cells(record: dict, length: int | None) -> list[dict]:
     return [c for c in record.get("cells") or [] if c.get("length") == length]
-
-
-def _ruler_longest(record: dict, figure: Callable[[list[dict]], float | None], spec: str, unit: str = "") -> str:
-    """A figure of the cells at the record's longest length."""
-    lengths = record.get("lengths") or []
-    cells = _ruler_cells(record, max(lengths)) if lengths else []
-    return _num(figure(cells) if cells else None, spec, unit)
 
 
 def _mean(values: list) -> float | None:
@@ -299,16 +298,15 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _ruler_accuracy(record: dict) -> str:
-    return " / ".join(_num(_mean([100 * c["accuracy"] for c in _ruler_cells(record, n)]), ".1f")
-                      for n in record.get("lengths") or [])
+def _ruler_accuracy(record: dict, length: int | None, prefix: str = "") -> float | None:
+    """Mean accuracy (%) of the record's tasks starting with prefix at length."""
+    return _mean([100 * c["accuracy"] for c in _ruler_cells(record, length) if c["task"].startswith(prefix)])
 
 
-def _ruler_by_length(record: dict, key: str, spec: str, unit: str) -> str:
-    """The record's by_length row of every task at the longest length ("task": "all")."""
-    lengths = record.get("lengths") or []
-    row = next((b for b in record.get("by_length") or [] if b.get("task") == "all" and lengths
-                and b.get("length") == max(lengths)), {})
+def _ruler_all(record: dict, key: str, spec: str, unit: str) -> str:
+    """A figure of the record's by_length row of every task ("task": "all") at the longest length."""
+    longest = _ruler_longest(record)
+    row = next((b for b in record.get("by_length") or [] if b.get("task") == "all" and b.get("length") == longest), {})
     return _num(row.get(key), spec, unit)
 
 
@@ -316,14 +314,14 @@ RULER: list[Column] = [
     ("policy", lambda r, _: str(r["record"].get("policy", "-"))),
     ("offload", lambda r, _: str(r["record"].get("offload", "-"))),
     ("lengths", lambda r, _: " / ".join(f"{n // 1024}K" for n in r["record"].get("lengths") or [])),
-    ("accuracy %", lambda r, _: _ruler_accuracy(r["record"])),
-    ("retrieval %, longest", lambda r, _: _ruler_longest(
-        r["record"], lambda cells: _mean([100 * c["accuracy"] for c in cells if c["task"].startswith("niah")]),
-        ".1f")),
-    ("density, longest", lambda r, _: _ruler_longest(
-        r["record"], lambda cells: _mean([c.get("density") for c in cells]), ".3f")),
-    ("decode, longest", lambda r, _: _ruler_by_length(r["record"], "decode_ms_per_token", ".2f", " ms/token")),
-    ("prefill, longest", lambda r, _: _ruler_by_length(r["record"], "prefill_seconds", ".3f", " s")),
+    ("accuracy %", lambda r, _: " / ".join(_num(_ruler_accuracy(r["record"], n), ".1f")
+                                           for n in r["record"].get("lengths") or [])),
+    ("retrieval %, longest", lambda r, _: _num(_ruler_accuracy(r["record"], _ruler_longest(r["record"]), "niah"),
+                                               ".1f")),
+    ("density, longest", lambda r, _: _num(_mean([c.get("density") for c in _ruler_cells(
+        r["record"], _ruler_longest(r["record"]))]), ".3f")),
+    ("decode, longest", lambda r, _: _ruler_all(r["record"], "decode_ms_per_token", ".2f", " ms/token")),
+    ("prefill, longest", lambda r, _: _ruler_all(r["record"], "prefill_seconds", ".3f", " s")),
 ]
 COLUMNS = {"decode": DECODE, "offload": DECODE, "quest": QUEST, "prefill": PREFILL, "sparse_prefill": SPARSE,
            "sparse_prefill_scaling": SPARSE,
