@@ -35,10 +35,11 @@
 #   ruler_policies  model=probe, task=ruler at 4K / 16K / 32K (RULER_LENGTHS), RULER_SAMPLES (10) prompts per task
 #                   and length, offload none and cpu (RULER_OFFLOADS): full, quest at 1K / 2K / 4K tokens with the
 #                   default 2 dense layers and with every layer selecting, streaming_llm (the plugin in plugins/) at
-#                   2K tokens, minference, minference_band, xattn_bsa, xattn_bsa_090, and at cpu Quest at 2K / 4K
-#                   tokens with 256-token host blocks; then task=report over them; 12 runs at none (40-100 s
-#                   each, 11 min on an H100), 14 at cpu (60-100 s, 17 min): two GPUs per mode side by side, or
-#                   RULER_ROWS split over more calls (RULER_TIMEOUT: 180 s per run)                    ~28 min
+#                   2K tokens, minference, minference_band, xattn_bsa, xattn_bsa_090, at none MInference at
+#                   500 / 3,000 and 2,000 / 8,192 columns / diagonals and XAttention at threshold 0.8, and at cpu
+#                   Quest at 2K / 4K tokens with 256-token host blocks; then task=report over them; 15 runs at
+#                   none (40-100 s each, about 14 min on an H100), 14 at cpu (60-100 s, 17 min): two GPUs per
+#                   mode side by side, or RULER_ROWS split over more calls (RULER_TIMEOUT: 180 s per run) ~31 min
 #                   (RULER_ROWS="streaming_llm-2048 minference ..." runs only the rows of those labels)
 #   tp              TP=1 beside TP=N for N in TP_SIZES (default "1 2"; "1 2 4" on 4 GPUs) per model of TP_MODELS
 #                   (default "qwen3_8b llama3_8b", dummy weights), rows of TP_ROWS (default "decode offload
@@ -327,6 +328,10 @@ section_ruler_policies() {  # the policies judged on the probe: accuracy per tas
     ROWS+=("streaming_llm-2048|policy=streaming_llm policy.sink_blocks=1 policy.recent_blocks=7"
            "minference|policy=minference" "minference_band|policy=minference_band"
            "xattn_bsa|policy=xattn_bsa" "xattn_bsa_090|policy=xattn_bsa_090")
+    # the budgets around the prefill policies' defaults, resident only (their defaults are set from these rows)
+    local NONE_ROWS=("minference-v500-s3000|policy=minference policy.vertical_size=500 policy.slash_size=3000"
+                     "minference-v2000-s8192|policy=minference policy.vertical_size=2000 policy.slash_size=8192"
+                     "xattn_bsa_080|policy=xattn_bsa policy.threshold=0.8")
     # offload=cpu selects among host blocks of 1,024 tokens, where a 2,048-token budget is the sink and the newest
     # block alone; these rows give Quest the resident store's 256-token blocks
     local CPU_ROWS=("quest-2048-block256|policy=quest policy.token_budget=2048 offload.block_size=256"
@@ -334,6 +339,7 @@ section_ruler_policies() {  # the policies judged on the probe: accuracy per tas
     for off in ${RULER_OFFLOADS:-none cpu}; do
         local rows=("${ROWS[@]}")
         [ "$off" = cpu ] && rows+=("${CPU_ROWS[@]}")
+        [ "$off" = none ] && rows+=("${NONE_ROWS[@]}")
         for row in "${rows[@]}"; do
             # RULER_ROWS="minference xattn_bsa ...": only the rows with these labels
             [ -n "${RULER_ROWS:-}" ] && [[ " $RULER_ROWS " != *" ${row%%|*} "* ]] && continue
