@@ -243,31 +243,26 @@ def test_eval_samples_zero_skips_the_check(train_probe, tmp_path, capsys):
     assert "eval" not in json.loads((out / "training.json").read_text())
 
 
-def test_bad_arguments_fail_before_training(train_probe, tmp_path, capsys):
+BAD_ARGUMENTS = [
+    (["--max-len", "4096", "--micro-tokens", "1024"], "--micro-tokens 1024 is below --max-len 4096"),
+    (["--short-frac", "0.7", "--ramp", "0.4"], "--short-frac 0.7 + --ramp 0.4 must lie in [0, 1]"),
+    (["--short-len", "256"], "--short-len 256 must lie between --min-len 512"),
+    (["--task-weights", "niah_single=1,needle=2"], "--task-weights entry 'needle=2'"),
+    (["--eval-samples", "-1"], "--eval-samples -1 must be >= 0"),
+    (["--steps", "10", "--stop-step", "11"], "--stop-step 11 must lie between 1 and --steps 10"),
+    (["--tasks", "niah_single", "--task-weights", "niah_single=0"], "the --tasks all weigh 0"),
+    (["--task-weights", "common_words=-1"], "weight >= 0"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_ARGUMENTS)
+def test_bad_arguments_fail_before_training(train_probe, capsys, argv, message):
     with pytest.raises(SystemExit):
-        train_probe.parse_args(["--max-len", "4096", "--micro-tokens", "1024"])
-    assert "--micro-tokens 1024 is below --max-len 4096" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        train_probe.parse_args(["--short-frac", "0.7", "--ramp", "0.4"])
-    assert "--short-frac 0.7 + --ramp 0.4 must lie in [0, 1]" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        train_probe.parse_args(["--short-len", "256"])
-    assert "--short-len 256 must lie between --min-len 512" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        train_probe.parse_args(["--task-weights", "niah_single=1,needle=2"])
-    assert "--task-weights entry 'needle=2'" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        train_probe.parse_args(["--eval-samples", "-1"])
-    assert "--eval-samples -1 must be >= 0" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        train_probe.parse_args(["--steps", "10", "--stop-step", "11"])
-    assert "--stop-step 11 must lie between 1 and --steps 10" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        train_probe.parse_args(["--tasks", "niah_single", "--task-weights", "niah_single=0"])
-    assert "the --tasks all weigh 0" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        train_probe.parse_args(["--task-weights", "common_words=-1"])
-    assert "weight >= 0" in capsys.readouterr().err
+        train_probe.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_bad_output_or_length_fails_before_training_and_keeps_the_files(train_probe, tmp_path):
     foreign = tmp_path / "notes"
     foreign.mkdir()
     (foreign / "thesis.txt").write_text("keep me")
