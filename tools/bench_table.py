@@ -74,7 +74,28 @@ def load_runs(root: Path) -> list[dict[str, Any]]:
             if (meta_path.parent / name).is_file():
                 record = json.loads((meta_path.parent / name).read_text())
         runs.append({**meta, "record": record, "path": meta_path.parent})
-    return runs
+    return expand_curves(runs)
+
+
+def expand_curves(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A bench record with a batch curve (task.batch_curve) becomes one row per point, "<row>@b<batch>", each the
+    record with the point's figures; a point's vs row is the vs run's point of the same batch where it has one."""
+    out = []
+    for run in runs:
+        points = (run["record"] or {}).get("batch_curve") or []
+        if not points:
+            out.append(run)
+        for point in points:
+            record = {**run["record"], **point, "kv_transfer": {**(run["record"].get("kv_transfer") or {}),
+                                                               **(point.get("kv_transfer") or {})}}
+            out.append({**run, "row": f"{run['row']}@b{point['batch_size']}", "record": record,
+                        "curve_point": point["batch_size"]})
+    ids = {f"{r['section']}/{r['row']}" for r in out}
+    for run in out:
+        point_vs = f"{run.get('vs')}@b{run.get('curve_point')}"
+        if run.get("vs") and "curve_point" in run and point_vs in ids:
+            run["vs"] = point_vs
+    return out
 
 
 def _num(value: Any, spec: str, unit: str = "") -> str:

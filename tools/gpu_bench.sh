@@ -29,6 +29,10 @@
 #   hierarchy_cached_batch  Quest (quest_2k, every layer selecting) at 122,880 tokens with the fp8 host tier and
 #                   the GPU block cache (auto): batch 8 on dummy_structured weights (stable selections) and on dummy
 #                   weights, batch 12 on dummy_structured                                                      ~11 min
+#   hierarchy_curve batched Quest (quest_2k, every layer selecting) beside full attention, Llama-3.1-8B dims, fp8
+#                   host tier + GPU block cache auto, each curve from one prefill (task.batch_curve): 122,880 tokens
+#                   at batch 1 / 2 / 4 / 8 and 32,768 at 1 / 4 / 8 / 16 / 32, on CURVE_WEIGHTS (dummy_structured
+#                   dummy) at CURVE_CONTEXTS (122880 32768); ~250 s per 122K curve (eight prefills), ~100 s at 32K
 #   capacity_fp8    the longest context the default host pool holds with the fp8 host tier (about 1.5M tokens
 #                   of Qwen3-4B on a 125 GiB host: prefill ~25 min, over a 10-minute limit; CAPACITY_CAP=868352
 #                   fits one)                                                                                  ~27 min
@@ -298,6 +302,26 @@ section_hierarchy_cached_batch() {  # batched Quest with the fp8 host tier and t
         "llama-122k-fp8-cache-quest-b12-structured" "${LLAMA_STRUCTURED[@]}" "${F[@]}" task.batch_size=12
 }
 
+section_hierarchy_curve() {  # batched Quest beside full attention, batch 1 up, each curve from one prefill
+    # (task.batch_curve); Llama-3.1-8B dims, fp8 host tier, GPU block cache auto; CURVE_WEIGHTS (dummy_structured
+    # dummy) and CURVE_CONTEXTS (122880 32768; the 32K curve goes wider); Quest first: a tight limit drops full
+    local steps="${DECODE_STEPS:-8}" weights ctx curve top row
+    for weights in ${CURVE_WEIGHTS:-dummy_structured dummy}; do
+        local W=(model=llama3_8b model.load_format="$weights")
+        [ -n "${BENCH_MODEL_ARGS:-}" ] && W=("${MODEL[@]}")
+        for ctx in ${CURVE_CONTEXTS:-122880 32768}; do
+            curve="[1,2,4,8]"; top=8
+            [ "$ctx" -le 32768 ] && { curve="[1,4,8,16,32]"; top=32; }
+            local C=(offload=cpu offload.host_dtype=float8_e4m3fn offload.gpu_cache_gib=auto task.context="$ctx"
+                     task.decode_steps="$steps" task.batch_size=$top "task.batch_curve=$curve")
+            row="llama-$((ctx / 1000))k-fp8-cache-$weights"
+            VS="hierarchy/$row-full-curve" BENCH_TIMEOUT="${CURVE_TIMEOUT:-300}" bench hierarchy "$row-quest-curve" \
+                "${W[@]}" "${C[@]}" policy=quest_2k policy.dense_layers=0
+            BENCH_TIMEOUT="${CURVE_TIMEOUT:-300}" bench hierarchy "$row-full-curve" "${W[@]}" "${C[@]}" policy=full
+        done
+    done
+}
+
 section_capacity_fp8() {  # the longest prompt the default host pool holds with fp8 host blocks (+ 16 decode steps)
     local ctx
     ctx=$(python3 -c "
@@ -307,19 +331,35 @@ from sparsekv.kvcache.offload_store import host_pool_blocks
 block = host_block_bytes(36, 1024, 8, 128, torch.float8_e4m3fn)  # Qwen3-4B, fp8 K/V + a float32 scale per KV head
 pool_tokens = host_pool_blocks(None, block) * 1024  # the default pool: 0.9 x available - 4 GiB
 print(min(${CAPACITY_CAP:-4194304}, (pool_tokens - 16384) // 16384 * 16384))")
-    echo "== capacity_fp8: default host pool, fp8 -> context $ctx" | tee -a "$OUT/status.log"
-    VS=capacity/cpu-770048 BENCH_TIMEOUT="${BENCH_TIMEOUT_CAPACITY:-1800}" bench capacity "cpu-fp8-$ctx" \
-        "${MODEL[@]}" offload=cpu offload.host_dtype=float8_e4m3fn offload.gpu_cache_gib=0 task.context="$ctx" \
-        task.decode_steps=16
+    # CAPACITY_POLICY (default full): streaming_llm-2048 (the plugin, 2 of the 1,024-token host blocks per chunk and
+    # step) makes the prefill linear in the context, so the host tier's capacity is measured inside one call
+    local policy="${CAPACITY_POLICY:-full}" P=() site=""
+    case "$policy" in
+        full) ;;
+        streaming_llm-2048) site=$(plugin_site); P=(policy=streaming_llm policy.sink_blocks=1 policy.recent_blocks=1) ;;
+        *) echo "CAPACITY_POLICY=$policy: use full or streaming_llm-2048" >&2; return 1 ;;
+    esac
+    local row="cpu-fp8-$ctx"; [ "$policy" = full ] || row="$row-$policy"
+    echo "== capacity_fp8: default host pool, fp8, $policy -> context $ctx" | tee -a "$OUT/status.log"
+    PYTHONPATH="${site:+$site:}$PYTHONPATH" VS=capacity/cpu-770048 BENCH_TIMEOUT="${BENCH_TIMEOUT_CAPACITY:-1800}" \
+        bench capacity "$row" "${MODEL[@]}" offload=cpu offload.host_dtype=float8_e4m3fn offload.gpu_cache_gib=0 \
+        task.context="$ctx" task.decode_steps=16 "${P[@]}"
+}
+
+plugin_site() {  # prints a scratch site holding the streaming_llm plugin of plugins/ (its entry point is read from sys.path)
+    local site="$OUT/plugin-site" src="$OUT/plugin-src"
+    if [ ! -d "$site" ]; then
+        rm -rf "$src" && cp -r "$TOOLS/../plugins/sparsekv-streamingllm" "$src"
+        python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$site" "$src" >&2 \
+            || echo "streaming_llm plugin did not install: its rows will fail" | tee -a "$OUT/status.log" >&2
+    fi
+    echo "$site"
 }
 
 section_ruler_policies() {  # the policies judged on the probe: accuracy per task, density, prefill and decode time
     local lengths="${RULER_LENGTHS:-[4096,16384,32768]}" samples="${RULER_SAMPLES:-10}" off row args
-    # the streaming_llm plugin of plugins/, installed into a scratch site (its entry point is read from sys.path)
-    local site="$OUT/plugin-site" src="$OUT/plugin-src"
-    rm -rf "$site" "$src" && cp -r "$TOOLS/../plugins/sparsekv-streamingllm" "$src"
-    python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$site" "$src" \
-        || echo "streaming_llm plugin did not install: its rows will fail" | tee -a "$OUT/status.log"
+    local site
+    site=$(plugin_site)
     local ROWS=("full|policy=full")
     for budget in 1024 2048 4096; do
         ROWS+=("quest-$budget|policy=quest policy.token_budget=$budget"
@@ -380,7 +420,7 @@ section_summary() {
 
 SECTIONS="info tests decode offload quest prefill sparse_prefill sparse_prefill_scaling sparse_prefill_1m quality"
 SECTIONS="$SECTIONS memory capacity"
-SECTIONS="$SECTIONS hierarchy hierarchy_512k hierarchy_batch capacity_fp8 hierarchy_cached_batch ruler_policies tp summary"
+SECTIONS="$SECTIONS hierarchy hierarchy_512k hierarchy_batch hierarchy_curve capacity_fp8 hierarchy_cached_batch ruler_policies tp summary"
 [ $# -gt 0 ] || set -- info decode offload quest prefill sparse_prefill memory summary
 for SECTION in "$@"; do
     case " $SECTIONS " in

@@ -39,6 +39,7 @@ class RunStats:
     # decode step times: launch to completion; overlapped decode (engine/overlap.py): the previous step's completion
     # (or its own launch, if later) to its completion, i.e. the interval between consecutive steps
     step_seconds: list[float] = field(default_factory=list)
+    step_batch_sizes: list[int] = field(default_factory=list)  # sequences decoded by each step of step_seconds
 
     @property
     def prefill_tok_s(self) -> float:
@@ -167,6 +168,7 @@ class LLMEngine:
         self.stats.decode_steps += 1
         self.stats.decode_seconds += resolved.seconds
         self.stats.step_seconds.append(resolved.seconds)
+        self.stats.step_batch_sizes.append(resolved.num_tokens)
         for seq in resolved.finished:
             self.release(seq)
         return resolved.finished
@@ -185,6 +187,7 @@ class LLMEngine:
             self.stats.decode_steps += 1
             self.stats.decode_seconds += elapsed
             self.stats.step_seconds.append(elapsed)
+            self.stats.step_batch_sizes.append(len(batch.seqs))
         finished = self.scheduler.postprocess(batch, sampled, self.eos_ids, self.max_seq_len)
         for seq in finished:
             self.release(seq)

@@ -31,6 +31,9 @@ class BenchTask:
     context: int = bounded(8192, ge=1)  # prompt tokens
     decode_steps: int = bounded(16, ge=0)
     batch_size: int = bounded(1, ge=1)
+    # batch sizes of a decode curve from one prefill of batch_size sequences (its widest point), e.g. [1, 2, 4, 8]:
+    # decode_steps at each, widest first (sparsekv.tasks.bench.decode); [] measures batch_size alone
+    batch_curve: List[int] = bounded(factory=list, ge=1)
     warmup: bool = True
     measure_floors: bool = True
     label: Optional[str] = None  # row label in records and summaries (default: "<model> <offload> <policy>")

@@ -230,6 +230,36 @@ def test_block_selecting_policy_is_held_to_the_bytes_it_loads(tmp_path, monkeypa
     assert record["decode_ratio"] == pytest.approx(record["decode_ms_per_token"] / record["decode_floor_ms"])
 
 
+def test_batch_curve_measures_every_point_from_one_prefill(tmp_path, monkeypatch):
+    """task.batch_curve: one prefill of the widest batch, then decode_steps at each point, widest first; each point
+    holds the steps that ran its batch, the KV its steps loaded and the floors of its batch."""
+    ceilings = {"gpu_name": "fake", "matmul_dtype": "float32", "matmul_tflops": 100.0, "hbm_gbps": 1000.0,
+                "h2d_gbps": 0.05, "d2h_gbps": 0.05, "h2d_pageable_gbps": None}
+    monkeypatch.setattr(floors, "measure_floors", lambda *a, **k: dict(ceilings))
+    _, record = run_bench(tmp_path, "device=cpu", "dtype=float32", "offload=cpu", "offload.block_size=16",
+                          "offload.prefill_chunk_size=64", "offload.gpu_cache_gib=0", "task.context=320",
+                          "task.decode_steps=3", "task.batch_size=4", "task.batch_curve=[1,4,2]")
+    points = record["batch_curve"]
+    assert [p["batch_size"] for p in points] == [4, 2, 1]
+    assert record["prompt_tokens"] == 4 * 320  # one prefill of the widest batch
+    assert record["generated_tokens"] == 4 + 3 * (4 + 2 + 1)
+    assert [p["decode_steps"] for p in points] == [3, 3, 3]
+    assert [p["decode_context"] for p in points] == [321, 324, 327]  # the median step of each point
+    per_seq = [p["decode_h2d_bytes_per_step"] / p["batch_size"] for p in points]
+    assert per_seq[0] > 0 and per_seq == pytest.approx([per_seq[0]] * 3, rel=0.1)  # every sequence's full blocks
+    for p in points:
+        kv = p["batch_size"] * p["decode_context"] * record["kv_bytes_per_token"]
+        assert p["decode_bytes_per_step"] == pytest.approx(record["weight_bytes"] + kv)
+        assert p["decode_tok_s"] == pytest.approx(p["batch_size"] * 1e3 / p["decode_ms_per_token"])
+        assert p["decode_ratio"] == pytest.approx(p["decode_ms_per_token"] / p["decode_floor_ms"])
+    widest = {k: v for k, v in points[0].items() if k != "kv_transfer"}
+    assert {k: record[k] for k in widest} == widest  # the record's own figures are the widest point's
+    with pytest.raises(ValueError, match=r"needs task.batch_size=4 \(its widest point\)"):
+        run_bench(tmp_path / "bad", "device=cpu", "task.context=32", "task.batch_curve=[1,4]")
+    with pytest.raises(ValueError, match="repeats a batch size"):
+        run_bench(tmp_path / "bad", "device=cpu", "task.context=32", "task.batch_size=2", "task.batch_curve=[2,2]")
+
+
 # ------------------------------------------------------------------------------------------ GPU host
 
 

@@ -122,6 +122,30 @@ def test_hierarchy_table(bt, tmp_path):
     assert list(skipped) == ["full-b4", "quest-b2"]
 
 
+def test_batch_curve_record_gives_one_row_per_point(bt, tmp_path):
+    root = tmp_path / "curve"
+    full = full_record(80.0, batch=4, batch_curve=[
+        {**full_record(80.0, batch=4), "decode_h2d_bytes_per_step": 16e9},
+        {**full_record(45.0, batch=2), "decode_h2d_bytes_per_step": 8e9}])
+    write_run(root, "hierarchy", "full-curve", full, order=0)
+    quest = quest_record(batch=4, batch_curve=[quest_record(batch=4, decode_ms_per_token=9.0),
+                                               quest_record(batch=2), quest_record(batch=1, decode_ms_per_token=5.0)])
+    write_run(root, "hierarchy", "quest-curve", quest, vs="hierarchy/full-curve", order=1)
+    runs = bt.load_runs(root)
+    assert [r["row"] for r in runs] == ["full-curve@b4", "full-curve@b2", "quest-curve@b4", "quest-curve@b2",
+                                        "quest-curve@b1"]
+    # a point is compared with the vs run's point of its batch; b1 has none there, so the vs run stands
+    assert [r["vs"] for r in runs[2:]] == ["hierarchy/full-curve@b4", "hierarchy/full-curve@b2",
+                                           "hierarchy/full-curve"]
+    rows = rows_of(bt.render(runs))
+    header = next(line for line in bt.render(runs).splitlines() if line.startswith("| row "))
+    col = {name.strip(): i for i, name in enumerate(header.strip("|").split(" | "))}
+    assert rows["full-curve@b2"][col["loaded/step"]] == "8.00 GB"
+    assert rows["quest-curve@b4"][col["ms/step"]] == "9.00" and rows["quest-curve@b1"][col["batch"]] == "1"
+    assert rows["quest-curve@b2"][col["tok/s against vs, same run"]] == f"{(2000 / 7.0) / (2000 / 45.0):.2f}x (44.4 tok/s)"
+    assert rows["quest-curve@b2"][col["cache hit / miss / overflow per step"]] == "7,680 / 0 / 0"
+
+
 def tp_records(root: Path, model: str) -> None:
     per_rank = {"h2d_gbps_per_rank": [54.0, 53.0], "h2d_gbps_aggregate": 107.0}
     write_run(root, "tp", f"{model}-cpu-128k-tp1", full_record(320.0, h2d_gbps_aggregate=55.0), order=0)

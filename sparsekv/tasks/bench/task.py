@@ -32,14 +32,14 @@ host work between them included, i.e. the throughput the engine sustains.
 from __future__ import annotations
 
 import copy
-import statistics
 import sys
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from sparsekv.tasks.common import BudgetedSelection, enum_value, policy_warnings, print_warnings, run_identity
+from sparsekv.tasks.common import enum_value, policy_warnings, print_warnings, run_identity
 
+from sparsekv.tasks.bench.decode import DecodeWork, curve_max_tokens, curve_sizes, steps_at
 from sparsekv.tasks.bench.summary import print_table, summarize
 
 GIB = 1 << 30
@@ -60,8 +60,9 @@ def bench_config(cfg: DictConfig, spec) -> DictConfig:
         raise ValueError(f"task.decode_steps={task.decode_steps} must be 0 or more")
     if task.batch_size < 1:
         raise ValueError(f"task.batch_size={task.batch_size} must be at least 1")
+    curve = curve_sizes(task.batch_curve, task.batch_size)
     cfg = copy.deepcopy(cfg)
-    needed = task.context + task.decode_steps + 1
+    needed = task.context + task.decode_steps * max(1, len(curve)) + 1
     with open_dict(cfg):
         current = cfg.scheduler.max_model_len or spec.max_position_embeddings
         if current < needed:
@@ -106,6 +107,7 @@ class _Progress:
         self.decode_total = decode_steps
         self.decode_bar = None
         self.after_prefill = start_transfers
+        self.decode_snapshots: list[dict | None] = []  # the store's counters after each decode step
 
     def __call__(self, engine) -> None:
         stats = engine.stats
@@ -113,6 +115,8 @@ class _Progress:
         if stats.decode_steps == 0:
             self.after_prefill = _transfer_snapshot(engine)
             return
+        snapshot = _transfer_snapshot(engine)
+        self.decode_snapshots += [snapshot] * (stats.decode_steps - len(self.decode_snapshots))
         if self.decode_bar is None:
             self.prefill_bar.close()
             self.decode_bar = self.tqdm(total=self.decode_total, desc="decode", unit="step", mininterval=0.5,
@@ -178,25 +182,35 @@ def run(cfg: DictConfig) -> dict:
         gpu_build_peak_gib = torch.cuda.max_memory_allocated(device) / GIB
         torch.cuda.reset_peak_memory_stats(device)
 
+    curve = curve_sizes(task.batch_curve, batch)
+
+    def sampling(decode_steps: int) -> SamplingParams | list[SamplingParams]:
+        """Greedy, `decode_steps` steps per sequence, or per curve point (each point's batch decodes that many)."""
+        if not curve:
+            return SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
+        return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                for n in curve_max_tokens(curve, decode_steps)]
+
     warmup_seconds = None
-    if task.warmup:
+    if task.warmup:  # a curve's warm-up runs every point's batch size too
         warm_len = max(1, min(context, warmup_length(cfg, engine)))
         warm = random_prompts(batch, warm_len, spec.vocab_size, cfg.seed + 1)
         start = time.perf_counter()
-        engine.generate(warm, SamplingParams(temperature=0.0, max_tokens=min(steps, 18) + 1, ignore_eos=True))
+        engine.generate(warm, sampling(min(steps, 18)))
         warmup_seconds = time.perf_counter() - start
     engine.stats = RunStats()
     # offload=cpu: pin the host blocks this run needs before timing (first-use pinning is reported apart)
-    host_pool_reserve_seconds = engine.reserve(batch * (context + steps + 1))
+    decode_steps = steps * max(1, len(curve))  # a curve: `steps` at each point
+    host_pool_reserve_seconds = engine.reserve(batch * (context + decode_steps + 1))
 
     prompts = random_prompts(batch, context, spec.vocab_size, cfg.seed)
     policy = engine.policy
     warnings = policy_warnings(policy, range(spec.num_hidden_layers), int(cfg.offload.block_size), context)
     print_warnings(warnings)
     policy.reset_density()  # the timed run's density only, not the warm-up's
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    params = sampling(steps)
     start_transfers = _transfer_snapshot(engine)
-    progress = _Progress(batch * context, steps, bool(task.progress), start_transfers)
+    progress = _Progress(batch * context, decode_steps, bool(task.progress), start_transfers)
     start = time.perf_counter()
     try:
         outputs = engine.generate(prompts, params, progress=progress)
@@ -207,27 +221,20 @@ def run(cfg: DictConfig) -> dict:
     stats = engine.stats
 
     # ---- achieved
-    step_s = stats.step_seconds
-    decode_median_s = statistics.median(step_s) if step_s else None
-    decode_mean_s = statistics.mean(step_s) if step_s else None
     figures: dict[str, Any] = {
         **run_identity(cfg, engine, task.label),
         "batch_size": batch,
         "context": context,
         "prompt_tokens": stats.prompt_tokens,
         "generated_tokens": sum(len(o.token_ids) for o in outputs),
-        "decode_steps": stats.decode_steps,
-        "async_decode": engine.overlap is not None,
-        "host_dtype": enum_value(cfg.offload.get("host_dtype", "auto")),  # offload=cpu: KV in host memory  # decode steps overlapped the host's work (engine/overlap.py)
+        "async_decode": engine.overlap is not None,  # decode steps overlapped the host's work (engine/overlap.py)
+        "host_dtype": enum_value(cfg.offload.get("host_dtype", "auto")),  # offload=cpu: KV in host memory
         "build_seconds": build_seconds,
         "warmup_seconds": warmup_seconds,
         "host_pool_reserve_seconds": host_pool_reserve_seconds,
         "wall_seconds": wall_seconds,
         "prefill_seconds": stats.prefill_seconds,
         "prefill_tok_s": stats.prefill_tok_s,
-        "decode_ms_per_token": 1e3 * decode_median_s if decode_median_s is not None else None,  # median step
-        "decode_ms_per_token_mean": 1e3 * decode_mean_s if decode_mean_s is not None else None,
-        "decode_tok_s": batch / decode_median_s if decode_median_s else None,  # all sequences, median step
         "decode_tok_s_mean": stats.decode_tok_s,
         # a policy that records densities: share of the causally visible attention it computed (its own unit)
         "policy_density": policy.mean_density,
@@ -238,77 +245,46 @@ def run(cfg: DictConfig) -> dict:
     host_dtype = cfg.offload.get("host_dtype", "auto")  # fp8 host KV: count its bytes and scales
     dtype_bytes = fl.kv_element_bytes(engine.dtype, host_dtype, int(cfg.offload.block_size), spec.head_dim)
     wbytes = fl.weight_bytes(engine.model, skip_untied_embedding=True)
-    decode_context = context + steps // 2  # the KV length at the median decode step
     flops = fl.prefill_flops(spec, context, batch=batch)
     # tensor parallelism: the floors of one GPU (its weights, its KV heads; prefill on N GPUs' GEMM rate) and the
     # PCIe floor of the whole KV over the ranks' summed H2D rate
     tp_size = figures["tensor_parallel_size"]
-    gpu_spec = fl.per_gpu_spec(spec, tp_size)
-    # a budgeted block selection (quest) reads its selected blocks' KV and every full block's key bounds, not the
-    # whole context's KV (its selection's length is fixed, so the count is exact)
-    kv_density, selecting_layers, block = 1.0, 0, int(cfg.offload.block_size)
-    decode_policy = policy if policy.supports_decode else None
-    if isinstance(decode_policy, BudgetedSelection):
-        attended, selecting_layers = fl.budgeted_selection(
-            decode_context, block, spec.num_hidden_layers, decode_policy.budget_blocks(block),
-            decode_policy.dense_layers, decode_policy.threshold_blocks)
-        kv_density = attended / decode_context
-    metadata_bytes = fl.block_bounds_bytes(gpu_spec, decode_context, block, batch, selecting_layers, engine.dtype)
-    dbytes = fl.decode_bytes(gpu_spec, decode_context, batch, dtype_bytes, wbytes, kv_density, metadata_bytes)
-    kv_context_bytes = batch * decode_context * fl.kv_bytes_per_token(spec, dtype_bytes)  # all ranks' KV heads
     floor = (lambda key: floors.get(key) if floors else None)
-    matmul, hbm = floor("matmul_tflops"), floor("hbm_gbps")
+    matmul = floor("matmul_tflops")
     h2d = fl.aggregate_h2d_gbps(floor("h2d_gbps"), floor("h2d_gbps_per_rank"), tp_size)
     figures["h2d_gbps_per_rank"] = floor("h2d_gbps_per_rank")
     figures["h2d_gbps_aggregate"] = h2d
-
-    # ---- bytes the KV store says it moved (offload stores that count them)
-    loaded_floor_s = None  # offloaded: the bytes the store loaded per step over the measured H2D rate
-    if end_transfers is not None:
-        prefill_moved = _numeric_delta(progress.after_prefill, start_transfers)
-        decode_moved = _numeric_delta(end_transfers, progress.after_prefill)
-        per_step = {k: v / stats.decode_steps for k, v in decode_moved.items()} if stats.decode_steps else None
-        figures["kv_transfer"] = {"prefill": prefill_moved, "decode": decode_moved, "decode_per_step": per_step,
-                                  "raw": end_transfers}
-        h2d_keys = [k for k in (per_step or {}) if "h2d" in k.lower() and "byte" in k.lower()]
-        if h2d_keys and h2d:
-            loaded = sum(per_step[k] for k in h2d_keys) * tp_size  # rank 0 counts its heads' share
-            figures["decode_h2d_bytes_per_step"] = loaded
-            loaded_floor_s = loaded / (h2d * 1e9)
-            figures["decode_loaded_floor_ms"] = 1e3 * loaded_floor_s
-            figures["decode_loaded_ratio"] = _ratio(decode_median_s, loaded_floor_s)
-        if engine.kv_store.cache_stats:  # GPU block cache: its size, counters, and the decode steps' hit rate
-            looked_up = sum(decode_moved.get(f"cache_{k}_blocks", 0) for k in ("hit", "miss", "overflow"))
+    # a budgeted block selection (quest) reads its selected blocks' KV and every full block's key bounds, not the
+    # whole context's KV (its selection's length is fixed, so the count is exact)
+    work = DecodeWork(fl.per_gpu_spec(spec, tp_size), context, int(cfg.offload.block_size), spec.num_hidden_layers,
+                      policy if policy.supports_decode else None, dtype_bytes, fl.kv_bytes_per_token(spec, dtype_bytes),
+                      wbytes, engine.dtype, floor("hbm_gbps"), h2d, figures["offload"] == "cpu", tp_size)
+    counted = end_transfers is not None  # a store that counts the KV it moves (offload stores)
+    snapshots = progress.decode_snapshots if counted else None
+    # a plain run: every decode step; a batch curve: the widest point here, each point under "batch_curve"
+    every_step = list(range(len(stats.step_seconds)))
+    main_steps = steps_at(stats.step_batch_sizes, batch) if curve else every_step
+    figures.update(work.figures(batch, stats.step_seconds, main_steps, snapshots, progress.after_prefill))
+    if curve:
+        figures["batch_curve"] = [work.figures(size, stats.step_seconds, steps_at(stats.step_batch_sizes, size),
+                                               snapshots, progress.after_prefill) for size in curve]
+    if counted:
+        figures["kv_transfer"].update({"prefill": _numeric_delta(progress.after_prefill, start_transfers),
+                                       "raw": end_transfers})
+        if engine.kv_store.cache_stats:  # GPU block cache: its size and counters (hit rate: the decode steps')
             figures["gpu_cache"] = dict(engine.kv_store.cache_stats)
             figures["gpu_cache_gib"] = figures["gpu_cache"]["cache_bytes"] / 2**30
-            figures["gpu_cache_hit_rate"] = decode_moved["cache_hit_blocks"] / looked_up if looked_up else None
+            figures.setdefault("gpu_cache_hit_rate", None)
 
     prefill_floor_s = flops / (matmul * 1e12 * tp_size) if matmul else None
-    decode_hbm_floor_s = dbytes / (hbm * 1e9) if hbm else None
-    offloaded = figures["offload"] == "cpu"
-    decode_pcie_floor_s = kv_context_bytes / (h2d * 1e9) if (offloaded and h2d) else None
-    # a block-selecting policy (or a GPU block cache) loads less than the whole context: its floor is what it loaded
-    loaded_or_pcie = decode_pcie_floor_s if loaded_floor_s is None else loaded_floor_s
-    binding = [f for f in (decode_hbm_floor_s, loaded_or_pcie) if f]
-    decode_floor_s = max(binding) if binding else None
-    ms = (lambda seconds: 1e3 * seconds if seconds is not None else None)
     figures.update({
         "weight_bytes": wbytes,
-        "kv_bytes_per_token": fl.kv_bytes_per_token(spec, dtype_bytes),
+        "kv_bytes_per_token": work.kv_bytes_per_token,
         "prefill_flops": flops,
         # per GPU: the whole model's FLOPs over the time, shared by the N GPUs (held against one GPU's ceiling)
         "prefill_tflops": flops / stats.prefill_seconds / 1e12 / tp_size if stats.prefill_seconds else None,
         "prefill_floor_s": prefill_floor_s,
         "prefill_ratio": _ratio(stats.prefill_seconds, prefill_floor_s),
-        "decode_context": decode_context,
-        "decode_kv_density": kv_density,  # share of the context's KV a step attends (HBM floor)
-        "decode_metadata_bytes_per_step": metadata_bytes,  # a selection's key bounds read per step (HBM floor)
-        "decode_bytes_per_step": dbytes,
-        "decode_gbps": dbytes / decode_median_s / 1e9 if decode_median_s else None,
-        "decode_hbm_floor_ms": ms(decode_hbm_floor_s),
-        "decode_pcie_floor_ms": ms(decode_pcie_floor_s),
-        "decode_floor_ms": ms(decode_floor_s),
-        "decode_ratio": _ratio(decode_median_s, decode_floor_s),
     })
 
     # decode graphs: capture time and memory (captured at build; offload=cpu captures per KV layout as it goes)
