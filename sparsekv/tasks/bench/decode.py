@@ -75,17 +75,21 @@ class DecodeWork:
         median = statistics.median(times) if times else None
         # the KV length at the median step: step i attends context + i + 1 tokens
         decode_context = self.context + (indices[len(indices) // 2] if indices else 0)
+        moved = _summed_delta(snapshots, before, indices) if snapshots is not None else None
+        per_step = {k: v / len(indices) for k, v in moved.items()} if moved is not None and indices else None
         kv_density, selecting = 1.0, 0
         if isinstance(self.policy, BudgetedSelection):
             attended, selecting = fl.budgeted_selection(
                 decode_context, self.block_size, self.num_layers, self.policy.budget_blocks(self.block_size),
                 self.policy.dense_layers, self.policy.threshold_blocks)
             kv_density = attended / decode_context
+        elif getattr(self.policy, "requires_block_selection", False):
+            kv_density = self._measured_density(batch, decode_context, per_step)
         metadata = fl.block_bounds_bytes(self.gpu_spec, decode_context, self.block_size, batch, selecting,
                                          self.engine_dtype)
-        dbytes = fl.decode_bytes(self.gpu_spec, decode_context, batch, self.dtype_bytes, self.weight_bytes,
-                                 kv_density, metadata)
-        hbm_floor = dbytes / (self.hbm_gbps * 1e9) if self.hbm_gbps else None
+        dbytes = None if kv_density is None else fl.decode_bytes(
+            self.gpu_spec, decode_context, batch, self.dtype_bytes, self.weight_bytes, kv_density, metadata)
+        hbm_floor = dbytes / (self.hbm_gbps * 1e9) if self.hbm_gbps and dbytes is not None else None
         pcie_floor = (batch * decode_context * self.kv_bytes_per_token / (self.h2d_gbps * 1e9)
                       if self.offloaded and self.h2d_gbps else None)
         out: dict[str, Any] = {
@@ -98,14 +102,12 @@ class DecodeWork:
             "decode_kv_density": kv_density,  # share of the context's KV a step attends (HBM floor)
             "decode_metadata_bytes_per_step": metadata,  # a selection's key bounds read per step (HBM floor)
             "decode_bytes_per_step": dbytes,
-            "decode_gbps": dbytes / median / 1e9 if median else None,
+            "decode_gbps": dbytes / median / 1e9 if median and dbytes is not None else None,
             "decode_hbm_floor_ms": _ms(hbm_floor),
             "decode_pcie_floor_ms": _ms(pcie_floor),
         }
         loaded_floor = None  # offloaded: the bytes the store loaded per step over the measured H2D rate
-        if snapshots is not None:
-            moved = _summed_delta(snapshots, before, indices)
-            per_step = {k: v / len(indices) for k, v in moved.items()} if indices else None
+        if moved is not None:
             out["kv_transfer"] = {"decode": moved, "decode_per_step": per_step}
             h2d_keys = [k for k in (per_step or {}) if "h2d" in k.lower() and "byte" in k.lower()]
             if h2d_keys and self.h2d_gbps:
@@ -122,6 +124,18 @@ class DecodeWork:
         floor = max(binding) if binding else None
         out.update({"decode_floor_ms": _ms(floor), "decode_ratio": _ratio(median, floor)})
         return out
+
+
+    def _measured_density(self, batch: int, decode_context: int, per_step: dict | None) -> float | None:
+        """The share of the context's KV a selecting policy of unknown budget (a plugin's) attended per step: the
+        full blocks the store loaded (every block crosses PCIe once per step without a GPU block cache) and the
+        unfinished block; None where the store cannot tell (a cache serves some blocks, or nothing was counted)."""
+        if not per_step or "h2d_blocks" not in per_step or any(
+                per_step.get(f"cache_{k}_blocks") for k in ("hit", "miss", "overflow")):
+            return None
+        full = (decode_context - 1) // self.block_size
+        loaded = per_step["h2d_blocks"] / (batch * self.num_layers)  # full blocks per sequence and layer
+        return min(1.0, (loaded * self.block_size + decode_context - full * self.block_size) / decode_context)
 
 
 def _ms(seconds: float | None) -> float | None:
