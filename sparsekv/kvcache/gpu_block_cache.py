@@ -22,8 +22,10 @@ the block's fp8 K/V and `scales` holds its per-(block, KV head) float32 K and V 
 the same dequantize-on-load kernels as a ring slot, and a GiB holds about twice the blocks of bf16.
 
 Everything here is host-side bookkeeping over the host-known block lists: the engine copies (OffloadEngine).
-`epoch` changes whenever an entry is evicted (a slot gets another block): a captured decode graph bakes in slot
-addresses, so graph layouts include it (OffloadKVStore.decode_layout). Counters: stats (cumulative hits, misses,
+`epoch` changes whenever a slot gets another block (a miss loaded, an eviction): a captured decode graph bakes in
+slot addresses and the copies of the misses it loaded, so graph layouts include it (OffloadKVStore.decode_layout):
+a step that loaded misses is followed by a fresh capture whose replays read those blocks as hits, instead of
+replays that copy them from the host again every step. Counters: stats (cumulative hits, misses,
 overflow, evictions, write-throughs, in blocks).
 """
 from __future__ import annotations
@@ -99,6 +101,8 @@ class GpuBlockCache:
                 if slot is not None:
                     loads.append((block, slot))
             previous = slots[i]
+        if loads:  # the cache now holds blocks a replay of this step's graph would load again
+            self.epoch += 1
         stats["cache_hit_blocks"] = stats.get("cache_hit_blocks", 0) + hits
         stats["cache_miss_blocks"] = stats.get("cache_miss_blocks", 0) + len(loads)
         overflow = len(blocks) - hits - len(loads)
