@@ -2,7 +2,7 @@
 
     python tools/profile_decode.py --name quest-32k --context 32768 --out DIR offload=cpu policy=quest ...
 
-Prefills one random prompt of --context tokens, runs --warmup decode steps, then profiles --steps steps with
+Prefills --batch random prompts of --context tokens each, runs --warmup decode steps, then profiles --steps steps with
 torch.profiler. Prints the median step wall time, the GPU kernel time and H2D copy time per step (kernels replayed
 from CUDA graphs included), the idle share, the top kernels and the top host ops by self time, and writes a
 Chrome trace of the profiled steps to DIR/NAME.trace.json.gz. The model defaults to Qwen3-4B with dummy weights.
@@ -32,6 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--name", required=True)
     parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--out", type=Path, required=True)
@@ -47,9 +48,9 @@ def main() -> None:
     engine = llm.engine
     engine.generate(random_prompts(1, 256, engine.spec.vocab_size, 1),
                     SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True))  # compile and capture
-    seq = engine.add_request(random_prompts(1, args.context, engine.spec.vocab_size, 0)[0],
-                             SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True))
-    while seq.num_computed_tokens < seq.num_prompt_tokens:
+    seqs = [engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True))
+            for prompt in random_prompts(args.batch, args.context, engine.spec.vocab_size, 0)]
+    while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in seqs):
         engine.step()
     for _ in range(args.warmup):
         engine.step()
@@ -70,7 +71,7 @@ def main() -> None:
     kernel_us = sum(_device_us(e) for e in events if "memcpy" not in e.key.lower() and "memset" not in e.key.lower())
     copy_us = sum(_device_us(e) for e in events if "memcpy" in e.key.lower())
     wall_ms = 1e3 * statistics.median(walls)
-    summary = {"name": args.name, "context": args.context, "overrides": args.overrides,
+    summary = {"name": args.name, "context": args.context, "batch": args.batch, "overrides": args.overrides,
                "step_wall_ms": wall_ms, "gpu_kernel_ms_per_step": kernel_us / 1e3 / args.steps,
                "copy_ms_per_step": copy_us / 1e3 / args.steps}
     summary["kernel_busy_share"] = summary["gpu_kernel_ms_per_step"] / wall_ms
