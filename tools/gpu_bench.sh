@@ -33,8 +33,9 @@
 #                   host tier + GPU block cache auto, 256-token host blocks (CURVE_BLOCK_SIZE: the 2,048-token
 #                   budget is the sink, the newest block and 6 chosen ones), each curve from one prefill
 #                   (task.batch_curve): 122,880 tokens at batch 1 / 2 / 4 / 6 / 8 and 32,768 at 1 / 4 / 8 / 16,
-#                   on CURVE_WEIGHTS (dummy_structured dummy) at CURVE_CONTEXTS (122880 32768); ~250 s per 122K
-#                   curve (eight prefills), ~100 s at 32K (pinning the host pool: ~1.3 GB/s)
+#                   on CURVE_WEIGHTS (dummy_structured dummy) at CURVE_CONTEXTS (122880 32768), CURVE_POLICIES
+#                   (quest full); ~250 s per 122K curve (eight prefills), ~100 s at 32K (pinning the host pool:
+#                   ~1.3 GB/s)
 #   capacity_fp8    the longest context the default host pool holds with the fp8 host tier (about 1.5M tokens
 #                   of Qwen3-4B on a 125 GiB host: prefill ~25 min, over a 10-minute limit; CAPACITY_CAP=868352
 #                   fits one)                                                                                  ~27 min
@@ -318,11 +319,14 @@ section_hierarchy_curve() {  # batched Quest beside full attention, batch 1 up, 
                      offload.block_size="${CURVE_BLOCK_SIZE:-256}"
                      task.decode_steps="$steps" task.batch_size=$top "task.batch_curve=$curve")
             row="llama-$((ctx / 1000))k-fp8-cache-$weights"
-            VS="hierarchy/$row-full-curve" BENCH_TIMEOUT="${CURVE_TIMEOUT:-300}" bench hierarchy "$row-quest-curve" \
+            [[ " ${CURVE_POLICIES:-quest full} " == *" quest "* ]] && VS="hierarchy/$row-full-curve" \
+                BENCH_TIMEOUT="${CURVE_TIMEOUT:-300}" bench hierarchy "$row-quest-curve" \
                 "${W[@]}" "${C[@]}" policy=quest_2k policy.dense_layers=0
-            BENCH_TIMEOUT="${CURVE_TIMEOUT:-300}" bench hierarchy "$row-full-curve" "${W[@]}" "${C[@]}" policy=full
+            [[ " ${CURVE_POLICIES:-quest full} " == *" full "* ]] && \
+                BENCH_TIMEOUT="${CURVE_TIMEOUT:-300}" bench hierarchy "$row-full-curve" "${W[@]}" "${C[@]}" policy=full
         done
     done
+    return 0
 }
 
 section_capacity_fp8() {  # the longest prompt the default host pool holds with fp8 host blocks (+ 16 decode steps)

@@ -115,8 +115,8 @@ def _spy_select(monkeypatch) -> list:
     return calls
 
 
-def _select_grid(kv_heads: int, n: int) -> tuple[int, int]:
-    return kv_heads, -(-n // quest_score._block_b())
+def _select_grid(kv_heads: int, n: int, rows: int = 1) -> tuple[int, int, int]:
+    return kv_heads, -(-n // quest_score._block_b()), rows
 
 
 @pytest.mark.usefixtures("triton_kernels")
@@ -150,7 +150,7 @@ def test_select_kernel_resets_its_counter(monkeypatch):
     for heads, kv_heads, dim, blocks, n, keep, seed in cases:
         q, hi, lo, ids = _inputs(heads, kv_heads, dim, blocks, n, seed=seed)
         _assert_same_choice(quest_select(q, hi, lo, ids, dim ** -0.5, keep), q, hi, lo, ids, dim ** -0.5, keep)
-        assert quest_score._COUNTERS[q.device].item() == 0
+        assert not quest_score._COUNTERS[q.device].any()
     assert calls == [_select_grid(kv_heads, n) for _, kv_heads, _, _, n, _, _ in cases]
 
 
@@ -186,3 +186,68 @@ def test_row_scores_are_each_rows_single_query_shares(heads, kv_heads, dim):
         if n > 2:  # one query's shares, summed over the KV heads: the single-row kernel's reference
             single = quest_block_shares_reference(q[row], hi, lo, ids[row, :n], dim ** -0.5).sum(dim=0)
             torch.testing.assert_close(got[row, 1:n - 1], single[1:n - 1], atol=1e-6, rtol=1e-5)
+
+
+def _rows(heads: int, kv_heads: int, dim: int, blocks: int, counts: list[int], seed: int):
+    g = torch.Generator().manual_seed(seed)
+    lo = torch.randn(blocks, kv_heads, dim, generator=g)
+    hi = (lo + torch.rand(blocks, kv_heads, dim, generator=g) * 2).to(DEV)
+    q = torch.randn(len(counts), heads, dim, generator=g).to(DEV)
+    width = max(counts)
+    ids = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in counts]).to(DEV)
+    for row, n in enumerate(counts):
+        ids[row, n:] = -1  # padding past each row's count, as the offloaded batch pads
+    return q, hi, lo.to(DEV), ids, torch.tensor(counts, device=DEV)
+
+
+@pytest.mark.usefixtures("triton_kernels")
+@pytest.mark.parametrize("heads,kv_heads,dim,blocks,counts,keep", [
+    (8, 2, 32, 60, [27, 9, 27, 14], 5),  # rows of different lengths: later bound tiles empty for the short rows
+    (4, 4, 16, 40, [19, 3], 2),  # keep 2: the sink and the newest only
+    (12, 3, 32, 80, [70, 41, 70], 6),  # 3 KV heads, partial maxima combined over several chunks
+    (8, 1, 64, 30, [12], 4),  # one row
+])
+def test_row_select_kernel_matches_each_rows_single_choice(heads, kv_heads, dim, blocks, counts, keep, monkeypatch):
+    """One launch over the rows chooses, for each row, what quest_select chooses for that row's query alone, and the
+    torch reference of the rows agrees; every row's counter is back at 0 afterwards."""
+    from sparsekv.policies.quest.row_select import quest_select_rows, quest_select_rows_reference
+
+    calls = _spy_select(monkeypatch)
+    q, hi, lo, ids, num = _rows(heads, kv_heads, dim, blocks, counts, seed=sum(counts) + keep)
+    chosen = quest_select_rows(q, hi, lo, ids, num, dim ** -0.5, keep)
+    assert calls == [_select_grid(kv_heads, max(counts), len(counts))], "the kernel did not run"
+    assert chosen.shape == (len(counts), keep) and chosen.dtype == ids.dtype
+    reference = quest_select_rows_reference(q, hi, lo, ids, num, dim ** -0.5, keep)
+    for row, n in enumerate(counts):
+        _assert_same_choice(chosen[row], q[row], hi, lo, ids[row, :n], dim ** -0.5, keep)
+        assert sorted(reference[row].tolist()) == sorted(chosen[row].tolist())
+    assert not quest_score._COUNTERS[q.device][:len(counts)].any()
+
+
+@pytest.mark.usefixtures("triton_kernels")
+def test_row_select_kernel_tolerates_rows_too_short_to_select():
+    """The resident store passes every row of the batch; rows with fewer candidates than the budget (even none) get
+    ids the caller ignores, without reading outside their row or disturbing the other rows' choices."""
+    from sparsekv.policies.quest.row_select import quest_select_rows
+
+    counts, keep = [25, 0, 3, 25], 4
+    q, hi, lo, ids, num = _rows(8, 2, 32, 50, counts, seed=3)
+    chosen = quest_select_rows(q, hi, lo, ids, num, 32 ** -0.5, keep)
+    for row in (0, 3):
+        _assert_same_choice(chosen[row], q[row], hi, lo, ids[row], 32 ** -0.5, keep)
+    assert chosen[2, :2].tolist() == [ids[2, 0].item(), ids[2, 2].item()]  # the sink and the newest of 3
+    assert not quest_score._COUNTERS[q.device][:len(counts)].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("triton_kernels")
+@pytest.mark.parametrize("counts", [[480, 480, 452, 480, 300, 480], [4096] * 3 + [17]])
+def test_gpu_row_select_real_sizes(counts):
+    """Llama-3.1-8B's heads, a 2,048-token budget of 256-token blocks over rows as a decode batch has them."""
+    from sparsekv.policies.quest.row_select import quest_select_rows
+
+    q, hi, lo, ids, num = _rows(32, 8, 128, 5000, counts, seed=len(counts))
+    chosen = quest_select_rows(q.bfloat16(), hi.bfloat16(), lo.bfloat16(), ids, num, 128 ** -0.5, 8)
+    for row, n in enumerate(counts):
+        _assert_same_choice(chosen[row], q[row].bfloat16(), hi.bfloat16(), lo.bfloat16(), ids[row, :n],
+                            128 ** -0.5, 8)

@@ -11,7 +11,9 @@ quest_select(..., keep) -> [keep] chosen ids (sink, newest, the keep - 2 middle 
 heads) in one launch of grid (KVH, cdiv(n, BLOCK_B)): each program stores its KV head's scaled bounds for BLOCK_B
 candidates and their per-head partial softmax max/sum into an fp32 scratch, then bumps a cached device counter; the
 program that finishes last combines the partials, reads every bound once to score the n blocks, picks the keep, and
-resets the counter. Launches on one device must therefore be stream-ordered (they share the counter).
+resets the counter. Launches on one device must therefore be stream-ordered (they share the counters).
+launch_select runs the same kernel over R rows of (query, candidates) at once, grid (KVH, cdiv(N, BLOCK_B), R), with
+a scratch and a counter per row: the batched decode choice (sparsekv/policies/quest/row_select.py).
 """
 
 from __future__ import annotations
@@ -20,14 +22,16 @@ import torch
 
 from sparsekv.kernels._dispatch import alloc_output, cdiv, jit, next_power_of_2, tl, triton_interpret, use_triton
 
-__all__ = ["quest_block_shares", "quest_block_shares_reference", "quest_select", "quest_select_reference"]
+__all__ = ["launch_select", "quest_block_shares", "quest_block_shares_reference", "quest_select",
+           "quest_select_reference", "select_kernel_fits"]
 
 BLOCK_B = 16  # candidate blocks per bound tile
 NUM_WARPS = 4
 SELECT_MAX_CANDIDATES = 16384  # quest_select's last program holds every candidate's score at once
 SELECT_TILE = 4096  # elements of the last program's [KVH, G, chunk] tiles of bounds and partials
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: quest_select's finished-program count, 0 between calls
+COUNTER_ROWS = 1024  # rows (queries) one select launch counts without growing its counters
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device and row: finished-program counts, 0 between launches
 
 
 def quest_block_shares_reference(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, block_ids: torch.Tensor,
@@ -119,24 +123,30 @@ def _chunk_scores(BOUNDS, width, row, row_ok, m, inv_l, start, n, CHUNK: tl.cons
 
 @jit
 def _quest_select_kernel(
-    Q, KMAX, KMIN, IDS, SCRATCH, COUNTER, CHOSEN,
-    stride_qh, stride_kb, stride_kh, stride_mb, stride_mh,
-    n, scale, keep_middle,
+    Q, KMAX, KMIN, IDS, NUM_VALID, SCRATCH, COUNTER, CHOSEN,
+    stride_qr, stride_qh, stride_kb, stride_kh, stride_mb, stride_mh, stride_ir,
+    n_cols, scale, keep_middle,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
-    CHUNK_P: tl.constexpr,
+    CHUNK_P: tl.constexpr, HAS_COUNTS: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     part = tl.program_id(1)
     parts = tl.num_programs(1)
-    # SCRATCH: scores [n], bounds [H, n], partial softmax max and sum [H, parts] each, in rows padded to multiples
-    # of 16 (width, pwidth) so that the last program's loads are vectorised
-    width = tl.cdiv(n, 16) * 16
+    row = tl.program_id(2)  # one query and its candidates IDS[row, :n] (n = NUM_VALID[row], else n_cols)
+    n = tl.load(NUM_VALID + row).to(tl.int32) if HAS_COUNTS else n_cols
+    # SCRATCH per row: scores [n], bounds [H, n], partial softmax max and sum [H, parts] each, in rows padded to
+    # multiples of 16 (width, pwidth) so that the last program's loads are vectorised
+    width = tl.cdiv(n_cols, 16) * 16
     pwidth = tl.cdiv(parts, 16) * 16
-    SCORES = SCRATCH
+    SCORES = SCRATCH + row.to(tl.int64) * ((KV_HEADS * GROUP + 1) * width + 2 * KV_HEADS * GROUP * pwidth)
     BOUNDS = SCORES + width
     PEAK = BOUNDS + KV_HEADS * GROUP * width
     MASS = PEAK + KV_HEADS * GROUP * pwidth
+    Q += row.to(tl.int64) * stride_qr
+    IDS += row.to(tl.int64) * stride_ir
+    COUNTER += row
+    CHOSEN += row.to(tl.int64) * (keep_middle + 2)
 
     q_pos, q_neg = _group_query(Q, stride_qh, kv_head, GROUP, BLOCK_G, HEAD_DIM)
     s, b_ok = _group_bounds(q_pos, q_neg, KMAX, KMIN, IDS, stride_kb, stride_kh, stride_mb, stride_mh, kv_head,
@@ -146,9 +156,10 @@ def _quest_select_kernel(
     head = kv_head * GROUP + offs_g  # [G] query heads
     tl.store(BOUNDS + head[:, None] * width + (part * BLOCK_B + tl.arange(0, BLOCK_B))[None, :], s,
              mask=g_ok[:, None] & b_ok[None, :])
-    peak = tl.max(s, axis=1)  # [G], finite: every program has a candidate
+    peak = tl.max(s, axis=1)  # [G]; -inf for a program past its row's candidates (mass 0 then)
     tl.store(PEAK + head * pwidth + part, peak, mask=g_ok)
-    tl.store(MASS + head * pwidth + part, tl.sum(tl.exp(s - peak[:, None]), axis=1), mask=g_ok)
+    finite_peak = tl.where(peak == float("-inf"), 0.0, peak)
+    tl.store(MASS + head * pwidth + part, tl.sum(tl.exp(s - finite_peak[:, None]), axis=1), mask=g_ok)
     tl.debug_barrier()  # every thread's stores come before the release below
     finished = tl.atomic_add(COUNTER, 1, sem="acq_rel")  # the last to count sees every program's stores
     if finished == KV_HEADS * parts - 1:
@@ -184,7 +195,7 @@ def _quest_select_kernel(
             tl.debug_barrier()  # the program's threads read back what the others stored
             score = tl.where(middle, tl.load(SCORES + offs, mask=offs < width), float("-inf"))  # [BLOCK_N]
         tl.store(CHOSEN, tl.load(IDS))
-        tl.store(CHOSEN + 1, tl.load(IDS + n - 1))
+        tl.store(CHOSEN + 1, tl.load(IDS + tl.maximum(n - 1, 0)))
         for j in range(keep_middle):  # the keep_middle largest, one argmax at a time (keep is small)
             best = tl.argmax(score, axis=0)
             tl.store(CHOSEN + 2 + j, tl.load(IDS + best))
@@ -207,36 +218,52 @@ def quest_select(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, block_
     n = block_ids.shape[0]
     if not 2 <= keep < n:
         raise ValueError(f"keep={keep} must be at least 2 and below the {n} candidates")
-    heads, dim = q.shape
-    block_n = next_power_of_2(n)
-    if not use_triton(q.device) or dim != next_power_of_2(dim) or block_n > SELECT_MAX_CANDIDATES:
+    if not select_kernel_fits(q, n):
         return quest_select_reference(q, kmax, kmin, block_ids, scale, keep)
+    return launch_select(q[None], kmax, kmin, block_ids[None], None, scale, keep)[0]
+
+
+def select_kernel_fits(q: torch.Tensor, n: int) -> bool:
+    """Does the select kernel take queries like q [.., H, D] over n candidate columns on q's device?"""
+    dim = q.shape[-1]
+    return use_triton(q.device) and dim == next_power_of_2(dim) and next_power_of_2(n) <= SELECT_MAX_CANDIDATES
+
+
+def launch_select(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, ids: torch.Tensor,
+                  num_valid: torch.Tensor | None, scale: float, keep: int) -> torch.Tensor:
+    """The select kernel over rows: q [R, H, D], ids [R, N] (row r's candidates: its first num_valid[r], or all N
+    when num_valid is None), keep <= N -> [R, keep] (ids' dtype), one launch of grid (KVH, cdiv(N, BLOCK_B), R).
+    A row with fewer than keep + 1 candidates gets meaningless ids past its own (callers ignore them)."""
     q, kmax, kmin = _last_dim_contiguous(q, kmax, kmin)
+    ids = ids if ids.stride(-1) == 1 else ids.contiguous()
+    rows, heads, dim = q.shape
+    n = ids.shape[1]
     kv_heads = kmax.shape[1]
     group = heads // kv_heads
-    block_b = _block_b()
+    block_b, block_n = _block_b(), next_power_of_2(n)
     parts = cdiv(n, block_b)
     block_kv, block_g = next_power_of_2(kv_heads), max(2, next_power_of_2(group))
     chunk = max(2, (32 if triton_interpret() else SELECT_TILE) // (block_kv * block_g))  # small tiles: test chunking
     width, pwidth = cdiv(n, 16) * 16, cdiv(parts, 16) * 16
-    scratch = alloc_output(((heads + 1) * width + 2 * heads * pwidth,), torch.float32, q.device)  # see the kernel
-    chosen = torch.empty(keep, dtype=torch.int64, device=q.device)  # the kernel writes every entry
-    _quest_select_kernel[(kv_heads, parts)](
-        q, kmax, kmin, block_ids, scratch, _counter(q.device), chosen,
-        q.stride(0), kmax.stride(0), kmax.stride(1), kmin.stride(0), kmin.stride(1),
+    scratch = alloc_output((rows * ((heads + 1) * width + 2 * heads * pwidth),), torch.float32, q.device)
+    chosen = torch.empty((rows, keep), dtype=ids.dtype, device=q.device)  # the kernel writes every entry
+    _quest_select_kernel[(kv_heads, parts, rows)](
+        q, kmax, kmin, ids, ids if num_valid is None else num_valid, scratch, _counter(q.device, rows), chosen,
+        q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), kmin.stride(0), kmin.stride(1), ids.stride(0),
         n, float(scale), keep - 2,
         KV_HEADS=kv_heads, GROUP=group, BLOCK_KV=block_kv, BLOCK_G=block_g, HEAD_DIM=dim, BLOCK_B=block_b,
         BLOCK_N=block_n, CHUNK_N=min(chunk, block_n), CHUNK_P=min(chunk, next_power_of_2(parts)),
-        num_warps=NUM_WARPS,
+        HAS_COUNTS=num_valid is not None, num_warps=NUM_WARPS,
     )
     return chosen
 
 
-def _counter(device: torch.device) -> torch.Tensor:
-    """The device's int32 program counter, zeroed once: each quest_select launch leaves it at 0."""
+def _counter(device: torch.device, rows: int = 1) -> torch.Tensor:
+    """The device's int32 program counters, one per row, zeroed once: each select launch leaves them at 0. Made
+    with room for COUNTER_ROWS rows, so that a launch inside a CUDA graph capture never allocates them."""
     counter = _COUNTERS.get(device)
-    if counter is None:
-        counter = _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    if counter is None or counter.numel() < rows:
+        counter = _COUNTERS[device] = torch.zeros(max(rows, COUNTER_ROWS), dtype=torch.int32, device=device)
     return counter
 
 
