@@ -205,12 +205,17 @@ def test_measured_ceilings_are_none_on_cpu():
     assert measured["matmul_tflops"] is None and measured["hbm_gbps"] is None
 
 
-def test_block_selecting_policy_is_held_to_the_bytes_it_loads(tmp_path, monkeypatch):
-    """Offloaded decode's PCIe floor is the KV it actually loaded: quest with a small budget loads a few blocks of
-    the context, so its floor is that, not the whole context's KV (the ratio would read below 1)."""
+def _fake_ceilings(monkeypatch) -> None:
+    """Measured ceilings a CPU run does not have: a slow host link, so that offloaded floors are the PCIe ones."""
     ceilings = {"gpu_name": "fake", "matmul_dtype": "float32", "matmul_tflops": 100.0, "hbm_gbps": 1000.0,
                 "h2d_gbps": 0.05, "d2h_gbps": 0.05, "h2d_pageable_gbps": None}
     monkeypatch.setattr(floors, "measure_floors", lambda *a, **k: dict(ceilings))
+
+
+def test_block_selecting_policy_is_held_to_the_bytes_it_loads(tmp_path, monkeypatch):
+    """Offloaded decode's PCIe floor is the KV it actually loaded: quest with a small budget loads a few blocks of
+    the context, so its floor is that, not the whole context's KV (the ratio would read below 1)."""
+    _fake_ceilings(monkeypatch)
     _, record = run_bench(tmp_path, "device=cpu", "dtype=float32", "offload=cpu", "offload.block_size=16",
                           "offload.prefill_chunk_size=64", "policy=quest", "policy.token_budget=32",
                           "policy.dense_layers=0", "task.context=320", "task.decode_steps=4")
@@ -233,9 +238,7 @@ def test_block_selecting_policy_is_held_to_the_bytes_it_loads(tmp_path, monkeypa
 def test_batch_curve_measures_every_point_from_one_prefill(tmp_path, monkeypatch):
     """task.batch_curve: one prefill of the widest batch, then decode_steps at each point, widest first; each point
     holds the steps that ran its batch, the KV its steps loaded and the floors of its batch."""
-    ceilings = {"gpu_name": "fake", "matmul_dtype": "float32", "matmul_tflops": 100.0, "hbm_gbps": 1000.0,
-                "h2d_gbps": 0.05, "d2h_gbps": 0.05, "h2d_pageable_gbps": None}
-    monkeypatch.setattr(floors, "measure_floors", lambda *a, **k: dict(ceilings))
+    _fake_ceilings(monkeypatch)
     _, record = run_bench(tmp_path, "device=cpu", "dtype=float32", "offload=cpu", "offload.block_size=16",
                           "offload.prefill_chunk_size=64", "offload.gpu_cache_gib=0", "task.context=320",
                           "task.decode_steps=3", "task.batch_size=4", "task.batch_curve=[1,4,2]")

@@ -133,20 +133,23 @@ def _quest_select_kernel(
     kv_head = tl.program_id(0)
     part = tl.program_id(1)
     parts = tl.num_programs(1)
-    row = tl.program_id(2)  # one query and its candidates IDS[row, :n] (n = NUM_VALID[row], else n_cols)
-    n = tl.load(NUM_VALID + row).to(tl.int32) if HAS_COUNTS else n_cols
-    # SCRATCH per row: scores [n], bounds [H, n], partial softmax max and sum [H, parts] each, in rows padded to
+    query = tl.program_id(2)  # one query and its candidates IDS[query, :n] (n = NUM_VALID[query], else n_cols)
+    if HAS_COUNTS:
+        n = tl.load(NUM_VALID + query).to(tl.int32)
+    else:
+        n = n_cols
+    # SCRATCH per query: scores [n], bounds [H, n], partial softmax max and sum [H, parts] each, in rows padded to
     # multiples of 16 (width, pwidth) so that the last program's loads are vectorised
     width = tl.cdiv(n_cols, 16) * 16
     pwidth = tl.cdiv(parts, 16) * 16
-    SCORES = SCRATCH + row.to(tl.int64) * ((KV_HEADS * GROUP + 1) * width + 2 * KV_HEADS * GROUP * pwidth)
+    SCORES = SCRATCH + query.to(tl.int64) * ((KV_HEADS * GROUP + 1) * width + 2 * KV_HEADS * GROUP * pwidth)
     BOUNDS = SCORES + width
     PEAK = BOUNDS + KV_HEADS * GROUP * width
     MASS = PEAK + KV_HEADS * GROUP * pwidth
-    Q += row.to(tl.int64) * stride_qr
-    IDS += row.to(tl.int64) * stride_ir
-    COUNTER += row
-    CHOSEN += row.to(tl.int64) * (keep_middle + 2)
+    Q += query.to(tl.int64) * stride_qr
+    IDS += query.to(tl.int64) * stride_ir
+    COUNTER += query
+    CHOSEN += query.to(tl.int64) * (keep_middle + 2)
 
     q_pos, q_neg = _group_query(Q, stride_qh, kv_head, GROUP, BLOCK_G, HEAD_DIM)
     s, b_ok = _group_bounds(q_pos, q_neg, KMAX, KMIN, IDS, stride_kb, stride_kh, stride_mb, stride_mh, kv_head,
