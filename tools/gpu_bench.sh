@@ -26,9 +26,6 @@
 #   hierarchy_batch the batched Quest curve's wide end: fp8 host tier at 122,880 tokens, batch 8 / 12 beside
 #                   full at batch 8 (122K x 24 sequences needs 183 GiB of fp8 host KV: more than a 125 GiB host),
 #                   and batch 24 at 32K (batch 12 last: the first row a tight limit drops)                             ~9 min
-#   hierarchy_cached_batch  Quest (quest_2k, every layer selecting) at 122,880 tokens with the fp8 host tier and
-#                   the GPU block cache (auto): batch 8 on dummy_structured weights (stable selections) and on dummy
-#                   weights, batch 12 on dummy_structured                                                      ~11 min
 #   hierarchy_curve batched Quest (quest_2k, every layer selecting) beside full attention, Llama-3.1-8B dims, fp8
 #                   host tier + GPU block cache auto, 256-token host blocks (CURVE_BLOCK_SIZE: the 2,048-token
 #                   budget is the sink, the newest block and 6 chosen ones), each curve from one prefill
@@ -290,21 +287,6 @@ section_hierarchy_batch() {  # wide batches: the fp8 host tier holds twice the s
         task.context="$bctx" policy=quest_2k policy.dense_layers=0 task.batch_size=12
 }
 
-section_hierarchy_cached_batch() {  # batched Quest with the fp8 host tier and the GPU block cache: selections reused
-    local steps="${DECODE_STEPS:-16}" bctx="${HIER_BATCH_CONTEXT:-122880}" b weights
-    local LLAMA_STRUCTURED=(model=llama3_8b model.load_format=dummy_structured)
-    [ -n "${BENCH_MODEL_ARGS:-}" ] && LLAMA_STRUCTURED=("${MODEL[@]}")
-    local F=(offload=cpu task.context="$bctx" task.decode_steps="$steps" offload.gpu_cache_gib=auto
-             offload.host_dtype=float8_e4m3fn policy=quest_2k policy.dense_layers=0)
-    # planted attention structure (stable selections) first, then random weights (selections change every step)
-    VS=hierarchy/llama-122k-fp8-quest-b8 BENCH_TIMEOUT=240 bench hierarchy "llama-122k-fp8-cache-quest-b8-structured" \
-        "${LLAMA_STRUCTURED[@]}" "${F[@]}" task.batch_size=8
-    VS=hierarchy/llama-122k-fp8-quest-b8 BENCH_TIMEOUT=240 bench hierarchy "llama-122k-fp8-cache-quest-b8" \
-        "${LLAMA[@]}" "${F[@]}" task.batch_size=8
-    VS=hierarchy/llama-122k-fp8-cache-quest-b8-structured BENCH_TIMEOUT=300 bench hierarchy \
-        "llama-122k-fp8-cache-quest-b12-structured" "${LLAMA_STRUCTURED[@]}" "${F[@]}" task.batch_size=12
-}
-
 section_hierarchy_curve() {  # batched Quest beside full attention, batch 1 up, each curve from one prefill
     # (task.batch_curve); Llama-3.1-8B dims, fp8 host tier, GPU block cache auto; CURVE_WEIGHTS (dummy_structured
     # dummy) and CURVE_CONTEXTS (122880 32768; the 32K curve goes wider); Quest first: a tight limit drops full
@@ -427,7 +409,7 @@ section_summary() {
 
 SECTIONS="info tests decode offload quest prefill sparse_prefill sparse_prefill_scaling sparse_prefill_1m quality"
 SECTIONS="$SECTIONS memory capacity"
-SECTIONS="$SECTIONS hierarchy hierarchy_512k hierarchy_batch hierarchy_curve capacity_fp8 hierarchy_cached_batch ruler_policies tp summary"
+SECTIONS="$SECTIONS hierarchy hierarchy_512k hierarchy_batch hierarchy_curve capacity_fp8 ruler_policies tp summary"
 [ $# -gt 0 ] || set -- info decode offload quest prefill sparse_prefill memory summary
 for SECTION in "$@"; do
     case " $SECTIONS " in
