@@ -114,7 +114,7 @@ class DecodeWork:
                 loaded = sum(per_step[k] for k in h2d_keys) * self.tp_size  # rank 0 counts its heads' share
                 loaded_floor = loaded / (self.h2d_gbps * 1e9)
                 out.update({"decode_h2d_bytes_per_step": loaded, "decode_loaded_floor_ms": _ms(loaded_floor),
-                            "decode_loaded_ratio": _ratio(median, loaded_floor)})
+                            "decode_loaded_ratio": ratio(median, loaded_floor)})
             looked_up = sum(moved.get(f"cache_{k}_blocks", 0) for k in ("hit", "miss", "overflow"))
             if looked_up:  # GPU block cache: the share of looked-up blocks it held
                 out["gpu_cache_hit_rate"] = moved.get("cache_hit_blocks", 0) / looked_up
@@ -122,7 +122,7 @@ class DecodeWork:
         # loaded; the decode ratio is held against the larger (binding) floor
         binding = [f for f in (hbm_floor, pcie_floor if loaded_floor is None else loaded_floor) if f]
         floor = max(binding) if binding else None
-        out.update({"decode_floor_ms": _ms(floor), "decode_ratio": _ratio(median, floor)})
+        out.update({"decode_floor_ms": _ms(floor), "decode_ratio": ratio(median, floor)})
         return out
 
 
@@ -142,5 +142,5 @@ def _ms(seconds: float | None) -> float | None:
     return 1e3 * seconds if seconds is not None else None
 
 
-def _ratio(seconds: float | None, floor_seconds: float | None) -> float | None:
+def ratio(seconds: float | None, floor_seconds: float | None) -> float | None:
     return seconds / floor_seconds if seconds and floor_seconds else None

@@ -39,16 +39,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from sparsekv.tasks.common import enum_value, policy_warnings, print_warnings, run_identity
 
-from sparsekv.tasks.bench.decode import DecodeWork, curve_max_tokens, curve_sizes, steps_at
+from sparsekv.tasks.bench.decode import DecodeWork, curve_max_tokens, curve_sizes, ratio, steps_at
 from sparsekv.tasks.bench.summary import print_table, summarize
 
 GIB = 1 << 30
 
-
-def _ratio(seconds: float | None, floor_seconds: float | None) -> float | None:
-    if not seconds or not floor_seconds:
-        return None
-    return seconds / floor_seconds
 
 
 def bench_config(cfg: DictConfig, spec) -> DictConfig:
@@ -284,7 +279,7 @@ def run(cfg: DictConfig) -> dict:
         # per GPU: the whole model's FLOPs over the time, shared by the N GPUs (held against one GPU's ceiling)
         "prefill_tflops": flops / stats.prefill_seconds / 1e12 / tp_size if stats.prefill_seconds else None,
         "prefill_floor_s": prefill_floor_s,
-        "prefill_ratio": _ratio(stats.prefill_seconds, prefill_floor_s),
+        "prefill_ratio": ratio(stats.prefill_seconds, prefill_floor_s),
     })
 
     # decode graphs: capture time and memory (captured at build; offload=cpu captures per KV layout as it goes)
