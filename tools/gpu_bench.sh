@@ -30,7 +30,8 @@
 #                   host tier + GPU block cache auto, 256-token host blocks (CURVE_BLOCK_SIZE: the 2,048-token
 #                   budget is the sink, the newest block and 6 chosen ones), each curve from one prefill
 #                   (task.batch_curve): 122,880 tokens at batch 1 / 2 / 4 / 6 / 8 and 32,768 at 1 / 4 / 8 / 16,
-#                   on CURVE_WEIGHTS (dummy_structured dummy) at CURVE_CONTEXTS (122880 32768), CURVE_POLICIES
+#                   on CURVE_WEIGHTS (dummy_structured dummy) at CURVE_CONTEXTS (122880 32768), CURVE_SIZES (batch
+#                   sizes, e.g. [1,4,8,12]; default [1,2,4,6,8] at 122K, [1,4,8,16] at 32K), CURVE_POLICIES
 #                   (quest full); ~250 s per 122K curve (eight prefills), ~100 s at 32K (pinning the host pool:
 #                   ~1.3 GB/s)
 #   capacity_fp8    the longest context the default host pool holds with the fp8 host tier (about 1.5M tokens
@@ -295,8 +296,9 @@ section_hierarchy_curve() {  # batched Quest beside full attention, batch 1 up, 
         local W=(model=llama3_8b model.load_format="$weights")
         [ -n "${BENCH_MODEL_ARGS:-}" ] && W=("${MODEL[@]}")
         for ctx in ${CURVE_CONTEXTS:-122880 32768}; do
-            curve="[1,2,4,6,8]"; top=8
-            [ "$ctx" -le 32768 ] && { curve="[1,4,8,16]"; top=16; }
+            curve="[1,2,4,6,8]"
+            [ "$ctx" -le 32768 ] && curve="[1,4,8,16]"
+            curve="${CURVE_SIZES:-$curve}"; top=$(tr -d '[]' <<< "$curve" | tr ',' '\n' | sort -n | tail -1)
             local C=(offload=cpu offload.host_dtype=float8_e4m3fn offload.gpu_cache_gib=auto task.context="$ctx"
                      offload.block_size="${CURVE_BLOCK_SIZE:-256}"
                      task.decode_steps="$steps" task.batch_size=$top "task.batch_curve=$curve")

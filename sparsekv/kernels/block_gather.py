@@ -10,6 +10,12 @@ reads the pinned pages directly (unified virtual addressing), and the CPU keeps 
 
 Copy engines (cudaMemcpyAsync) stay the path for host-known block lists: they need no SMs. This kernel is for the
 case where waiting for the ids on the host would stall the pipeline once per layer.
+
+gather_missing_blocks(dst, base, slab_offsets, block_ids [n], slot_of_block [m], staging [n], layer, table, counts)
+is the same copy behind a device-side lookup (the GPU block cache's): a block whose slot_of_block entry is a slot is
+already on the device and is not copied; one whose entry is -1 is copied into dst[:, staging[i]]. table[i] gets the
+slot that holds block i afterwards, and counts [2] adds the hits and misses, so the host learns neither. An id
+outside [0, m) is padding: not copied, not counted, its table entry staging[i].
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from ._dispatch import INTERPRET, cdiv, default_kernels, jit, tl
 if TYPE_CHECKING:
     from .backend import KernelChoice
 
-__all__ = ["gather_host_blocks", "gather_host_blocks_reference"]
+__all__ = ["gather_host_blocks", "gather_host_blocks_reference", "gather_missing_blocks",
+           "gather_missing_blocks_reference"]
 
 CHUNK_WORDS = 4096  # 32-bit words one program copies (16 KiB)
 NUM_WARPS = 4
@@ -38,6 +45,28 @@ def gather_host_blocks_reference(dst: torch.Tensor, slabs: tuple[list[torch.Tens
         slab, index = divmod(block, blocks_per_slab)
         for kv in range(2):
             dst[kv, first_slot + i].copy_(slabs[kv][slab][layer, index])
+
+
+def gather_missing_blocks_reference(dst: torch.Tensor, slabs: tuple[list[torch.Tensor], list[torch.Tensor]],
+                                    block_ids: torch.Tensor, slot_of_block: torch.Tensor, staging: torch.Tensor,
+                                    layer: int, table: torch.Tensor | None = None,
+                                    counts: torch.Tensor | None = None) -> None:
+    """The same lookup and copy with torch indexing (host syncs for the ids)."""
+    lut, stage = slot_of_block.tolist(), staging.tolist()
+    hits = misses = 0
+    slots = []
+    for i, block in enumerate(block_ids.tolist()):
+        slot = lut[block] if 0 <= block < len(lut) else -1
+        if slot >= 0:
+            hits += 1
+        elif 0 <= block < len(lut):
+            misses += 1
+            gather_host_blocks_reference(dst, slabs, torch.tensor([block]), layer, stage[i])
+        slots.append(slot if slot >= 0 else stage[i])
+    if table is not None:
+        table.copy_(torch.tensor(slots, dtype=torch.int64))
+    if counts is not None:
+        counts += torch.tensor([hits, misses], dtype=counts.dtype, device=counts.device)
 
 
 @jit
@@ -59,15 +88,41 @@ def _gather_kernel(DST, BASE, SLAB_OFF, IDS, layer, blocks_per_slab, num_slabs, 
     tl.store(DST + dst + offs, words, mask=ok)
 
 
-def gather_host_blocks(dst: torch.Tensor, slabs: tuple[list[torch.Tensor], list[torch.Tensor]],
-                       slab_offsets: torch.Tensor | None, block_ids: torch.Tensor, layer: int,
-                       first_slot: int, *, kernels: KernelChoice | None = None) -> None:
-    """dst [2, slots, *block] (contiguous), slabs (K slabs, V slabs) each [L, blocks_per_slab, *block] pinned,
-    slab_offsets [2, num_slabs] int64 on dst's device (HostPool.slab_offsets), block_ids [n] int64 on dst's device.
+@jit
+def _gather_missing_kernel(DST, BASE, SLAB_OFF, IDS, LUT, STAGING, TABLE, COUNTS, lut_size, layer, blocks_per_slab,
+                           num_slabs, block_words, dst_kv_stride, dst_slot_stride, CHUNK: tl.constexpr,
+                           ALIGNED: tl.constexpr, WRITE_TABLE: tl.constexpr, COUNT: tl.constexpr):
+    i = tl.program_id(0)  # which requested block
+    chunk = tl.program_id(1)  # which CHUNK words of it
+    kv = tl.program_id(2)  # 0: K, 1: V
+    block = tl.load(IDS + i).to(tl.int64)
+    valid = (block >= 0) & (block < lut_size)  # else padding
+    slot = tl.load(LUT + block, mask=valid, other=-1).to(tl.int64)
+    staged = tl.load(STAGING + i).to(tl.int64)
+    miss = valid & (slot < 0)
+    first = (chunk == 0) & (kv == 0)  # one program per block writes its entry and counts it
+    if WRITE_TABLE:
+        tl.store(TABLE + i, tl.where(slot >= 0, slot, staged), mask=first)
+    if COUNT:
+        one = block * 0 + 1
+        tl.atomic_add(COUNTS, one, mask=first & (slot >= 0))
+        tl.atomic_add(COUNTS + 1, one, mask=first & miss)
+    slab = tl.where(miss, block, 0) // blocks_per_slab
+    src = tl.load(SLAB_OFF + kv * num_slabs + slab, mask=miss, other=0) + (
+        layer * blocks_per_slab + tl.where(miss, block, 0) % blocks_per_slab) * block_words
+    dst = kv * dst_kv_stride + staged * dst_slot_stride
+    if ALIGNED:
+        src = tl.multiple_of(src, 4)
+        dst = tl.multiple_of(dst, 4)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    ok = offs < tl.where(miss, block_words, 0)  # a hit or padding moves nothing
+    words = tl.load(BASE + src + offs, mask=ok)
+    tl.store(DST + dst + offs, words, mask=ok)
 
-    Triton where ``kernels`` says so (default: the process default for dst's device), else the reference. Nothing
-    here waits on the host."""
-    k_slabs, v_slabs = slabs
+
+def _check_gather(dst: torch.Tensor, k_slabs: list[torch.Tensor], v_slabs: list[torch.Tensor],
+                  block_ids: torch.Tensor) -> int:
+    """The shapes both gathers need; returns the bytes of one block."""
     if not k_slabs or len(k_slabs) != len(v_slabs):
         raise ValueError(f"expected as many K as V slabs, at least one; got {len(k_slabs)} and {len(v_slabs)}")
     block_shape = k_slabs[0].shape[2:]
@@ -79,10 +134,57 @@ def gather_host_blocks(dst: torch.Tensor, slabs: tuple[list[torch.Tensor], list[
         raise ValueError(f"dst dtype {dst.dtype} differs from the host blocks' {k_slabs[0].dtype}")
     if block_ids.dim() != 1 or block_ids.dtype != torch.int64:
         raise ValueError(f"expected block_ids [n] int64; got {tuple(block_ids.shape)} {block_ids.dtype}")
+    return math.prod(block_shape) * dst.element_size()
+
+
+def gather_missing_blocks(dst: torch.Tensor, slabs: tuple[list[torch.Tensor], list[torch.Tensor]],
+                          slab_offsets: torch.Tensor | None, block_ids: torch.Tensor, slot_of_block: torch.Tensor,
+                          staging: torch.Tensor, layer: int, table: torch.Tensor | None = None,
+                          counts: torch.Tensor | None = None, *, kernels: KernelChoice | None = None) -> None:
+    """dst [2, slots, *block] (contiguous) and slabs as for gather_host_blocks; block_ids [n], slot_of_block [m]
+    (a host block's slot in dst, -1: not there), staging [n] (where a missing block i goes), table [n] (optional
+    out: the slot holding each block) and counts [2] (optional: hits and misses added), all int64 on dst's device.
+    Nothing here waits on the host."""
+    k_slabs, v_slabs = slabs
+    block_bytes = _check_gather(dst, k_slabs, v_slabs, block_ids)
+    n = block_ids.shape[0]
+    for name, tensor, size in (("slot_of_block", slot_of_block, None), ("staging", staging, n),
+                               ("table", table, n), ("counts", counts, 2)):
+        if tensor is not None and (tensor.dim() != 1 or tensor.dtype != torch.int64
+                                   or (size is not None and tensor.shape[0] != size)):
+            raise ValueError(f"expected {name} [{size if size is not None else 'm'}] int64; "
+                             f"got {tuple(tensor.shape)} {tensor.dtype}")
+    if n == 0:
+        return
+    triton = (kernels if kernels is not None else default_kernels(dst.device)).triton
+    if slab_offsets is None or not triton or block_bytes % 4 or slot_of_block.shape[0] == 0:
+        gather_missing_blocks_reference(dst, slabs, block_ids, slot_of_block, staging, layer, table, counts)
+        return
+    block_words = block_bytes // 4
+    chunk = 256 if INTERPRET else CHUNK_WORDS
+    _gather_missing_kernel[(n, cdiv(block_words, chunk), 2)](
+        dst.view(torch.int32), k_slabs[0].view(torch.int32), slab_offsets, block_ids, slot_of_block, staging,
+        table if table is not None else block_ids, counts if counts is not None else block_ids,
+        slot_of_block.shape[0], layer, k_slabs[0].shape[1], len(k_slabs), block_words,
+        dst.stride(0) * dst.element_size() // 4, dst.stride(1) * dst.element_size() // 4,
+        CHUNK=chunk, ALIGNED=block_words % 4 == 0, WRITE_TABLE=table is not None, COUNT=counts is not None,
+        num_warps=NUM_WARPS,
+    )
+
+
+def gather_host_blocks(dst: torch.Tensor, slabs: tuple[list[torch.Tensor], list[torch.Tensor]],
+                       slab_offsets: torch.Tensor | None, block_ids: torch.Tensor, layer: int,
+                       first_slot: int, *, kernels: KernelChoice | None = None) -> None:
+    """dst [2, slots, *block] (contiguous), slabs (K slabs, V slabs) each [L, blocks_per_slab, *block] pinned,
+    slab_offsets [2, num_slabs] int64 on dst's device (HostPool.slab_offsets), block_ids [n] int64 on dst's device.
+
+    Triton where ``kernels`` says so (default: the process default for dst's device), else the reference. Nothing
+    here waits on the host."""
+    k_slabs, v_slabs = slabs
+    block_bytes = _check_gather(dst, k_slabs, v_slabs, block_ids)
     n = block_ids.shape[0]
     if first_slot < 0 or first_slot + n > dst.shape[1]:
         raise ValueError(f"slots [{first_slot}, {first_slot + n}) do not fit the {dst.shape[1]} slots of dst")
-    block_bytes = math.prod(block_shape) * dst.element_size()
     if n == 0:
         return
     triton = (kernels if kernels is not None else default_kernels(dst.device)).triton

@@ -7,6 +7,11 @@ lengths; a sequence with no full block has length 0; with the fp8 host tier the 
 by their scales). The unfinished blocks are a second paged call over the decode buffer (block row * L + layer of
 each sequence), and the two partials merge by log-sum-exp.
 
+When the cache cannot hold every block of the batch, a selecting policy's choices are resolved against what it
+holds (selected_decode_attention): one gather per layer reads each chosen block in place when the cache holds it
+and copies it from the host into a staging slot of the cache when it does not (OffloadEngine.resolve_selected), and
+the same paged call attends the resulting slot table; the host never sees the choices.
+
 Selections: None per sequence (full attention) builds the slot table on the host. A selecting policy chooses for
 the whole batch in one call per layer (SparsePolicy.select_blocks_batch); its device-tensor choices are mapped to
 slots on the device through a host block -> slot table, so nothing waits for the host. Every device tensor made
@@ -27,7 +32,6 @@ def batched_decode_attention(engine: OffloadEngine, layer: int, q: torch.Tensor,
     """q [B, H, D] of the batch's new tokens; blocks: each sequence's full host blocks; decode_slots [B] int64 (the
     layer's row of OffloadKVStore.decode_slots) and tail_lengths [B] on the device; selections: per sequence the
     blocks to attend (host ids as a list or a device tensor), None: all of them -> attention [B, H, D]."""
-    batch, bs = len(blocks), engine.block_size
     flat = [block for seq_blocks in blocks for block in seq_blocks]
     slots = engine.cache_slots(layer, flat)
     if None in slots:  # OffloadKVStore batches a step only when a layer's region holds all of its blocks
@@ -37,11 +41,35 @@ def batched_decode_attention(engine: OffloadEngine, layer: int, q: torch.Tensor,
         table, lengths = _host_table(engine, blocks, slots)
     else:
         table, lengths = _device_table(engine, flat, slots, selections)
+    return _attend_cache(engine, q, scale, table, lengths, decode_slots, tail_lengths)
+
+
+def selected_decode_attention(engine: OffloadEngine, layer: int, q: torch.Tensor, scale: float,
+                              blocks: list[list[int]], decode_slots: torch.Tensor, tail_lengths: torch.Tensor,
+                              selections: list[list[int] | torch.Tensor]) -> torch.Tensor | None:
+    """As batched_decode_attention for selections the cache need not hold: each chosen block read in place or
+    staged from the host by one gather per layer; None when the layer's cache region cannot stage the batch's
+    choices (read them through the ring)."""
+    flat, counts = _padded_rows(engine, selections, pad=-1)  # padding: neither copied nor attended
+    num_blocks = 1 + max((block for seq_blocks in blocks for block in seq_blocks), default=0)
+    table = engine.resolve_selected(layer, flat, num_blocks)  # [B * W] slot ids
+    if table is None:
+        return None
+    lengths = engine.device_block_ids([count * engine.block_size for count in counts])
+    return _attend_cache(engine, q, scale, table, lengths, decode_slots, tail_lengths)
+
+
+def _attend_cache(engine: OffloadEngine, q: torch.Tensor, scale: float, table: torch.Tensor, lengths: torch.Tensor,
+                  decode_slots: torch.Tensor, tail_lengths: torch.Tensor) -> torch.Tensor:
+    """Paged attention of every sequence over its row of cache slots ([B * W] slot ids, [B] key counts), merged
+    with its unfinished block's -> [B, H, D]."""
+    batch = q.shape[0]
     width = table.shape[0] // batch
     cache = engine.cache
     scales = cache.slot_scales(0, cache.num_slots)  # fp8 host tier: the cache's scales, dequantized on load
     o_cached, lse_cached = paged_decode_attention(q, cache.k, cache.v, table.view(batch, width), lengths, scale,
-                                                  max_context_len=width * bs, scales=scales)  # [B, H, D], [H, B]
+                                                  max_context_len=width * engine.block_size,
+                                                  scales=scales)  # [B, H, D], [H, B]
     o_tail, lse_tail = tail_attention(engine, q, scale, decode_slots, tail_lengths)
     return merge_attention_outputs(o_cached, lse_cached, o_tail, lse_tail)[0]
 
@@ -71,15 +99,23 @@ def _device_table(engine: OffloadEngine, flat: list[int], slots: list[int],
                   selections: list[list[int] | torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The selected blocks of every sequence: ([B * W] slot ids, [B] key counts) on the device. Each row is the
     selection's host block ids padded with 0, mapped to slots by one lookup into a host block -> slot table."""
-    counts = [len(selection) for selection in selections]  # a device selection's length is fixed on the host
-    width = max(1, max(counts))
     lut = [0] * (max(flat, default=0) + 1)
     for block, slot in zip(flat, slots):
         lut[block] = slot
+    chosen, counts = _padded_rows(engine, selections, pad=0)
+    ids = engine.device_block_ids(lut + [count * engine.block_size for count in counts])
+    return ids[:len(lut)][chosen], ids[len(lut):]
+
+
+def _padded_rows(engine: OffloadEngine, selections: list[list[int] | torch.Tensor], pad: int
+                 ) -> tuple[torch.Tensor, list[int]]:
+    """Every sequence's selected host block ids as one row of W (the longest selection) padded with `pad`: [B * W]
+    on the device, and each selection's length (a device selection's length is fixed on the host)."""
+    counts = [len(selection) for selection in selections]
+    width = max(1, max(counts))
     rows = []
     for selection, count in zip(selections, counts):
         rows.append(selection if isinstance(selection, torch.Tensor) else engine.device_block_ids(list(selection)))
         if count < width:
-            rows.append(engine.device_block_ids([0] * (width - count)))
-    ids = engine.device_block_ids(lut + [count * engine.block_size for count in counts])
-    return ids[:len(lut)][torch.cat(rows)], ids[len(lut):]
+            rows.append(engine.device_block_ids([pad] * (width - count)))
+    return torch.cat(rows), counts

@@ -11,6 +11,8 @@ from typing import Iterator
 
 import torch
 
+from sparsekv.kernels.block_gather import gather_missing_blocks
+
 Scales = tuple[torch.Tensor, torch.Tensor]  # K and V scales [n, KVH] float32 of fp8 blocks
 
 
@@ -25,6 +27,42 @@ class CachedLoads:
         elif self.streams.cuda and self.capture is None:
             self.streams.wait_offloaded(torch.cuda.current_stream(self.device), layer)
         return slots
+
+    def resolve_selected(self, layer: int, block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor | None:
+        """Cache slots [n] int64 on the device of the host blocks in `block_ids` [n] (ids below num_blocks; others
+        are padding), without the host seeing the ids: blocks the cache holds are read in place, the rest copied
+        from the host into staging slots of the layer's region (GpuBlockCache.reserve_staging), hits and misses
+        counted on the device (collect_device_counts). None when the region cannot stage n blocks: read them
+        through the ring."""
+        staging = self.cache.reserve_staging(layer, len(block_ids))
+        if staging is None:
+            return None
+        if self.streams.cuda and self.capture is None:  # the host blocks and the layer's write-throughs landed
+            self.streams.wait_offloaded(torch.cuda.current_stream(self.device), layer)
+        lut = self.device_block_ids(self.cache.slot_table(layer, num_blocks))
+        stage = self.device_block_ids(staging)
+        table = torch.empty(len(block_ids), dtype=torch.int64, device=self.device)
+        gather_missing_blocks(self.cache.kv, (self.host.k_slabs, self.host.v_slabs), self._device_slab_offsets(),
+                              block_ids, lut, stage, layer, table, self.device_counts)
+        if self.fp8 is not None:
+            self.fp8.gather_missing_scales(layer, block_ids, lut, stage, into=self.cache.scales)
+        return table
+
+    def collect_device_counts(self) -> None:
+        """Add what resolve_selected counted on the device to transfer_stats (a host sync; not for the hot path):
+        hits, and misses as blocks and bytes copied from the host."""
+        if self.device_counts is None:
+            return
+        hits, misses = self.device_counts.tolist()
+        if not hits and not misses:
+            return
+        with torch.inference_mode():  # made and counted into in inference mode
+            self.device_counts.zero_()
+        stats = self.transfer_stats
+        stats["cache_hit_blocks"] += hits
+        stats["cache_miss_blocks"] += misses
+        stats["h2d_blocks"] += misses
+        stats["h2d_bytes"] += 2 * self.block_bytes * misses
 
     def cached_run(self, layer: int, cpu_blocks: list[int]
                    ) -> tuple[torch.Tensor, torch.Tensor, Scales | None, int] | None:
@@ -162,6 +200,7 @@ class CachedLoads:
         cache = self.cache
         if cache is None:
             return {}
+        self.collect_device_counts()
         stats = {key: value for key, value in self.transfer_stats.items() if key.startswith("cache_")}
         stats.update(cache_evicted_blocks=cache.stats["cache_evicted_blocks"],
                      cache_written_blocks=cache.stats["cache_written_blocks"], cache_slots=cache.num_slots,

@@ -17,6 +17,12 @@ its entry when a slot is free or evictable, so re-reads in later prefill chunks 
 existing entry of the block is always rewritten, and a block is written before it is read, so an entry never
 outlives its host block's content (freed blocks and released host slabs included).
 
+Staging: a batch's device-side choices (Quest) are read against what the cache holds without the host seeing them
+(OffloadEngine.resolve_selected): a chosen block the cache holds is read in place, one it does not is copied from the
+host into a staging slot. reserve_staging(layer, n) sets n slots of the layer's region aside for that (taken like a
+miss's slot, at most half the region); they hold no host block, are never evicted, and go back with
+release_staging() when the store is idle. Such reads do not update last_used (the host never learns them).
+
 Contents: blocks exactly as the host holds them (sparsekv/kvcache/host_quant.py). With the fp8 host tier a slot holds
 the block's fp8 K/V and `scales` holds its per-(block, KV head) float32 K and V scales, so a cached block is read by
 the same dequantize-on-load kernels as a ring slot, and a GiB holds about twice the blocks of bf16.
@@ -33,6 +39,8 @@ from __future__ import annotations
 import torch
 
 GIB = 1 << 30
+FREE, STAGING = -1, -2  # block_in of a slot holding no host block: free, or set aside for staging
+PINNED = 1 << 62  # last_used of a staging slot: never the least recently used
 
 
 class GpuBlockCache:
@@ -47,10 +55,13 @@ class GpuBlockCache:
         # fp8 blocks (scaled): their K and V scales [2, num_slots, KVH] float32, beside the slots
         self.scales = torch.zeros((2, num_slots, num_kv_heads), dtype=torch.float32, device=device) if scaled else None
         self.slot_of: list[dict[int, int]] = [{} for _ in range(num_layers)]  # per layer: host block -> slot
-        self.block_in = [-1] * num_slots  # host block held by each slot, -1: free
+        self.block_in = [FREE] * num_slots  # host block held by each slot (FREE, STAGING: none)
         self.last_used = [-1] * num_slots  # step that last used each slot
         self.free: list[list[int]] = [list(range((l + 1) * slots_per_layer - 1, l * slots_per_layer - 1, -1))
                                       for l in range(num_layers)]  # per layer, lowest slot last (popped first)
+        self.staging: list[list[int]] = [[] for _ in range(num_layers)]  # per layer: slots set aside for staging
+        self._slot_tables: dict[tuple[int, int], list[int]] = {}  # slot_table's lists of the current epoch
+        self._tables_epoch = 0
         self.step = 0
         self.epoch = 0
         # lookups count hits, misses and overflow into the dict they are given (the engine's transfer_stats, or a
@@ -78,8 +89,65 @@ class GpuBlockCache:
         it (fp8: with its scales)."""
         return int(gib * GIB // (num_layers * block_bytes))
 
+    @property
+    def capacity(self) -> int:
+        """Host blocks a layer's region can hold now (its slots less those set aside for staging)."""
+        return self.slots_per_layer - max(map(len, self.staging))
+
     def begin_step(self) -> None:
         self.step += 1
+
+    def slot_table(self, layer: int, size: int) -> list[int]:
+        """Per host block id below `size` its slot in the layer's region, -1 where the cache does not hold it."""
+        if self._tables_epoch != self.epoch:
+            self._slot_tables.clear()
+            self._tables_epoch = self.epoch
+        table = self._slot_tables.get((layer, size))
+        if table is None:
+            table = [FREE] * size
+            for block, slot in self.slot_of[layer].items():
+                if block < size:
+                    table[block] = slot
+            self._slot_tables[(layer, size)] = table
+        return table
+
+    def reserve_staging(self, layer: int, n: int) -> list[int] | None:
+        """n staging slots of the layer's region (those set aside already, more taken like misses' slots: free
+        first, then the least recently used not used this step); None when the region cannot give them (more than
+        half of it, or its slots are in use this step)."""
+        held = self.staging[layer]
+        if n > self.slots_per_layer // 2:
+            return None
+        if len(held) < n:
+            first = layer * self.slots_per_layer
+            need = n - len(held)
+            free = self.free[layer]
+            taken = [free.pop() for _ in range(min(need, len(free)))]
+            if len(taken) < need:
+                step, block_in, last_used = self.step, self.block_in, self.last_used
+                old = sorted((last_used[s], s) for s in range(first, first + self.slots_per_layer)
+                             if block_in[s] >= 0 and last_used[s] < step)[:need - len(taken)]
+                for _, slot in old:
+                    del self.slot_of[layer][block_in[slot]]
+                    self.stats["cache_evicted_blocks"] += 1
+                taken += [slot for _, slot in old]
+            for slot in taken:
+                self.block_in[slot], self.last_used[slot] = STAGING, PINNED
+            held += taken
+            self.epoch += 1
+            if len(held) < n:
+                return None
+        return held[:n]
+
+    def release_staging(self) -> None:
+        """Every staging slot goes back to its region's free slots."""
+        for layer, held in enumerate(self.staging):
+            for slot in held:
+                self.block_in[slot], self.last_used[slot] = FREE, -1
+                self.free[layer].append(slot)
+            if held:
+                self.epoch += 1
+            held.clear()
 
     def lookup(self, layer: int, blocks: list[int], stats: dict[str, int]
                ) -> tuple[list[int | None], list[tuple[int, int]]]:
@@ -128,7 +196,7 @@ class GpuBlockCache:
         region = range(first, first + self.slots_per_layer)
         step, last_used = self.step, self.last_used
         slot = None
-        if preferred is not None and preferred in region and self.block_in[preferred] < 0:
+        if preferred is not None and preferred in region and self.block_in[preferred] == FREE:
             slot = preferred
             self.free[layer].remove(slot)
         elif self.free[layer]:

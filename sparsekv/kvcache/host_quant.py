@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv.config import HostDType
-from sparsekv.kernels.block_gather import gather_host_blocks, slab_word_offsets
+from sparsekv.kernels.block_gather import gather_host_blocks, gather_missing_blocks, slab_word_offsets
 from sparsekv.kernels.fp8_kv import FP8_DTYPE, dequantize_blocks, quantize_kv_block
 from sparsekv.kvcache.host_pool import HostPool
 
@@ -109,12 +109,22 @@ class Fp8Ring:
 
     def gather_scales(self, layer: int, block_ids: torch.Tensor, first_slot: int) -> None:
         """The scales of host blocks held in a device tensor, by the same gather kernel as the blocks."""
+        gather_host_blocks(self.slot_scales, (self.k_slabs, self.v_slabs), self._slab_offsets(), block_ids, layer,
+                           first_slot)
+
+    def gather_missing_scales(self, layer: int, block_ids: torch.Tensor, slot_of_block: torch.Tensor,
+                              staging: torch.Tensor, into: torch.Tensor) -> None:
+        """The scales beside OffloadEngine.resolve_selected's blocks: those of missing blocks into their staging
+        slots of `into` [2, slots, KVH] (the GPU block cache's scales)."""
+        gather_missing_blocks(into, (self.k_slabs, self.v_slabs), self._slab_offsets(), block_ids, slot_of_block,
+                              staging, layer)
+
+    def _slab_offsets(self) -> torch.Tensor:
         self._grow()
         if self._offsets is None or self._offsets.shape[1] != len(self.k_slabs):
             self._offsets = torch.tensor(slab_word_offsets(self.k_slabs, self.v_slabs),
                                          dtype=torch.int64).to(self.device)
-        gather_host_blocks(self.slot_scales, (self.k_slabs, self.v_slabs), self._offsets, block_ids, layer,
-                           first_slot)
+        return self._offsets
 
     # ---- reading the ring
     def scales_for_slots(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:

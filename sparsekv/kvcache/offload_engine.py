@@ -24,7 +24,9 @@ after the replay (order_after_offloads / mark_ring_read).
 GPU block cache (sparsekv/kvcache/gpu_block_cache.py, offload.gpu_cache_gib): when present, host-known block lists
 go through cached_block_groups instead: blocks held in the cache are read in place (runs of consecutive cache slots
 are one group), misses are loaded from the host into their cache slots, blocks the cache cannot take stream through
-the ring as before, and offloaded blocks are written through into the cache on the offload stream. With the fp8 host
+the ring as before, and offloaded blocks are written through into the cache on the offload stream. A batch's
+device-side choices are resolved against the cache on the device (resolve_selected): hits read in place, misses
+gathered from the host into staging slots. With the fp8 host
 tier the cache holds fp8 blocks and their scales, as the ring does.
 """
 from __future__ import annotations
@@ -70,6 +72,8 @@ class OffloadEngine(CachedLoads):
             self.cache = GpuBlockCache(L, cache_slots_per_layer, bs, kvh, d, self.kv_slots.dtype, device,
                                        scaled=self.fp8 is not None)
             self.transfer_stats.update(cache_hit_blocks=0, cache_miss_blocks=0, cache_overflow_blocks=0)
+        # [2] int64: resolve_selected's hits and misses, counted on the device (collect_device_counts)
+        self.device_counts = torch.zeros(2, dtype=torch.int64, device=device) if self.cache is not None else None
         self._step_start: torch.cuda.Event | None = torch.cuda.Event() if self.streams.cuda else None
         self._slab_offsets: torch.Tensor | None = None  # [2, num_slabs] int64 on the device, for the gather
         self._slab_generation = -1  # the host pool's generation those offsets were made for

@@ -10,7 +10,7 @@ import torch
 from sparsekv.engine.context import Context
 from sparsekv.engine.sequence import Sequence
 from sparsekv.kvcache.base import KVStore, available_host_memory
-from sparsekv.kvcache.batched_decode import batched_decode_attention
+from sparsekv.kvcache.batched_decode import batched_decode_attention, selected_decode_attention
 from sparsekv.kvcache.host_pool import GIB, HostPool
 from sparsekv.kvcache.host_quant import host_block_bytes
 from sparsekv.kvcache.offload_engine import OffloadEngine, RingCapture
@@ -71,6 +71,8 @@ class OffloadKVStore(KVStore):
 
     @property
     def transfer_stats(self) -> dict[str, int]:
+        """The engine's counters, with what the device counted so far (a host sync when it counted any)."""
+        self.engine.collect_device_counts()
         return self.engine.transfer_stats
 
     @property
@@ -221,16 +223,18 @@ class OffloadKVStore(KVStore):
     def _batched_blocks(self, seqs: list[Sequence]) -> list[list[int]] | None:
         """Each sequence's full host blocks when this decode step attends the whole batch at once, with a decode
         policy that has the standard pipeline: through the GPU block cache when it can hold the batch's blocks of a
-        layer (batched_decode.py; also for one sequence of a selecting policy, whose device-side choice the cache
-        serves only this way), else through the ring (staged_decode.py) for several sequences; None: one sequence
-        through its own pipeline (one sequence with full attention reads its cached runs in place already)."""
+        layer (batched_decode.py), else a selecting policy's choices resolved against what the cache holds (one
+        sequence too: its device-side choice reaches the cache only this way), else through the ring
+        (staged_decode.py) for several sequences; None: one sequence through its own pipeline (one sequence with
+        full attention reads its cached runs in place already)."""
         cache = self.engine.cache
         self.batched_in_cache = False
         if not self.decode_pipeline_standard or (len(seqs) < 2 and (cache is None or self.decode_attends_all)):
             return None
         blocks = [self.full_blocks(seq) for seq in seqs]
-        self.batched_in_cache = cache is not None and sum(map(len, blocks)) <= cache.slots_per_layer
-        return blocks if self.batched_in_cache or len(seqs) > 1 else None
+        self.batched_in_cache = cache is not None and sum(map(len, blocks)) <= cache.capacity
+        # a selection the cache cannot hold whole is resolved against what it holds (selected_decode_attention)
+        return blocks if self.batched_in_cache or len(seqs) > 1 or not self.decode_attends_all else None
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                context: Context) -> torch.Tensor:
@@ -266,10 +270,14 @@ class OffloadKVStore(KVStore):
         engine.write_decode_tokens(layer, self.decode_slots[layer], k, v)
         if self.batched_blocks is not None:  # the whole batch at once: over the cache, else through the ring
             selections = None if self.decode_attends_all else self._selections(layer, q, scale, context.seqs)
+            out = None
             if self.batched_in_cache:
                 out = batched_decode_attention(engine, layer, q, scale, self.batched_blocks,
                                                self.decode_slots[layer], self.tail_lengths, selections)
-            else:
+            elif selections is not None and engine.cache is not None:  # None: more than the region can stage
+                out = selected_decode_attention(engine, layer, q, scale, self.batched_blocks,
+                                                self.decode_slots[layer], self.tail_lengths, selections)
+            if out is None:
                 out = staged_decode_attention(self.readers[layer], q, scale, self.batched_blocks,
                                               self.decode_slots[layer], self.tail_lengths, selections)
         else:
@@ -314,3 +322,5 @@ class OffloadKVStore(KVStore):
             if self.device.type == "cuda":  # no copy or gather may touch a slab being freed
                 torch.cuda.synchronize(self.device)
             self.host.release_slabs(self.reserved_blocks)
+            if self.engine.cache is not None:
+                self.engine.cache.release_staging()

@@ -237,7 +237,8 @@ def test_block_selecting_policy_is_held_to_the_bytes_it_loads(tmp_path, monkeypa
 
 def test_batch_curve_measures_every_point_from_one_prefill(tmp_path, monkeypatch):
     """task.batch_curve: one prefill of the widest batch, then decode_steps at each point, widest first; each point
-    holds the steps that ran its batch, the KV its steps loaded and the floors of its batch."""
+    holds the steps that ran its batch (after the first, which settles the new batch), the KV those loaded and the
+    floors of its batch."""
     _fake_ceilings(monkeypatch)
     _, record = run_bench(tmp_path, "device=cpu", "dtype=float32", "offload=cpu", "offload.block_size=16",
                           "offload.prefill_chunk_size=64", "offload.gpu_cache_gib=0", "task.context=320",
@@ -246,8 +247,8 @@ def test_batch_curve_measures_every_point_from_one_prefill(tmp_path, monkeypatch
     assert [p["batch_size"] for p in points] == [4, 2, 1]
     assert record["prompt_tokens"] == 4 * 320  # one prefill of the widest batch
     assert record["generated_tokens"] == 4 + 3 * (4 + 2 + 1)
-    assert [p["decode_steps"] for p in points] == [3, 3, 3]
-    assert [p["decode_context"] for p in points] == [321, 324, 327]  # the median step of each point
+    assert [p["decode_steps"] for p in points] == [2, 2, 2]  # each point's steps after its first
+    assert [p["decode_context"] for p in points] == [322, 325, 328]  # the median of those
     per_seq = [p["decode_h2d_bytes_per_step"] / p["batch_size"] for p in points]
     assert per_seq[0] > 0 and per_seq == pytest.approx([per_seq[0]] * 3, rel=0.1)  # every sequence's full blocks
     for p in points:

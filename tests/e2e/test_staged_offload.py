@@ -144,3 +144,44 @@ def test_gpu_staged_batch_matches_resident(qwen3_ckpt, policy, graph, staged_cal
     calls, _ = staged_calls
     assert calls and max(calls) == len(LENGTHS)
     assert staged == resident
+
+
+QUEST_CHOOSING = ["policy=quest", "policy.topk_blocks=4", "policy.dense_layers=1", "policy.token_budget=null"]
+LONG = (300, 260, 200)  # 46 full blocks of 16 tokens; each choice: the sink, the newest block and two chosen
+
+
+@pytest.mark.parametrize("graph", ["eager", "cudagraph"])
+@pytest.mark.parametrize("host,cache_gib", [([], "0.0004"), (["offload.host_dtype=float8_e4m3fn"], "0.0001")],
+                         ids=["model-dtype", "fp8"])
+def test_choices_beyond_the_cache_read_hits_in_place_and_stage_misses(qwen3_ckpt, host, cache_gib, graph,
+                                                                      monkeypatch):
+    """A cache that cannot hold the batch's blocks but can stage its choices: the selecting layers resolve Quest's
+    device-side choices against the cache (hits in place, misses staged from the host), counted on the device, with
+    the tokens of the run without a cache; the staging slots go back when the store is idle."""
+    prompts = [random_prompt(n, seed=n) for n in LONG]
+    want = tokens(qwen3_ckpt, prompts, *OFFLOAD, NO_CACHE, *host, *QUEST_CHOOSING)
+    resolved: list[tuple[int, bool]] = []
+    original = OffloadEngine.resolve_selected
+
+    def spy(self, layer, block_ids, num_blocks):
+        table = original(self, layer, block_ids, num_blocks)
+        resolved.append((layer, table is not None))
+        return table
+
+    monkeypatch.setattr(OffloadEngine, "resolve_selected", spy)
+    llm = LLM(str(qwen3_ckpt), overrides=CPU + OFFLOAD + [f"offload.gpu_cache_gib={cache_gib}"] + host + QUEST_CHOOSING)
+    if graph != "eager":
+        attach_graph_runner(llm.engine, graph, llm.config.graph, emulate=True)
+    store = llm.engine.kv_store
+    cache = store.engine.cache
+    assert 2 * 3 * 4 <= cache.slots_per_layer < sum(n // 16 for n in LONG)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    # the dense layer's choice (every block) is more than the region stages: it goes through the ring
+    assert {layer for layer, ok in resolved if ok} == set(range(1, llm.engine.spec.num_hidden_layers))
+    assert all(not ok for layer, ok in resolved if layer == 0)
+    stats = store.transfer_stats
+    assert stats["cache_hit_blocks"] > 0 and stats["cache_miss_blocks"] > 0  # the first prompt's sink was evicted
+    assert stats["h2d_blocks"] >= stats["cache_miss_blocks"]
+    assert not any(cache.staging) and cache.capacity == cache.slots_per_layer
+    if graph != "eager":
+        assert llm.engine.runner.graph_runner.replayed_steps > 0

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from sparsekv.kernels import block_gather
-from sparsekv.kernels.block_gather import gather_host_blocks, gather_host_blocks_reference, slab_word_offsets
+from sparsekv.kernels.block_gather import (gather_host_blocks, gather_host_blocks_reference, gather_missing_blocks,
+                                           gather_missing_blocks_reference, slab_word_offsets)
 from sparsekv.kvcache.host_pool import HostPool
 from sparsekv.kvcache.offload_engine import OffloadEngine
 
@@ -51,6 +52,56 @@ def test_kernel_matches_reference(dtype, block, ids, layer, first, triton_kernel
     untouched = torch.ones(8, dtype=torch.bool)
     untouched[first:first + len(ids)] = False
     assert torch.isnan(dst[:, untouched].float()).all()  # no slot outside the group was written
+
+
+@pytest.mark.parametrize("dtype,block", [(torch.bfloat16, (8, 2, 16)), (torch.float32, (3,))])
+def test_missing_kernel_matches_reference(dtype, block, triton_kernels, monkeypatch):
+    """Behind a block -> slot table: hits are not copied (their table entry is their slot), misses land in their
+    staging slot, padding (-1, or past the table) is neither copied nor counted; counts add up over calls."""
+    calls = []
+    kernel = block_gather._gather_missing_kernel
+    monkeypatch.setattr(block_gather, "_gather_missing_kernel",
+                        type("Spy", (), {"__getitem__": lambda _, grid: (calls.append(grid), kernel[grid])[1]})())
+    k_slabs, v_slabs = _slabs(3, 2, 5, block, dtype, seed=7)
+    offsets = torch.tensor(slab_word_offsets(k_slabs, v_slabs), dtype=torch.int64, device=DEV)
+    lut = torch.full((15,), -1, dtype=torch.int64, device=DEV)
+    lut[[2, 9, 13]] = torch.tensor([5, 0, 3], device=DEV)  # cached blocks and their slots
+    ids = torch.tensor([9, 4, -1, 13, 11, 2, 14, 15], dtype=torch.int64, device=DEV)  # 15: past the table
+    staging = torch.tensor([8, 9, 10, 11, 12, 13, 14, 1], dtype=torch.int64, device=DEV)
+    dst = torch.full((2, 16, *block), float("nan"), dtype=dtype, device=DEV)
+    ref = dst.clone()
+    table = torch.full((8,), -7, dtype=torch.int64, device=DEV)
+    ref_table = table.clone()
+    counts = torch.tensor([1, 2], dtype=torch.int64, device=DEV)
+    ref_counts = counts.clone()
+    gather_missing_blocks(dst, (k_slabs, v_slabs), offsets, ids, lut, staging, 1, table, counts,
+                          kernels=triton_kernels)
+    assert calls, "the Triton kernel did not run"
+    gather_missing_blocks_reference(ref, (k_slabs, v_slabs), ids, lut, staging, 1, ref_table, ref_counts)
+    assert torch.equal(table, ref_table) and torch.equal(counts, ref_counts)
+    assert table.tolist() == [0, 9, 10, 3, 12, 5, 14, 1]
+    assert counts.tolist() == [1 + 3, 2 + 3]  # hits 9, 13, 2; misses 4, 11, 14
+    assert torch.equal(dst.nan_to_num(0.5), ref.nan_to_num(0.5))
+    for slot, b in ((9, 4), (12, 11), (14, 14)):
+        slab, index = divmod(b, 5)
+        assert torch.equal(dst[0, slot].cpu(), k_slabs[slab][1, index])
+        assert torch.equal(dst[1, slot].cpu(), v_slabs[slab][1, index])
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[[9, 12, 14]] = False
+    assert torch.isnan(dst[:, untouched].float()).all()  # hits, padding and other slots are not written
+
+
+def test_missing_gather_refuses_bad_tables():
+    k_slabs, v_slabs = _slabs(1, 2, 4, (4, 1, 8), torch.float32, seed=0)
+    ids = torch.tensor([1, 2], dtype=torch.int64, device=DEV)
+    lut = torch.tensor([-1, -1, 0], dtype=torch.int64, device=DEV)
+    dst = torch.zeros((2, 3, 4, 1, 8), device=DEV)
+    with pytest.raises(ValueError, match=r"expected staging \[2\] int64"):
+        gather_missing_blocks(dst, (k_slabs, v_slabs), None, ids, lut, ids[:1], 0)
+    with pytest.raises(ValueError, match=r"expected slot_of_block \[m\] int64"):
+        gather_missing_blocks(dst, (k_slabs, v_slabs), None, ids, lut.int(), ids, 0)
+    with pytest.raises(ValueError, match=r"expected counts \[2\] int64"):
+        gather_missing_blocks(dst, (k_slabs, v_slabs), None, ids, lut, ids, 0, counts=lut)
 
 
 def test_bad_input_is_refused():
@@ -126,3 +177,36 @@ def test_gpu_real_size_gather_is_exact_and_never_syncs():
             assert torch.equal(v[i * block_size:(i + 1) * block_size].cpu(), host_v)
             seen.append(block)
     assert seen == chosen.tolist()
+
+
+@pytest.mark.gpu
+def test_gpu_real_size_missing_gather_is_exact_and_never_syncs():
+    """Llama-3.1-8B fp8 block layout (256 tokens, 8 KV heads, D=128) in pinned slabs behind a cache table: misses
+    read over PCIe bit-exact into their staging slots, hits untouched, no host sync."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    layers, per_slab, block = 2, 16, (256, 8, 128)
+    k_slabs, v_slabs = _slabs(3, layers, per_slab, block, torch.float8_e4m3fn, seed=3)
+    offsets = torch.tensor(slab_word_offsets(k_slabs, v_slabs), dtype=torch.int64, device=DEV)
+    g = torch.Generator().manual_seed(4)
+    lut = torch.full((48,), -1, dtype=torch.int64)
+    cached = torch.randperm(48, generator=g)[:20]
+    lut[cached] = torch.randperm(32, generator=g)[:20]
+    ids = torch.randperm(48, generator=g)[:24].to(DEV)
+    staging = torch.arange(32, 56, dtype=torch.int64, device=DEV)
+    lut = lut.to(DEV)
+    dst = torch.zeros((2, 56, *block), dtype=torch.float8_e4m3fn, device=DEV)
+    table = torch.empty(24, dtype=torch.int64, device=DEV)
+    counts = torch.zeros(2, dtype=torch.int64, device=DEV)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode(2)  # error on any synchronising call
+    try:
+        gather_missing_blocks(dst, (k_slabs, v_slabs), offsets, ids, lut, staging, 1, table, counts)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    ref = torch.zeros_like(dst)
+    ref_table, ref_counts = torch.empty_like(table), torch.zeros_like(counts)
+    gather_missing_blocks_reference(ref, (k_slabs, v_slabs), ids, lut, staging, 1, ref_table, ref_counts)
+    assert torch.equal(dst.view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(table, ref_table) and torch.equal(counts, ref_counts)
+    assert counts.sum().item() == 24 and counts[1].item() > 0

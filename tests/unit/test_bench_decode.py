@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sparsekv.tasks.bench.decode import DecodeWork, curve_max_tokens, curve_sizes, steps_at
+from sparsekv.tasks.bench.decode import DecodeWork, curve_max_tokens, curve_sizes, settled, steps_at
 
 SPEC = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=4, num_attention_heads=4,
                        hidden_size=16)
@@ -31,6 +31,7 @@ def test_curve_sizes_and_max_tokens():
     # four sequences, 3 steps per point: all four decode 3 steps, two of them 3 more, one 3 more still
     assert curve_max_tokens([4, 2, 1], 3) == [10, 7, 4, 4]
     assert steps_at([4, 4, 2, 2, 1], 2) == [2, 3]
+    assert settled([2, 3, 4]) == [3, 4] and settled([5]) == [5]  # a point's first step is left out when it has more
     with pytest.raises(ValueError, match="task.batch_size=4"):
         curve_sizes([1, 4], 2)
 

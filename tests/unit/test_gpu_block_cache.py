@@ -87,6 +87,30 @@ def test_write_through_takes_a_slot_or_leaves_the_block_uncached():
     assert 4 not in cache.slot_of[0] and stats["cache_hit_blocks"] == 1
 
 
+def test_staging_slots_are_set_aside_never_evicted_and_released():
+    cache, stats = make_cache(6), {}
+    cache.begin_step()
+    cache.lookup(1, [10, 11, 12, 13], stats)  # slots 6..9 of layer 1's region
+    cache.begin_step()
+    cache.lookup(1, [12, 13], stats)  # 10 and 11 are now the least recently used
+    cache.begin_step()
+    epoch = cache.epoch
+    staged = cache.reserve_staging(1, 3)  # the two free slots first, then the least recently used block (10)
+    assert sorted(staged) == [6, 10, 11] and cache.epoch > epoch
+    assert 10 not in cache.slot_of[1] and {11, 12, 13} <= set(cache.slot_of[1])
+    assert cache.capacity == 3 and cache.reserve_staging(1, 2) == staged[:2]  # what is held is handed out again
+    assert cache.slot_table(1, 15) == [-1] * 11 + [7, 8, 9, -1]
+    assert cache.reserve_staging(1, 4) is None  # more than half the region
+    cache.begin_step()
+    slots, _ = cache.lookup(1, [20, 21, 22], stats)  # evictions take blocks, never a staging slot
+    assert not set(slots) & set(staged) and cache.write_slot(1, 23) not in staged
+    epoch = cache.epoch
+    cache.release_staging()
+    assert cache.capacity == 6 and cache.epoch > epoch and not any(cache.staging)
+    cache.begin_step()
+    assert cache.lookup(1, [30], stats)[0][0] in staged  # back among the free slots
+
+
 # ---------------------------------------------------------------- the engine with a cache
 @pytest.mark.parametrize("slots", [64, 3, 1])  # everything fits; less than one step's selection; one slot
 def test_cache_gives_the_uncached_tokens(qwen3_ckpt, uncached, slots):

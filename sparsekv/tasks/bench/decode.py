@@ -4,7 +4,8 @@ A plain run measures every decode step of its batch. `task.batch_curve=[1, 2, 4,
 measures a batch curve from one prefill: sequence i is given max_tokens so that it decodes through the curve's
 points wider than i (with 16 decode steps: all eight sequences decode 16 steps together, four of them 16 more, two
 16 more, one the last 16). The engine records each step's batch (RunStats.step_batch_sizes), and a point's figures
-come from the steps that ran at its batch size, its KV transfer counters from those steps' deltas.
+come from the steps that ran at its batch size after the first (settled), its KV transfer counters from those
+steps' deltas.
 """
 from __future__ import annotations
 
@@ -35,6 +36,12 @@ def curve_max_tokens(sizes: list[int], steps: int) -> list[int]:
 def steps_at(step_batch_sizes: list[int], batch: int) -> list[int]:
     """Indices of the decode steps that ran `batch` sequences."""
     return [i for i, size in enumerate(step_batch_sizes) if size == batch]
+
+
+def settled(indices: list[int]) -> list[int]:
+    """A curve point's steps after its first (which captures the new batch's graphs and loads what the GPU block
+    cache lacks for it): the steady state its figures describe; all of them when it has one."""
+    return indices[1:] if len(indices) > 1 else indices
 
 
 def _summed_delta(snapshots: list[dict], before: dict | None, indices: list[int]) -> dict:

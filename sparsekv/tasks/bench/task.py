@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from sparsekv.tasks.common import enum_value, policy_warnings, print_warnings, run_identity
 
-from sparsekv.tasks.bench.decode import DecodeWork, curve_max_tokens, curve_sizes, ratio, steps_at
+from sparsekv.tasks.bench.decode import DecodeWork, curve_max_tokens, curve_sizes, ratio, settled, steps_at
 from sparsekv.tasks.bench.summary import print_table, summarize
 
 GIB = 1 << 30
@@ -258,10 +258,11 @@ def run(cfg: DictConfig) -> dict:
     snapshots = progress.decode_snapshots if counted else None
     # a plain run: every decode step; a batch curve: the widest point here, each point under "batch_curve"
     every_step = list(range(len(stats.step_seconds)))
-    main_steps = steps_at(stats.step_batch_sizes, batch) if curve else every_step
+    main_steps = settled(steps_at(stats.step_batch_sizes, batch)) if curve else every_step
     figures.update(work.figures(batch, stats.step_seconds, main_steps, snapshots, progress.after_prefill))
     if curve:
-        figures["batch_curve"] = [work.figures(size, stats.step_seconds, steps_at(stats.step_batch_sizes, size),
+        figures["batch_curve"] = [work.figures(size, stats.step_seconds,
+                                               settled(steps_at(stats.step_batch_sizes, size)),
                                                snapshots, progress.after_prefill) for size in curve]
     if counted:
         figures["kv_transfer"].update({"prefill": _numeric_delta(progress.after_prefill, start_transfers),
