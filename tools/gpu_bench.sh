@@ -20,12 +20,9 @@
 #   memory          GPU peak and host RSS of offloaded runs at 32K, 128K and 512K                             ~6 min
 #   capacity        the longest context the default host pool holds (prefill alone ~6 min)                    ~10 min
 #   hierarchy       KV memory hierarchy: Qwen3-4B 128K full decode with the GPU block cache off / auto and the
-#                   fp8 host tier; batched Quest (quest_2k, every layer selecting) at 122,880 tokens on Llama-3.1-8B
-#                   dims, batch 1 / 2 / 4, beside full attention at batch 4                                   ~8 min
+#                   fp8 host tier; full attention at 122,880 tokens on Llama-3.1-8B dims, batch 4             ~6 min
 #   hierarchy_512k  Qwen3-4B 512K full decode with the GPU block cache off / auto (each prefill ~3 min)       ~9 min
-#   hierarchy_batch the batched Quest curve's wide end: fp8 host tier at 122,880 tokens, batch 8 / 12 beside
-#                   full at batch 8 (122K x 24 sequences needs 183 GiB of fp8 host KV: more than a 125 GiB host),
-#                   and batch 24 at 32K (batch 12 last: the first row a tight limit drops)                             ~9 min
+#   hierarchy_batch full attention at 122,880 tokens, batch 8, fp8 host tier, cache off (Llama-3.1-8B dims)  ~3 min
 #   hierarchy_curve batched Quest (quest_2k, every layer selecting) beside full attention, Llama-3.1-8B dims, fp8
 #                   host tier + GPU block cache auto, 256-token host blocks (CURVE_BLOCK_SIZE: the 2,048-token
 #                   budget is the sink, the newest block and 6 chosen ones), each curve from one prefill
@@ -247,8 +244,8 @@ print(min(${CAPACITY_CAP:-786432}, (pool_tokens - 16384) // 16384 * 16384))")
         task.context="$ctx" task.decode_steps=16
 }
 
-section_hierarchy() {  # GPU block cache off / auto, fp8 host tier, batched Quest decode against full attention
-    local steps="${DECODE_STEPS:-16}" ctx="${HIER_CONTEXT:-131072}" bctx="${HIER_BATCH_CONTEXT:-122880}" b
+section_hierarchy() {  # GPU block cache off / auto, fp8 host tier, a batch of full attention at 122K
+    local steps="${DECODE_STEPS:-16}" ctx="${HIER_CONTEXT:-131072}" bctx="${HIER_BATCH_CONTEXT:-122880}"
     local C=(offload=cpu task.context="$ctx" task.decode_steps="$steps")
     # batch 1 with the cache off: the offloaded decode path against the offload section's figure (no regression)
     VS=offload/cpu-128k-hf bench hierarchy cpu-128k-cache-off "${MODEL[@]}" "${C[@]}" offload.gpu_cache_gib=0
@@ -257,13 +254,9 @@ section_hierarchy() {  # GPU block cache off / auto, fp8 host tier, batched Ques
     # fp8 host blocks: half the bytes per step (the record's decode_h2d_bytes_per_step, decode_pcie_floor_ms)
     VS=hierarchy/cpu-128k-cache-off bench hierarchy cpu-128k-fp8 "${MODEL[@]}" "${C[@]}" offload.gpu_cache_gib=0 \
         offload.host_dtype=float8_e4m3fn
-    # batched Quest at ~122K (ShadowKV's shape), every layer selecting; full attention beside the widest batch
-    local Q=("${LLAMA[@]}" offload=cpu task.context="$bctx" task.decode_steps="$steps" offload.gpu_cache_gib=auto)
-    BENCH_TIMEOUT=200 bench hierarchy "llama-122k-full-b4" "${Q[@]}" task.batch_size=4
-    for b in 1 2 4; do
-        VS=hierarchy/llama-122k-full-b4 BENCH_TIMEOUT=200 bench hierarchy "llama-122k-quest-b$b" "${Q[@]}" \
-            policy=quest_2k policy.dense_layers=0 task.batch_size=$b
-    done
+    # full attention at ~122K (ShadowKV's shape), batch 4, 1,024-token blocks (batched Quest: hierarchy_curve)
+    BENCH_TIMEOUT=200 bench hierarchy "llama-122k-full-b4" "${LLAMA[@]}" offload=cpu task.context="$bctx" \
+        task.decode_steps="$steps" offload.gpu_cache_gib=auto task.batch_size=4
 }
 
 section_hierarchy_512k() {  # 512K full decode (72 GiB of host KV): the GPU block cache holds part of it
@@ -274,18 +267,11 @@ section_hierarchy_512k() {  # 512K full decode (72 GiB of host KV): the GPU bloc
         offload.gpu_cache_gib=auto
 }
 
-section_hierarchy_batch() {  # wide batches: the fp8 host tier holds twice the sequences (15.0 -> 7.5 GiB each at 122K)
-    local steps="${DECODE_STEPS:-8}" bctx="${HIER_BATCH_CONTEXT:-122880}" wctx="${HIER_WIDE_CONTEXT:-32768}" b
-    local F=("${LLAMA[@]}" offload=cpu task.decode_steps="$steps" offload.gpu_cache_gib=0
-             offload.host_dtype=float8_e4m3fn)
-    # the widest batch last: it is the row a tight time limit drops
-    VS=hierarchy/llama-122k-fp8-full-b8 BENCH_TIMEOUT=240 bench hierarchy "llama-122k-fp8-quest-b8" "${F[@]}" \
-        task.context="$bctx" policy=quest_2k policy.dense_layers=0 task.batch_size=8
-    BENCH_TIMEOUT=200 bench hierarchy "llama-122k-fp8-full-b8" "${F[@]}" task.context="$bctx" task.batch_size=8
-    VS=hierarchy/llama-122k-quest-b4 BENCH_TIMEOUT=150 bench hierarchy "llama-32k-quest-b24" "${LLAMA[@]}" offload=cpu \
-        task.context="$wctx" task.decode_steps="$steps" policy=quest_2k policy.dense_layers=0 task.batch_size=24
-    VS=hierarchy/llama-122k-fp8-full-b8 BENCH_TIMEOUT=240 bench hierarchy "llama-122k-fp8-quest-b12" "${F[@]}" \
-        task.context="$bctx" policy=quest_2k policy.dense_layers=0 task.batch_size=12
+section_hierarchy_batch() {  # the fp8 host tier holds twice the sequences (15.0 -> 7.5 GiB each at 122K): full
+    # attention at batch 8 with the cache off (batched Quest: hierarchy_curve, on 256-token blocks)
+    local steps="${DECODE_STEPS:-8}" bctx="${HIER_BATCH_CONTEXT:-122880}"
+    BENCH_TIMEOUT=200 bench hierarchy "llama-122k-fp8-full-b8" "${LLAMA[@]}" offload=cpu task.decode_steps="$steps" \
+        offload.gpu_cache_gib=0 offload.host_dtype=float8_e4m3fn task.context="$bctx" task.batch_size=8
 }
 
 section_hierarchy_curve() {  # batched Quest beside full attention, batch 1 up, each curve from one prefill
