@@ -26,11 +26,11 @@
 #   hierarchy_curve batched Quest (quest_2k, every layer selecting) beside full attention, Llama-3.1-8B dims, fp8
 #                   host tier + GPU block cache auto, 256-token host blocks (CURVE_BLOCK_SIZE: the 2,048-token
 #                   budget is the sink, the newest block and 6 chosen ones), each curve from one prefill
-#                   (task.batch_curve): 122,880 tokens at batch 1 / 2 / 4 / 6 / 8 and 32,768 at 1 / 4 / 8 / 16,
+#                   (task.batch_curve): 122,880 tokens at batch 1 / 4 / 6 / 8 / 10 and 32,768 at 1 / 4 / 8 / 16,
 #                   on CURVE_WEIGHTS (dummy_structured dummy) at CURVE_CONTEXTS (122880 32768), CURVE_SIZES (batch
-#                   sizes, e.g. [1,4,8,12]; default [1,2,4,6,8] at 122K, [1,4,8,16] at 32K), CURVE_POLICIES
-#                   (quest full); ~250 s per 122K curve (eight prefills), ~100 s at 32K (pinning the host pool:
-#                   ~1.3 GB/s)
+#                   sizes, e.g. [1,4,8,12]; default [1,4,6,8,10] at 122K, [1,4,8,16] at 32K), CURVE_POLICIES
+#                   (quest full), CURVE_TIMEOUT (540 s per row); ~300-330 s per 122K curve (ten prefills), ~100 s
+#                   at 32K (pinning the host pool: ~1.3 GB/s)
 #   capacity_fp8    the longest context the default host pool holds with the fp8 host tier (about 1.5M tokens
 #                   of Qwen3-4B on a 125 GiB host: prefill ~25 min, over a 10-minute limit; CAPACITY_CAP=868352
 #                   fits one)                                                                                  ~27 min
@@ -282,7 +282,7 @@ section_hierarchy_curve() {  # batched Quest beside full attention, batch 1 up, 
         local W=(model=llama3_8b model.load_format="$weights")
         [ -n "${BENCH_MODEL_ARGS:-}" ] && W=("${MODEL[@]}")
         for ctx in ${CURVE_CONTEXTS:-122880 32768}; do
-            curve="[1,2,4,6,8]"
+            curve="[1,4,6,8,10]"
             [ "$ctx" -le 32768 ] && curve="[1,4,8,16]"
             curve="${CURVE_SIZES:-$curve}"; top=$(tr -d '[]' <<< "$curve" | tr ',' '\n' | sort -n | tail -1)
             local C=(offload=cpu offload.host_dtype=float8_e4m3fn offload.gpu_cache_gib=auto task.context="$ctx"
@@ -290,10 +290,10 @@ section_hierarchy_curve() {  # batched Quest beside full attention, batch 1 up, 
                      task.decode_steps="$steps" task.batch_size=$top "task.batch_curve=$curve")
             row="llama-$((ctx / 1000))k-fp8-cache-$weights"
             [[ " ${CURVE_POLICIES:-quest full} " == *" quest "* ]] && VS="hierarchy/$row-full-curve" \
-                BENCH_TIMEOUT="${CURVE_TIMEOUT:-300}" bench hierarchy "$row-quest-curve" \
+                BENCH_TIMEOUT="${CURVE_TIMEOUT:-540}" bench hierarchy "$row-quest-curve" \
                 "${W[@]}" "${C[@]}" policy=quest_2k policy.dense_layers=0
             [[ " ${CURVE_POLICIES:-quest full} " == *" full "* ]] && \
-                BENCH_TIMEOUT="${CURVE_TIMEOUT:-300}" bench hierarchy "$row-full-curve" "${W[@]}" "${C[@]}" policy=full
+                BENCH_TIMEOUT="${CURVE_TIMEOUT:-540}" bench hierarchy "$row-full-curve" "${W[@]}" "${C[@]}" policy=full
         done
     done
     return 0
