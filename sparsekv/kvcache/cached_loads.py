@@ -59,6 +59,7 @@ class CachedLoads:
         _, loads = self.cache.lookup(layer, chosen, {})
         if loads:
             self._load_cache(layer, loads)
+            self.device_block_ids(self.cache.slot_table(layer, num_blocks))  # the table the capture will read
 
     def collect_device_counts(self) -> None:
         """Add what resolve_selected counted on the device to transfer_stats (a host sync; not for the hot path):

@@ -178,11 +178,17 @@ def test_engine_resolves_choices_against_the_cache_and_learns_them():
     stats = engine.cache_stats
     assert (stats["cache_hit_blocks"], stats["cache_miss_blocks"]) == (2 + 0, 2 + 2)  # lookup's 2 misses, then 2
     assert {10, 7} <= set(cache.slot_of[1])  # learnt: loaded into the cache by the eager call
-    engine.begin_step()
-    table = engine.resolve_selected(1, chosen, 12).tolist()
-    read(table)
-    assert not {slot for slot, block in zip(table, chosen.tolist()) if block >= 0} & set(staged)  # all in place
-    assert engine.cache_stats["cache_hit_blocks"] == 2 + 4
+    for capturing in (True, False):  # the capture that follows the eager step, then a later eager step
+        engine.begin_step()
+        if capturing:  # a capture makes no device list: the eager step made the learnt cache's table already
+            engine.start_capture(type("Capture", (), {"moved": {}, "fork_event": lambda self, stream: None})())
+        try:
+            table = engine.resolve_selected(1, chosen, 12).tolist()
+        finally:
+            engine.finish_capture() if capturing else None
+        read(table)
+        assert not {slot for slot, block in zip(table, chosen.tolist()) if block >= 0} & set(staged)  # in place
+    assert engine.cache_stats["cache_hit_blocks"] == 2 + 4 + 4
 
 
 @pytest.mark.gpu
