@@ -185,3 +185,26 @@ def test_choices_beyond_the_cache_read_hits_in_place_and_stage_misses(qwen3_ckpt
     assert not any(cache.staging) and cache.capacity == cache.slots_per_layer
     if graph != "eager":
         assert llm.engine.runner.graph_runner.replayed_steps > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", ["cudagraph", "segmented"])
+def test_gpu_choices_beyond_the_cache_under_graphs(qwen3_ckpt, graph):
+    """On CUDA with captured graphs (float32): Quest's choices resolved against a cache that cannot hold the batch
+    give the tokens of the run without a cache, and the steps replay their captures (no capture failed)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    prompts = [random_prompt(n, seed=n) for n in LONG]
+    gpu = ["device=cuda", "dtype=float32", f"graph={graph}"]
+    want = [o.token_ids for o in LLM(str(qwen3_ckpt), overrides=gpu + OFFLOAD + [NO_CACHE] + QUEST_CHOOSING).generate(
+        prompts, GREEDY)]
+    llm = LLM(str(qwen3_ckpt), overrides=gpu + OFFLOAD + ["offload.gpu_cache_gib=0.0004"] + QUEST_CHOOSING)
+    cache = llm.engine.kv_store.engine.cache
+    assert 2 * 3 * 4 <= cache.slots_per_layer < sum(n // 16 for n in LONG)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    runner = llm.engine.runner.graph_runner
+    assert not runner.layouts.disabled and runner.replayed_steps > 0
+    stats = llm.engine.kv_store.transfer_stats
+    assert stats["cache_hit_blocks"] > 0 and stats["cache_miss_blocks"] > 0
