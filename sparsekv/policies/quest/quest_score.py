@@ -125,7 +125,7 @@ def _chunk_scores(BOUNDS, width, row, row_ok, m, inv_l, start, n, CHUNK: tl.cons
 def _quest_select_kernel(
     Q, KMAX, KMIN, IDS, NUM_VALID, SCRATCH, COUNTER, CHOSEN,
     stride_qr, stride_qh, stride_kb, stride_kh, stride_mb, stride_mh, stride_ir,
-    n_cols, scale, keep_middle,
+    n_cols, width, pwidth, scale, keep_middle,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
     CHUNK_P: tl.constexpr, HAS_COUNTS: tl.constexpr,
@@ -138,10 +138,8 @@ def _quest_select_kernel(
         n = tl.load(NUM_VALID + query).to(tl.int32)
     else:
         n = n_cols
-    # SCRATCH per query: scores [n], bounds [H, n], partial softmax max and sum [H, parts] each, in rows padded to
-    # multiples of 16 (width, pwidth) so that the last program's loads are vectorised
-    width = tl.cdiv(n_cols, 16) * 16
-    pwidth = tl.cdiv(parts, 16) * 16
+    # SCRATCH per query (launch_select sizes it): scores [n], bounds [H, n], partial softmax max and sum [H, parts]
+    # each, in rows padded to multiples of 16 (width, pwidth) so that the last program's loads are vectorised
     SCORES = SCRATCH + query.to(tl.int64) * ((KV_HEADS * GROUP + 1) * width + 2 * KV_HEADS * GROUP * pwidth)
     BOUNDS = SCORES + width
     PEAK = BOUNDS + KV_HEADS * GROUP * width
@@ -247,13 +245,13 @@ def launch_select(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, ids: 
     parts = cdiv(n, block_b)
     block_kv, block_g = next_power_of_2(kv_heads), max(2, next_power_of_2(group))
     chunk = max(2, (32 if triton_interpret() else SELECT_TILE) // (block_kv * block_g))  # small tiles: test chunking
-    width, pwidth = cdiv(n, 16) * 16, cdiv(parts, 16) * 16
+    width, pwidth = cdiv(n, 16) * 16, cdiv(parts, 16) * 16  # the kernel's scratch rows (see the kernel)
     scratch = alloc_output((rows * ((heads + 1) * width + 2 * heads * pwidth),), torch.float32, q.device)
     chosen = torch.empty((rows, keep), dtype=ids.dtype, device=q.device)  # the kernel writes every entry
     _quest_select_kernel[(kv_heads, parts, rows)](
         q, kmax, kmin, ids, ids if num_valid is None else num_valid, scratch, _counter(q.device, rows), chosen,
         q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), kmin.stride(0), kmin.stride(1), ids.stride(0),
-        n, float(scale), keep - 2,
+        n, width, pwidth, float(scale), keep - 2,
         KV_HEADS=kv_heads, GROUP=group, BLOCK_KV=block_kv, BLOCK_G=block_g, HEAD_DIM=dim, BLOCK_B=block_b,
         BLOCK_N=block_n, CHUNK_N=min(chunk, block_n), CHUNK_P=min(chunk, next_power_of_2(parts)),
         HAS_COUNTS=num_valid is not None, num_warps=NUM_WARPS,
