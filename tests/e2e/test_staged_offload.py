@@ -219,3 +219,25 @@ def test_gpu_choices_beyond_the_cache_under_graphs(qwen3_ckpt, graph):
     assert not runner.layouts.disabled and runner.replayed_steps > 0
     stats = llm.engine.kv_store.transfer_stats
     assert stats["cache_hit_blocks"] > 0 and stats["cache_miss_blocks"] > 0
+
+
+WIDE = [random_prompt(170 + (37 * i) % 80, seed=100 + i) for i in range(64)]  # 64 lengths: 10 to 15 full blocks
+
+
+@pytest.mark.parametrize("cache,path", [(NO_CACHE, "ring"), ("offload.gpu_cache_gib=0.0075", "resolved"),
+                                        ("offload.gpu_cache_gib=0.012", "cached")])
+def test_batch_of_64_mixed_lengths_equals_resident(qwen3_ckpt, cache, path, monkeypatch):
+    """Quest over 64 sequences of different lengths decoding together through each offloaded path (the ring, the
+    cache's resolve of device-side choices, the cache holding the whole batch) gives the GPU-resident tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    wide = ["scheduler.max_num_seqs=64", *QUEST_CHOOSING]
+    resident = LLM(str(qwen3_ckpt), overrides=CPU + ["offload.block_size=16", *wide]).generate(WIDE, params)
+    resolved: list[bool] = []
+    original = OffloadEngine.resolve_selected
+    monkeypatch.setattr(OffloadEngine, "resolve_selected",
+                        lambda self, *args: (lambda table: resolved.append(table is not None) or table)(
+                            original(self, *args)))
+    llm = LLM(str(qwen3_ckpt), overrides=CPU + OFFLOAD + [cache, *wide])
+    assert [o.token_ids for o in llm.generate(WIDE, params)] == [o.token_ids for o in resident]
+    assert max(llm.engine.stats.step_batch_sizes) == 64
+    assert any(resolved) == (path == "resolved")
