@@ -224,11 +224,11 @@ def test_gpu_choices_beyond_the_cache_under_graphs(qwen3_ckpt, graph):
 WIDE = [random_prompt(170 + (37 * i) % 80, seed=100 + i) for i in range(64)]  # 64 lengths: 10 to 15 full blocks
 
 
-@pytest.mark.parametrize("cache,path", [(NO_CACHE, "ring"), ("offload.gpu_cache_gib=0.0075", "resolved"),
-                                        ("offload.gpu_cache_gib=0.012", "cached")])
+@pytest.mark.parametrize("cache,path", [(NO_CACHE, "ring"), ("offload.gpu_cache_gib=0.0075", "resolved")])
 def test_batch_of_64_mixed_lengths_equals_resident(qwen3_ckpt, cache, path, monkeypatch):
-    """Quest over 64 sequences of different lengths decoding together through each offloaded path (the ring, the
-    cache's resolve of device-side choices, the cache holding the whole batch) gives the GPU-resident tokens."""
+    """Quest over 64 sequences of different lengths decoding together through the ring, and through the cache's
+    resolve of device-side choices, gives the GPU-resident tokens (the whole-batch cache path: batches of 5 and 8
+    above)."""
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     wide = ["scheduler.max_num_seqs=64", *QUEST_CHOOSING]
     resident = LLM(str(qwen3_ckpt), overrides=CPU + ["offload.block_size=16", *wide]).generate(WIDE, params)
