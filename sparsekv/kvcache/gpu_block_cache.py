@@ -129,13 +129,12 @@ class GpuBlockCache:
                 old = sorted((last_used[s], s) for s in range(first, first + self.slots_per_layer)
                              if block_in[s] >= 0 and last_used[s] < step)[:need - len(taken)]
                 for _, slot in old:
-                    del self.slot_of[layer][block_in[slot]]
-                    self.stats["cache_evicted_blocks"] += 1
+                    self._evict(layer, slot)
                 taken += [slot for _, slot in old]
             for slot in taken:
                 self.block_in[slot], self.last_used[slot] = STAGING, PINNED
             held += taken
-            self.epoch += 1
+            self.epoch += 1  # the region changed even where only free slots were taken
             if len(held) < n:
                 return None
         return held[:n]
@@ -208,12 +207,15 @@ class GpuBlockCache:
                 slot = oldest
         if slot is None:
             return None
-        old = self.block_in[slot]
-        if old >= 0:
-            del self.slot_of[layer][old]
-            self.epoch += 1
-            self.stats["cache_evicted_blocks"] += 1
+        if self.block_in[slot] >= 0:
+            self._evict(layer, slot)
         self.block_in[slot] = block
         self.slot_of[layer][block] = slot
         self.last_used[slot] = step
         return slot
+
+    def _evict(self, layer: int, slot: int) -> None:
+        """The slot's host block leaves the cache (the caller gives the slot another use)."""
+        del self.slot_of[layer][self.block_in[slot]]
+        self.epoch += 1
+        self.stats["cache_evicted_blocks"] += 1
