@@ -38,7 +38,7 @@ def batched_decode_attention(engine: OffloadEngine, layer: int, q: torch.Tensor,
         raise RuntimeError(f"batched offloaded decode: layer {layer}'s GPU block cache could not hold the batch's "
                            f"{len(slots)} blocks")
     if selections is None:
-        table, lengths = _host_table(engine, blocks, slots)
+        table, lengths = _host_table(engine, _split(slots, blocks))
     else:
         table, lengths = _device_table(engine, flat, slots, selections)
     return _attend_cache(engine, q, scale, table, lengths, decode_slots, tail_lengths)
@@ -59,19 +59,38 @@ def selected_decode_attention(engine: OffloadEngine, layer: int, q: torch.Tensor
     return _attend_cache(engine, q, scale, table, lengths, decode_slots, tail_lengths)
 
 
+def cached_partial(engine: OffloadEngine, layer: int, q: torch.Tensor, scale: float, attended: list[list[int]]
+                   ) -> tuple[list[list[int]], tuple[torch.Tensor, torch.Tensor] | None]:
+    """The part of host-known block lists the GPU block cache holds (misses loaded where it can take them), attended
+    in one paged call: (per sequence the blocks it could not take, to read through the ring; (o [B, H, D],
+    lse [H, B]) of the cached part, None when it holds none)."""
+    slots = engine.cache_slots(layer, [block for chosen in attended for block in chosen])
+    rows = _split(slots, attended)
+    rest = [[block for block, slot in zip(chosen, row) if slot is None] for chosen, row in zip(attended, rows)]
+    held = [[slot for slot in row if slot is not None] for row in rows]
+    if not any(held):
+        return rest, None
+    return rest, _cache_partial(engine, q, scale, *_host_table(engine, held))
+
+
 def _attend_cache(engine: OffloadEngine, q: torch.Tensor, scale: float, table: torch.Tensor, lengths: torch.Tensor,
                   decode_slots: torch.Tensor, tail_lengths: torch.Tensor) -> torch.Tensor:
     """Paged attention of every sequence over its row of cache slots ([B * W] slot ids, [B] key counts), merged
     with its unfinished block's -> [B, H, D]."""
+    o_cached, lse_cached = _cache_partial(engine, q, scale, table, lengths)
+    o_tail, lse_tail = tail_attention(engine, q, scale, decode_slots, tail_lengths)
+    return merge_attention_outputs(o_cached, lse_cached, o_tail, lse_tail)[0]
+
+
+def _cache_partial(engine: OffloadEngine, q: torch.Tensor, scale: float, table: torch.Tensor, lengths: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged attention over rows of cache slots ([B * W] slot ids, [B] key counts) -> (o [B, H, D], lse [H, B])."""
     batch = q.shape[0]
     width = table.shape[0] // batch
     cache = engine.cache
     scales = cache.slot_scales(0, cache.num_slots)  # fp8 host tier: the cache's scales, dequantized on load
-    o_cached, lse_cached = paged_decode_attention(q, cache.k, cache.v, table.view(batch, width), lengths, scale,
-                                                  max_context_len=width * engine.block_size,
-                                                  scales=scales)  # [B, H, D], [H, B]
-    o_tail, lse_tail = tail_attention(engine, q, scale, decode_slots, tail_lengths)
-    return merge_attention_outputs(o_cached, lse_cached, o_tail, lse_tail)[0]
+    return paged_decode_attention(q, cache.k, cache.v, table.view(batch, width), lengths, scale,
+                                  max_context_len=width * engine.block_size, scales=scales)
 
 
 def tail_attention(engine: OffloadEngine, q: torch.Tensor, scale: float, decode_slots: torch.Tensor,
@@ -83,15 +102,20 @@ def tail_attention(engine: OffloadEngine, q: torch.Tensor, scale: float, decode_
                                   max_context_len=bs)
 
 
-def _host_table(engine: OffloadEngine, blocks: list[list[int]], slots: list[int]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every block of every sequence: ([B * W] slot ids, [B] key counts) on the device, one copy."""
-    width = max(1, max(map(len, blocks)))
-    table, start = [], 0
-    for seq_blocks in blocks:
-        table += slots[start:start + len(seq_blocks)] + [0] * (width - len(seq_blocks))
-        start += len(seq_blocks)
-    ids = engine.device_block_ids(table + [len(seq_blocks) * engine.block_size for seq_blocks in blocks])
+def _split(flat: list, lists: list[list[int]]) -> list[list]:
+    """`flat` cut into one row per list of `lists`, as long as that list."""
+    rows, start = [], 0
+    for chosen in lists:
+        rows.append(flat[start:start + len(chosen)])
+        start += len(chosen)
+    return rows
+
+
+def _host_table(engine: OffloadEngine, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence a row of cache slots: ([B * W] slot ids padded with 0, [B] key counts) on the device, one copy."""
+    width = max(1, max(map(len, rows)))
+    table = [slot for row in rows for slot in row + [0] * (width - len(row))]
+    ids = engine.device_block_ids(table + [len(row) * engine.block_size for row in rows])
     return ids[:len(table)], ids[len(table):]
 
 

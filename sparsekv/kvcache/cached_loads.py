@@ -46,7 +46,20 @@ class CachedLoads:
                               block_ids, lut, stage, layer, table, self.device_counts)
         if self.fp8 is not None:
             self.fp8.gather_missing_scales(layer, block_ids, lut, stage, into=self.cache.scales)
+        if self.capture is None:
+            self._learn(layer, block_ids, num_blocks)
         return table
+
+    def _learn(self, layer: int, block_ids: torch.Tensor, num_blocks: int) -> None:
+        """An eager step (one not captured: the step before a capture, or every step without graphs) shows the
+        host its choices (a sync) and looks them up like a host list: the step's cached choices count as used,
+        the missing ones load into cache slots (evicting only blocks this step did not choose), so the replays
+        after the capture read them in place. Hits and misses were counted on the device already."""
+        chosen = [block for block in block_ids.tolist() if 0 <= block < num_blocks]
+        _, loads = self.cache.lookup(layer, chosen, {})
+        if loads:
+            self._load_cache(layer, loads)
+            self.device_block_ids(self.cache.slot_table(layer, num_blocks))  # the table the capture will read
 
     def collect_device_counts(self) -> None:
         """Add what resolve_selected counted on the device to transfer_stats (a host sync; not for the hot path):

@@ -47,11 +47,12 @@ class RingReader:
             for group, _ in loaded:
                 yield group
 
-    def scaled_groups(self, blocks: Sequence[int] | torch.Tensor,
-                      group_size: int | None = None) -> Iterator[tuple[KVGroup, Scales | None]]:
+    def scaled_groups(self, blocks: Sequence[int] | torch.Tensor, group_size: int | None = None,
+                      through_cache: bool = True) -> Iterator[tuple[KVGroup, Scales | None]]:
         """Like groups(), each group with its scales: fp8 host blocks come as fp8 K/V with their [n, KVH] K and V
-        scales, model-dtype ones with None."""
-        return self._groups(blocks, group_size, scaled=True)
+        scales, model-dtype ones with None. through_cache=False: a host list goes straight from the host into the
+        ring (the caller read what the GPU block cache holds already)."""
+        return self._groups(blocks, group_size, scaled=True, through_cache=through_cache)
 
     def resident(self, blocks: Sequence[int]) -> KVGroup | None:
         """The longest leading run of `blocks` the GPU block cache holds in consecutive slots, in this order, as one
@@ -66,11 +67,12 @@ class RingReader:
             k, v = engine.fp8.dequantized(k, v, scales)
         return KVGroup(list(blocks[:m]), k, v)
 
-    def _groups(self, blocks, group_size: int | None, scaled: bool) -> Iterator[tuple[KVGroup, Scales | None]]:
+    def _groups(self, blocks, group_size: int | None, scaled: bool,
+                through_cache: bool = True) -> Iterator[tuple[KVGroup, Scales | None]]:
         engine = self.engine
         if group_size is not None and not 1 <= group_size <= engine.num_slots:
             raise ValueError(f"group_size={group_size}: must be between 1 and the ring's {engine.num_slots} slots")
-        if engine.cache is not None and not isinstance(blocks, torch.Tensor):
+        if engine.cache is not None and through_cache and not isinstance(blocks, torch.Tensor):
             for k, v, scales, ids, first in engine.cached_block_groups(self.layer, list(blocks), group_size):
                 if scales is not None and not scaled:  # fp8: dequantized for readers that want the model dtype
                     k, v = (engine.fp8.dequantized_slots(engine.k_slots, engine.v_slots, first, len(ids))

@@ -2,8 +2,9 @@
 
 The batch's attended blocks of a layer (every full block of each sequence, or each sequence's selection) are one
 list, sequence after sequence, read through the ring by one reader call: copy engines for a host list (the next
-group loads on the copy stream while this one is attended; with a GPU block cache its cached blocks come device to
-device), the gather kernel for device-side selections. Each ring group is a small paged pool: one paged decode
+group loads on the copy stream while this one is attended), the gather kernel for device-side selections. With a
+GPU block cache, the part of host lists it holds is attended first, in one paged call over the cache
+(batched_decode.cached_partial), and only the blocks it could not take go through the ring. Each ring group is a small paged pool: one paged decode
 call attends every sequence's blocks inside the group (a sequence with none there has length 0), and the group's
 partial merges into the running output by log-sum-exp, starting from the unfinished blocks' partial.
 
@@ -18,7 +19,7 @@ from itertools import accumulate
 import torch
 
 from sparsekv.kernels import merge_attention_outputs, paged_decode_attention
-from sparsekv.kvcache.batched_decode import tail_attention
+from sparsekv.kvcache.batched_decode import cached_partial, tail_attention
 from sparsekv.kvcache.reader import RingReader
 
 
@@ -30,15 +31,20 @@ def staged_decode_attention(reader: RingReader, q: torch.Tensor, scale: float, b
     blocks to attend (host ids as a list or a device tensor), None: all of them -> attention [B, H, D]."""
     engine = reader.engine
     attended = blocks if selections is None else selections
-    counts = [len(chosen) for chosen in attended]
     out, lse = tail_attention(engine, q, scale, decode_slots, tail_lengths)  # [B, H, D], [H, B]
+    if engine.cache is not None and not any(isinstance(chosen, torch.Tensor) for chosen in attended):
+        attended, held = cached_partial(engine, reader.layer, q, scale, attended)  # the ring reads the rest
+        if held is not None:
+            out, lse = merge_attention_outputs(out, lse, *held)
+    counts = [len(chosen) for chosen in attended]
     if not any(counts):
         return out
     starts = [0, *accumulate(counts)][:-1]  # where each sequence's blocks begin in the flat list
     position = 0
     # host lists: half the ring per group, so one group loads while the other is attended
     # fp8 host tier: groups stay fp8, the paged kernel dequantizes them on load by their scales
-    for group, scales in reader.scaled_groups(_flat(engine, attended), group_size=max(1, engine.num_slots // 2)):
+    for group, scales in reader.scaled_groups(_flat(engine, attended), group_size=max(1, engine.num_slots // 2),
+                                              through_cache=False):
         n = len(group.ids)
         table, lengths, width = _group_table(engine, starts, counts, position, n)
         k = group.k.unflatten(0, (n, engine.block_size))  # [n, block_size, KVH, D]: the group as a paged pool

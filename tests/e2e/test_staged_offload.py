@@ -72,7 +72,7 @@ def test_staged_batch_equals_resident_and_cache(qwen3_ckpt, policy, batch, stage
 
 
 @pytest.mark.parametrize("policy", [[], QUEST], ids=["full", "quest"])
-def test_cache_too_small_for_the_batch_goes_through_the_ring(qwen3_ckpt, policy, staged_calls):
+def test_cache_too_small_for_the_batch_goes_through_the_ring(qwen3_ckpt, policy, staged_calls, monkeypatch):
     prompts = [random_prompt(n, seed=n) for n in LENGTHS]
     want = tokens(qwen3_ckpt, prompts, *OFFLOAD, NO_CACHE, *policy)
     calls, _ = staged_calls
@@ -81,9 +81,20 @@ def test_cache_too_small_for_the_batch_goes_through_the_ring(qwen3_ckpt, policy,
     cache = llm.engine.kv_store.engine.cache
     full_blocks = sum(n // 16 for n in LENGTHS)
     assert cache is not None and 0 < cache.slots_per_layer < full_blocks
+    ring_blocks: list[int] = []  # blocks each staged call read through the ring
+    stream = OffloadEngine.stream_block_groups
+
+    def streamed(self, layer, cpu_blocks, group_size=None):
+        ring_blocks.append(len(cpu_blocks))
+        return stream(self, layer, cpu_blocks, group_size)
+
+    monkeypatch.setattr(OffloadEngine, "stream_block_groups", streamed)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
     assert max(calls) == len(prompts)
-    assert llm.engine.kv_store.transfer_stats["cache_hit_blocks"] > 0  # the ring took cached blocks from the cache
+    stats = llm.engine.kv_store.transfer_stats
+    assert stats["cache_hit_blocks"] > 0  # what the cache holds is attended in place, in one call
+    if not policy:  # full attention: only the blocks the cache could not take went through the ring
+        assert 0 < sum(ring_blocks) <= stats["cache_overflow_blocks"] and max(ring_blocks) < full_blocks
 
 
 @pytest.mark.parametrize("policy", [[], QUEST], ids=["full", "quest"])

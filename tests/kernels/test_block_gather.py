@@ -146,6 +146,51 @@ def test_engine_gathers_groups_through_the_ring():
     assert engine.transfer_stats["h2d_bytes"] == 2 * len(chosen) * block_size * kvh * dim * 2
 
 
+@pytest.mark.usefixtures("triton_kernels")
+def test_engine_resolves_choices_against_the_cache_and_learns_them():
+    """resolve_selected: cached choices are read where they are, missing ones staged from the host, both counted on
+    the device; an eager call then loads the missing ones into the cache, so the same choice next step is all hits."""
+    layers, block_size, kvh, dim = 2, 4, 2, 8
+    host = HostPool(layers, 40, block_size, kvh, dim, torch.bfloat16, pin_memory=DEV.type == "cuda",
+                    slab_bytes=3 * block_size * kvh * dim * 2 * layers)  # 3 blocks per slab
+    host.ensure_capacity(12)
+    for slab in host.k_slabs + host.v_slabs:
+        slab.copy_(torch.randn(slab.shape).to(slab.dtype))
+    engine = OffloadEngine(host, num_gpu_blocks=2, prefill_tokens=8, max_num_seqs=1, device=DEV,
+                           cache_slots_per_layer=10)
+    cache = engine.cache
+    engine.begin_step()
+    engine.cache_slots(1, [3, 4])  # cached before: 3 and 4
+    chosen = torch.tensor([4, 10, -1, 3, 7], device=DEV)  # -1: a padded row entry
+
+    def read(table):
+        for i, block in enumerate(chosen.tolist()):
+            if block >= 0:
+                host_k, host_v = host.block(1, block)
+                assert torch.equal(cache.k[table[i]].cpu(), host_k) and torch.equal(cache.v[table[i]].cpu(), host_v)
+
+    engine.begin_step()
+    table = engine.resolve_selected(1, chosen, 12).tolist()
+    read(table)
+    assert table[0] == cache.slot_of[1].get(4) is not None and table[3] == cache.slot_of[1][3]
+    staged = cache.staging[1]
+    assert len(staged) == 5 and table[1] in staged and table[4] in staged
+    stats = engine.cache_stats
+    assert (stats["cache_hit_blocks"], stats["cache_miss_blocks"]) == (2 + 0, 2 + 2)  # lookup's 2 misses, then 2
+    assert {10, 7} <= set(cache.slot_of[1])  # learnt: loaded into the cache by the eager call
+    for capturing in (True, False):  # the capture that follows the eager step, then a later eager step
+        engine.begin_step()
+        if capturing:  # a capture makes no device list: the eager step made the learnt cache's table already
+            engine.start_capture(type("Capture", (), {"moved": {}, "fork_event": lambda self, stream: None})())
+        try:
+            table = engine.resolve_selected(1, chosen, 12).tolist()
+        finally:
+            engine.finish_capture() if capturing else None
+        read(table)
+        assert not {slot for slot, block in zip(table, chosen.tolist()) if block >= 0} & set(staged)  # in place
+    assert engine.cache_stats["cache_hit_blocks"] == 2 + 4 + 4
+
+
 @pytest.mark.gpu
 def test_gpu_real_size_gather_is_exact_and_never_syncs():
     """Qwen3-4B block layout (1024 tokens, 8 KV heads, D=128, bf16) in pinned slabs: the kernel reads the pinned
