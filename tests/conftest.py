@@ -56,6 +56,14 @@ def make_checkpoint(path: Path, arch: str = "qwen3", *, tie: bool = True, dtype=
     return path
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker takes its share of the cores: workers that each start a thread per core
+    oversubscribe the machine and run slower together than alone."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need a CUDA device: without one they are skipped, so a test needs only the marker."""
     if torch.cuda.is_available():
