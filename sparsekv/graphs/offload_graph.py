@@ -96,16 +96,34 @@ class LayoutGraphs:
                         "A policy whose block choice needs the host should set decode_graph_safe=False", error)
             return
         layout = self.store.decode_layout(self._seqs)  # the eager run and the capture may have filled the cache
-        self.graphs[layout] = ([replay for replay, _ in captured], moved)
+        replays = [replay for replay, _ in captured]
+        if self.emulate:  # nothing ran in the capture: the first replay records what a capture would
+            first = [True]
+            replays = [functools.partial(self._emulated_replay, replay, moved, first, i == len(replays) - 1)
+                       for i, replay in enumerate(replays)]
+        self.graphs[layout] = (replays, moved)
         while len(self.graphs) > self.MAX_LAYOUTS:
             self.graphs.popitem(last=False)
         self.stats["layout_captures"] += 1
         self.stats["layout_capture_seconds"] += time.perf_counter() - start
 
+    def _emulated_replay(self, replay: Callable[[], None], moved: dict[str, int], first: list[bool],
+                         last: bool) -> None:
+        """An emulated replay runs the step's Python again, seen by the store as a capture, as a real capture sees
+        it: no new device list may be needed, no host-side cache learning, transfers counted into the capture. The
+        layout's first replay counts them into `moved`, which replaying() adds to the engine's at every replay."""
+        capture = OffloadStepCapture()
+        with self.store.capturing(capture):
+            replay()
+        if first[0]:
+            for key, value in capture.moved.items():
+                moved[key] = moved.get(key, 0) + value
+            first[0] = not last
+
     @contextlib.contextmanager
     def replaying(self, entry: tuple):
         """Yields the entry's replays: ordered after pending offloads, later ring loads ordered after them, and
-        their captured transfer counts added to the engine's (emulated, the replays run the Python and count)."""
+        their captured transfer counts added to the engine's."""
         replays, moved = entry
         issued = self.store.offloads_issued()
         if issued != self.replayed_offloads:
