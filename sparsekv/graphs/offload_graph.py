@@ -17,9 +17,9 @@ and drops the graphs of older layouts. Per block of decode: two eager steps and 
 
 The graphs of a layout have a memory pool of their own, released with them (the caching allocator returns a
 dropped pool's memory only on empty_cache, which the step that drops the graphs calls): at most
-LayoutGraphs.MAX_LAYOUTS layouts are kept (a batch whose sequences fill blocks at different steps cycles through layouts), and forgetting the
-device-side id lists (OffloadKVStore.forget_device_ids) changes every layout, so no graph reading freed lists ever
-replays. Replays are ordered after pending offloads (their loads read those host blocks) and later ring loads
+LayoutGraphs.MAX_LAYOUTS layouts are kept (a batch whose sequences fill blocks at different steps cycles through
+layouts), and forgetting the device-side id lists (OffloadKVStore.forget_device_ids) changes every layout, so no
+graph reading freed lists ever replays. Replays are ordered after pending offloads (their loads read those host blocks) and later ring loads
 after the replay (OffloadKVStore.order_after_offloads / replayed); a replay adds the transfers its capture counted
 (OffloadStepCapture.moved) to the store's transfer_stats. LayoutGraphs is shared with graph.mode=segmented, which
 captures each whole layer per layout the same way.

@@ -4,9 +4,10 @@ The batch's attended blocks of a layer (every full block of each sequence, or ea
 list, sequence after sequence, read through the ring by one reader call: copy engines for a host list (the next
 group loads on the copy stream while this one is attended), the gather kernel for device-side selections. With a
 GPU block cache, the part of host lists it holds is attended first, in one paged call over the cache
-(batched_decode.cached_partial), and only the blocks it could not take go through the ring. Each ring group is a small paged pool: one paged decode
-call attends every sequence's blocks inside the group (a sequence with none there has length 0), and the group's
-partial merges into the running output by log-sum-exp, starting from the unfinished blocks' partial.
+(batched_decode.cached_partial), and only the blocks it could not take go through the ring. Each ring group is a
+small paged pool: one paged decode call attends every sequence's blocks inside the group (a sequence with none there
+has length 0), and the group's partial merges into the running output by log-sum-exp, starting from the unfinished
+blocks' partial (and the cached part's).
 
 Where a sequence's blocks fall among the groups depends only on how many blocks each sequence attends, which the
 host knows (a device selection's length is fixed on the host), so every table is one cached device tensor per

@@ -148,8 +148,8 @@ def test_gpu_staged_batch_matches_resident(qwen3_ckpt, policy, graph, staged_cal
         pytest.skip("needs CUDA")
     prompts = [random_prompt(n, seed=n) for n in LENGTHS]
     gpu = ["device=cuda", "dtype=float32", f"graph={graph}"]
-    resident = [o.token_ids for o in LLM(str(qwen3_ckpt), overrides=gpu[:-1] + ["graph=auto", "offload=none", "offload.block_size=16"] + policy).generate(
-        prompts, GREEDY)]
+    resident_settings = gpu[:-1] + ["graph=auto", "offload=none", "offload.block_size=16"] + policy
+    resident = [o.token_ids for o in LLM(str(qwen3_ckpt), overrides=resident_settings).generate(prompts, GREEDY)]
     staged = [o.token_ids for o in LLM(str(qwen3_ckpt), overrides=gpu + OFFLOAD + [NO_CACHE] + policy).generate(
         prompts, GREEDY)]
     calls, _ = staged_calls
