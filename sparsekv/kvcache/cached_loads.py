@@ -47,19 +47,26 @@ class CachedLoads:
         if self.fp8 is not None:
             self.fp8.gather_missing_scales(layer, block_ids, lut, stage, into=self.cache.scales)
         if self.capture is None:
-            self._learn(layer, block_ids, num_blocks)
+            self._learn(layer, block_ids, table, num_blocks)
         return table
 
-    def _learn(self, layer: int, block_ids: torch.Tensor, num_blocks: int) -> None:
+    def _learn(self, layer: int, block_ids: torch.Tensor, table: torch.Tensor, num_blocks: int) -> None:
         """An eager step (one not captured: the step before a capture, or every step without graphs) shows the
-        host its choices (a sync) and looks them up like a host list: the step's cached choices count as used,
-        the missing ones load into cache slots (evicting only blocks this step did not choose), so the replays
-        after the capture read them in place. Hits and misses were counted on the device already."""
-        chosen = [block for block in block_ids.tolist() if 0 <= block < num_blocks]
-        _, loads = self.cache.lookup(layer, chosen, {})
-        if loads:
-            self._load_cache(layer, loads)
-            self.device_block_ids(self.cache.slot_table(layer, num_blocks))  # the table the capture will read
+        host its choices and their slots (a sync) and looks the choices up like a host list: the cached ones count
+        as used, the missing ones move from their staging slots into cache slots (device to device, evicting only
+        blocks this step did not choose), so the replays after the capture read them in place. Hits and misses
+        (the bytes that crossed PCIe) were counted on the device already."""
+        staged = {block: slot for block, slot in zip(block_ids.tolist(), table.tolist()) if 0 <= block < num_blocks}
+        _, loads = self.cache.lookup(layer, list(staged), {})
+        if not loads:
+            return
+        cache = self.cache
+        into = torch.tensor([slot for _, slot in loads], device=self.device)
+        staging = torch.tensor([staged[block] for block, _ in loads], device=self.device)
+        cache.kv[:, into] = cache.kv[:, staging]  # [2, n, block_size, KVH, D]
+        if cache.scales is not None:
+            cache.scales[:, into] = cache.scales[:, staging]  # [2, n, KVH]
+        self.device_block_ids(cache.slot_table(layer, num_blocks))  # the table the capture will read
 
     def collect_device_counts(self) -> None:
         """Add what resolve_selected counted on the device to transfer_stats (a host sync; not for the hot path):

@@ -22,7 +22,8 @@ Staging: a batch's device-side choices (Quest) are read against what the cache h
 host into a staging slot. reserve_staging(layer, n) sets n slots of the layer's region aside for that (taken like a
 miss's slot, at most half the region); they hold no host block, are never evicted, and go back with
 release_staging() when the store is idle. Such reads update last_used only in eager steps, which look the choices
-up on the host afterwards (OffloadEngine._learn) and so load the missing ones for the replays that follow.
+up on the host afterwards (OffloadEngine._learn) and so move the staged ones into cache slots for the replays that
+follow.
 
 Contents: blocks exactly as the host holds them (sparsekv/kvcache/host_quant.py). With the fp8 host tier a slot holds
 the block's fp8 K/V and `scales` holds its per-(block, KV head) float32 K and V scales, so a cached block is read by

@@ -149,7 +149,8 @@ def test_engine_gathers_groups_through_the_ring():
 @pytest.mark.usefixtures("triton_kernels")
 def test_engine_resolves_choices_against_the_cache_and_learns_them():
     """resolve_selected: cached choices are read where they are, missing ones staged from the host, both counted on
-    the device; an eager call then loads the missing ones into the cache, so the same choice next step is all hits."""
+    the device; an eager call then moves the missing ones from staging into the cache, so the same choice next step
+    is all hits."""
     layers, block_size, kvh, dim = 2, 4, 2, 8
     host = HostPool(layers, 40, block_size, kvh, dim, torch.bfloat16, pin_memory=DEV.type == "cuda",
                     slab_bytes=3 * block_size * kvh * dim * 2 * layers)  # 3 blocks per slab
@@ -177,7 +178,8 @@ def test_engine_resolves_choices_against_the_cache_and_learns_them():
     assert len(staged) == 5 and table[1] in staged and table[4] in staged
     stats = engine.cache_stats
     assert (stats["cache_hit_blocks"], stats["cache_miss_blocks"]) == (2 + 0, 2 + 2)  # lookup's 2 misses, then 2
-    assert {10, 7} <= set(cache.slot_of[1])  # learnt: loaded into the cache by the eager call
+    assert {10, 7} <= set(cache.slot_of[1])  # learnt: moved into the cache by the eager call
+    assert engine.transfer_stats["h2d_blocks"] == 2 + 2  # from their staging slots: no second trip over PCIe
     for capturing in (True, False):  # the capture that follows the eager step, then a later eager step
         engine.begin_step()
         if capturing:  # a capture makes no device list: the eager step made the learnt cache's table already
