@@ -19,10 +19,10 @@ The graphs of a layout have a memory pool of their own, released with them (the 
 dropped pool's memory only on empty_cache, which the step that drops the graphs calls): at most
 LayoutGraphs.MAX_LAYOUTS layouts are kept (a batch whose sequences fill blocks at different steps cycles through
 layouts), and forgetting the device-side id lists (OffloadKVStore.forget_device_ids) changes every layout, so no
-graph reading freed lists ever replays. Replays are ordered after pending offloads (their loads read those host blocks) and later ring loads
-after the replay (OffloadKVStore.order_after_offloads / replayed); a replay adds the transfers its capture counted
-(OffloadStepCapture.moved) to the store's transfer_stats. LayoutGraphs is shared with graph.mode=segmented, which
-captures each whole layer per layout the same way.
+graph reading freed lists ever replays. Replays are ordered after pending offloads (their loads read those host
+blocks) and later ring loads after the replay (OffloadKVStore.order_after_offloads / replayed); a replay adds the
+transfers its capture counted (OffloadStepCapture.moved) to the store's transfer_stats. LayoutGraphs is shared with
+graph.mode=segmented, which captures each whole layer per layout the same way.
 """
 from __future__ import annotations
 
@@ -97,28 +97,22 @@ class LayoutGraphs:
             return
         layout = self.store.decode_layout(self._seqs)  # the eager run and the capture may have filled the cache
         replays = [replay for replay, _ in captured]
-        if self.emulate:  # nothing ran in the capture: the first replay records what a capture would
-            first = [True]
-            replays = [functools.partial(self._emulated_replay, replay, moved, first, i == len(replays) - 1)
-                       for i, replay in enumerate(replays)]
+        if self.emulate:
+            replays = [functools.partial(self._emulated_replay, replay) for replay in replays]
         self.graphs[layout] = (replays, moved)
         while len(self.graphs) > self.MAX_LAYOUTS:
             self.graphs.popitem(last=False)
         self.stats["layout_captures"] += 1
         self.stats["layout_capture_seconds"] += time.perf_counter() - start
 
-    def _emulated_replay(self, replay: Callable[[], None], moved: dict[str, int], first: list[bool],
-                         last: bool) -> None:
+    def _emulated_replay(self, replay: Callable[[], None]) -> None:
         """An emulated replay runs the step's Python again, seen by the store as a capture, as a real capture sees
-        it: no new device list may be needed, no host-side cache learning, transfers counted into the capture. The
-        layout's first replay counts them into `moved`, which replaying() adds to the engine's at every replay."""
+        it: no new device list may be made and the cache learns nothing on the host. Nothing ran in the emulated
+        capture (its `moved` is empty), so the replay counts its transfers as it goes."""
         capture = OffloadStepCapture()
+        capture.moved = self.store.transfer_stats
         with self.store.capturing(capture):
             replay()
-        if first[0]:
-            for key, value in capture.moved.items():
-                moved[key] = moved.get(key, 0) + value
-            first[0] = not last
 
     @contextlib.contextmanager
     def replaying(self, entry: tuple):
