@@ -56,7 +56,8 @@ class CachedLoads:
         as used, the missing ones move from their staging slots into cache slots (device to device, evicting only
         blocks this step did not choose), so the replays after the capture read them in place. Hits and misses
         (the bytes that crossed PCIe) were counted on the device already."""
-        staged = {block: slot for block, slot in zip(block_ids.tolist(), table.tolist()) if 0 <= block < num_blocks}
+        chosen, slots = torch.stack((block_ids, table)).tolist()  # one sync
+        staged = {block: slot for block, slot in zip(chosen, slots) if 0 <= block < num_blocks}
         _, loads = self.cache.lookup(layer, list(staged), {})
         if not loads:
             return

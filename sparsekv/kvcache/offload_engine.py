@@ -26,8 +26,8 @@ go through cached_block_groups instead: blocks held in the cache are read in pla
 are one group), misses are loaded from the host into their cache slots, blocks the cache cannot take stream through
 the ring as before, and offloaded blocks are written through into the cache on the offload stream. A batch's
 device-side choices are resolved against the cache on the device (resolve_selected): hits read in place, misses
-gathered from the host into staging slots. With the fp8 host
-tier the cache holds fp8 blocks and their scales, as the ring does.
+gathered from the host into staging slots. With the fp8 host tier the cache holds fp8 blocks and their scales, as
+the ring does.
 """
 from __future__ import annotations
 
