@@ -37,8 +37,8 @@
 #   ruler_policies  model=probe, task=ruler at 4K / 16K / 32K (RULER_LENGTHS), RULER_SAMPLES (10) prompts per task
 #                   and length, offload none and cpu (RULER_OFFLOADS): full, quest at 1K / 2K / 4K tokens with the
 #                   default 2 dense layers and with every layer selecting, streaming_llm (the plugin in plugins/) at
-#                   2K tokens, minference, minference_band, xattn_bsa, xattn_bsa_090, at none MInference at
-#                   500 / 3,000 and 2,000 / 8,192 columns / diagonals and XAttention at threshold 0.8, and at cpu
+#                   2K tokens, minference (64-offset bands) and minference-diagonals (single diagonals), xattn_bsa,
+#                   xattn_bsa_090, at none MInference at 500 / 3,000 and 2,000 / 8,192 columns / diagonals and XAttention at threshold 0.8, and at cpu
 #                   Quest at 2K / 4K tokens with 256-token host blocks; then task=report over them; 15 runs at
 #                   none (40-100 s each, about 14 min on an H100), 14 at cpu (60-100 s, 17 min): two GPUs per
 #                   mode side by side, or RULER_ROWS split over more calls (RULER_TIMEOUT: 180 s per run) ~31 min
@@ -343,7 +343,7 @@ section_ruler_policies() {  # the policies judged on the probe: accuracy per tas
                "quest-$budget-all-layers|policy=quest policy.token_budget=$budget policy.dense_layers=0")
     done
     ROWS+=("streaming_llm-2048|policy=streaming_llm policy.sink_blocks=1 policy.recent_blocks=7"
-           "minference|policy=minference" "minference_band|policy=minference_band"
+           "minference|policy=minference" "minference-diagonals|policy=minference policy.slash_granularity=1"
            "xattn_bsa|policy=xattn_bsa" "xattn_bsa_090|policy=xattn_bsa_090")
     # the budgets around the prefill policies' defaults, resident only (their defaults are set from these rows)
     local NONE_ROWS=("minference-v500-s3000|policy=minference policy.vertical_size=500 policy.slash_size=3000"

@@ -232,7 +232,8 @@ def test_policy_density_is_the_kernel_count(monkeypatch):
     for backend in ("triton", "torch"):
         monkeypatch.setenv(_dispatch.ENV_BACKEND, backend)
         _dispatch._ACTIVE.clear()  # resolve the choice again under this backend
-        policy = MInferencePolicy(last_q=16, vertical_size=6, slash_size=10, sink_tokens=2, recent_diagonals=4)
+        policy = MInferencePolicy(last_q=16, vertical_size=6, slash_size=10, sink_tokens=2, recent_diagonals=4,
+                                  slash_granularity=1)
         policy.compute_prefill(q, k, v, 0, 0.25)
         vertical, slash = policy.estimate_pattern(q, k, 0.25)
         kept = vertical_slash_pair_count(n, S, S - n, vertical, slash).sum().item()
@@ -249,7 +250,8 @@ def test_chunked_policy_density_same_on_both_paths(monkeypatch):
     for backend in ("triton", "torch"):
         monkeypatch.setenv(_dispatch.ENV_BACKEND, backend)
         _dispatch._ACTIVE.clear()  # resolve the choice again under this backend
-        policy = MInferencePolicy(last_q=8, vertical_size=6, slash_size=8, sink_tokens=2, recent_diagonals=3)
+        policy = MInferencePolicy(last_q=8, vertical_size=6, slash_size=8, sink_tokens=2, recent_diagonals=3,
+                                  slash_granularity=1)
         _chunked_prefill(policy, q, k, v, 64, 16, 0.25, slots=2)
         densities[backend] = policy.last_density
     assert 0.0 < densities["triton"] == densities["torch"] < 0.8

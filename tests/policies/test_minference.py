@@ -392,7 +392,8 @@ def _planted(S: int, n: int, column: int, offset: int, d: int = 64, h: int = 2, 
 def test_planted_pattern_is_found_and_density_is_low():
     S, n, column, offset = 256, 160, 77, 41  # every query sees the column and its diagonal
     q, k, v = _planted(S, n, column, offset)
-    policy = MInferencePolicy(last_q=32, vertical_size=4, slash_size=6, sink_tokens=2, recent_diagonals=3)
+    policy = MInferencePolicy(last_q=32, vertical_size=4, slash_size=6, sink_tokens=2, recent_diagonals=3,
+                              slash_granularity=1)
     vertical, slash = policy.estimate_pattern(q.to(DEV), k.to(DEV), 1.0)
     assert (vertical == column).any(dim=1).all() and (slash == offset).any(dim=1).all()
     out = policy.compute_prefill(q.to(DEV), k.to(DEV), v.to(DEV), 0, 1.0).cpu()
@@ -457,7 +458,7 @@ def test_slash_budget_is_not_spent_on_a_selected_column():
     found = {}
     for exclude in (True, False):
         policy = MInferencePolicy(last_q=L, vertical_size=1, slash_size=3, sink_tokens=0, recent_diagonals=2,
-                                  slash_excludes_vertical=exclude)
+                                  slash_excludes_vertical=exclude, slash_granularity=1)
         vertical, slash = policy.estimate_pattern(q, k, 1.0)
         assert vertical.tolist() == [[column]]
         found[exclude] = offset in slash[0].tolist()
@@ -468,7 +469,8 @@ def test_slash_budget_is_not_spent_on_a_selected_column():
 def test_planted_pattern_through_the_offloaded_chunks(slots):
     S, n, column, offset = 192, 64, 20, 100  # column in the oldest block; the diagonal crosses 3 blocks
     q, k, v = _planted(S, n, column, offset, seed=1)
-    policy = MInferencePolicy(last_q=32, vertical_size=8, slash_size=8, sink_tokens=2, recent_diagonals=3)
+    policy = MInferencePolicy(last_q=32, vertical_size=8, slash_size=8, sink_tokens=2, recent_diagonals=3,
+                              slash_granularity=1)
     out = _chunked_prefill(policy, q, k, v, S - n, 32, 1.0, slots)
     dense, _ = flash_attn_with_lse_reference(q, k, v, 1.0, causal=True)
     assert policy.last_density < 0.25
@@ -489,10 +491,10 @@ def test_planted_band_through_the_offloaded_chunks():
 
 def test_small_budget_density_below_one():
     q, k, v = _qkv(160, 160, 2, 1, 16, seed=5)
-    policy = MInferencePolicy(vertical_size=10, slash_size=10, sink_tokens=4, recent_diagonals=4)
+    policy = MInferencePolicy(vertical_size=10, slash_size=10, sink_tokens=4, recent_diagonals=4, slash_granularity=1)
     policy.compute_prefill(q.to(DEV), k.to(DEV), v.to(DEV), 0, 0.25)
     assert 0.0 < policy.last_density < 0.2
-    adaptive = MInferencePolicy(adaptive_budget=0.5)
+    adaptive = MInferencePolicy(adaptive_budget=0.5, slash_granularity=1)
     adaptive.compute_prefill(q.to(DEV), k.to(DEV), v.to(DEV), 0, 0.25)
     assert policy.last_density < adaptive.last_density < 1.0
 
@@ -520,7 +522,8 @@ def test_engine_small_budget_runs_sparse(qwen3_ckpt, monkeypatch):
     llm = LLM(str(qwen3_ckpt), overrides=CPU + ["offload=cpu", "offload.block_size=16",
                                                 "offload.prefill_chunk_size=32", "policy=minference",
                                                 "policy.vertical_size=8", "policy.slash_size=8",
-                                                "policy.sink_tokens=4", "policy.recent_diagonals=4"])
+                                                "policy.sink_tokens=4", "policy.recent_diagonals=4",
+                                                "policy.slash_granularity=1"])
     out = llm.generate([random_prompt(70, seed=12)], GREEDY)[0]
     assert len(out.token_ids) == GREEDY.max_tokens
     assert llm.engine.policy.last_density < 0.8

@@ -67,7 +67,7 @@ def attention_calls(monkeypatch):
 
 
 def _policy(**overrides) -> MInferencePolicy:
-    fields = dict(last_q=16, vertical_size=24, slash_size=48, sink_tokens=4, recent_diagonals=8)
+    fields = dict(last_q=16, vertical_size=24, slash_size=48, sink_tokens=4, recent_diagonals=8, slash_granularity=1)
     return MInferencePolicy(**{**fields, **overrides})
 
 
@@ -146,7 +146,8 @@ def test_engine_with_a_gpu_block_cache_decodes_as_offload_none(qwen3_ckpt, monke
 
     monkeypatch.delenv(_dispatch.ENV_BACKEND, raising=False)  # references: the kernels are tested above
     common = ["device=cpu", "dtype=float32", "offload.block_size=16", "policy=minference", "policy.last_q=8",
-              "policy.vertical_size=8", "policy.slash_size=8", "policy.sink_tokens=4", "policy.recent_diagonals=4"]
+              "policy.vertical_size=8", "policy.slash_size=8", "policy.sink_tokens=4", "policy.recent_diagonals=4",
+              "policy.slash_granularity=1"]
     prompt, greedy = random_prompt(90, seed=13), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     resident = LLM(str(qwen3_ckpt), overrides=common + ["offload=none", "scheduler.max_num_batched_tokens=32"])
     expected = resident.generate([prompt], greedy)[0].token_ids

@@ -7,11 +7,11 @@ columns and the top `slash_size` diagonals (plus the first `sink_tokens` columns
 offsets next to the main diagonal, always kept), through vertical_slash_attention (vertical_slash.py beside this file).
 Decode is not sparse: the factory pairs this policy with `full` for decode.
 
-`slash_granularity` = 64 ranks whole bands of 64 offsets [64 b, 64 b + 63] by their summed diagonal mass and keeps
-the top ceil(slash_size / 64) bands (the bands holding the recent diagonals forced in). The kernel's cost is a key
-tile per query block and touched run of offsets: per-diagonal picks (granularity 1, MInference's own) scatter over
-hundreds of bands, band picks touch exactly the budget's bands, each one contiguous run that the kernel masks with
-two comparisons instead of selection bits.
+`slash_granularity` = 64 (the default) ranks whole bands of 64 offsets [64 b, 64 b + 63] by their summed diagonal
+mass and keeps the top ceil(slash_size / 64) bands (the bands holding the recent diagonals forced in). The kernel's
+cost is a key tile per query block and touched run of offsets: per-diagonal picks (granularity 1, MInference's own)
+scatter over hundreds of bands, band picks touch exactly the budget's bands, each one contiguous run that the kernel
+masks with two comparisons instead of selection bits.
 
 offload=none (compute_prefill): all keys are on the device, so the selection is MInference's own: softmax of
 the last-q scores over every key they may see, column sums and diagonal sums, top-k of each, computed by the fused
@@ -103,7 +103,9 @@ class MInferencePolicy(SparsePolicy):
     # the last_q diagonals it crosses, and the slash budget goes to mass that is already kept). Off by default: a
     # second estimate pass, measured slower end to end at 128K on structured dummy weights (docs/benchmarks.md)
     slash_excludes_vertical: bool = False
-    slash_granularity: int = 1  # 1: rank single diagonals; SLASH_BAND (64): rank whole 64-offset bands
+    # SLASH_BAND (64): rank whole 64-offset bands; 1: rank single diagonals (MInference's own). Bands score within
+    # a point of full attention on the probe at 32K and prefill 128K in half the time (docs/benchmarks.md)
+    slash_granularity: int = SLASH_BAND
 
     supports_prefill: ClassVar[bool] = True
     supports_decode: ClassVar[bool] = False
