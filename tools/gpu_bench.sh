@@ -156,22 +156,27 @@ section_decode() {  # GPU-resident, whole-step CUDA graphs, 4K context
     done
 }
 
+# The offload path itself: the GPU block cache off, so every step loads its KV over PCIe (the hierarchy sections
+# measure the cache)
+UNCACHED=(offload=cpu offload.gpu_cache_gib=0)
+
 section_offload() {  # full attention, KV in host memory; HF transformers beside the 32K and 128K rows
     local steps="${DECODE_STEPS:-16}"
-    bench offload cpu-8k "${MODEL[@]}" offload=cpu task.context=8192 task.decode_steps="$steps"
-    bench offload cpu-8k-segmented "${MODEL[@]}" offload=cpu graph=segmented task.context=8192 task.decode_steps="$steps"
-    BENCH_TIMEOUT=200 bench offload cpu-32k-hf "${MODEL[@]}" offload=cpu task.context=32768 \
+    bench offload cpu-8k "${MODEL[@]}" "${UNCACHED[@]}" task.context=8192 task.decode_steps="$steps"
+    bench offload cpu-8k-segmented "${MODEL[@]}" "${UNCACHED[@]}" graph=segmented task.context=8192 \
+        task.decode_steps="$steps"
+    BENCH_TIMEOUT=200 bench offload cpu-32k-hf "${MODEL[@]}" "${UNCACHED[@]}" task.context=32768 \
         task.decode_steps="$steps" task.baseline=true
-    BENCH_TIMEOUT=300 bench offload cpu-128k-hf "${MODEL[@]}" offload=cpu task.context=131072 \
+    BENCH_TIMEOUT=300 bench offload cpu-128k-hf "${MODEL[@]}" "${UNCACHED[@]}" task.context=131072 \
         task.decode_steps="${DECODE_STEPS:-8}" task.baseline=true
 }
 
 section_quest() {  # Quest at 128K against full offloaded decode in the same run
     local steps="${DECODE_STEPS:-16}"
-    bench quest cpu-128k-full "${MODEL[@]}" offload=cpu task.context=131072 task.decode_steps="$steps"
-    VS=quest/cpu-128k-full bench quest cpu-quest-128k-all-layers "${MODEL[@]}" offload=cpu policy=quest \
+    bench quest cpu-128k-full "${MODEL[@]}" "${UNCACHED[@]}" task.context=131072 task.decode_steps="$steps"
+    VS=quest/cpu-128k-full bench quest cpu-quest-128k-all-layers "${MODEL[@]}" "${UNCACHED[@]}" policy=quest \
         policy.token_budget=4096 policy.dense_layers=0 task.context=131072 task.decode_steps="$steps"
-    VS=quest/cpu-128k-full bench quest cpu-quest-128k-default "${MODEL[@]}" offload=cpu policy=quest \
+    VS=quest/cpu-128k-full bench quest cpu-quest-128k-default "${MODEL[@]}" "${UNCACHED[@]}" policy=quest \
         task.context=131072 task.decode_steps="$steps"
 }
 
@@ -227,9 +232,9 @@ section_quality() {  # the sparse prefill presets on planted inputs at 32K: dens
 }
 
 section_memory() {  # GPU memory stays flat while the context grows (offloaded); 512K pins ~72 GiB of host memory
-    bench memory cpu-32k "${MODEL[@]}" offload=cpu task.context=32768 task.decode_steps=4
-    bench memory cpu-128k "${MODEL[@]}" offload=cpu task.context=131072 task.decode_steps=4
-    BENCH_TIMEOUT=560 bench memory cpu-512k "${MODEL[@]}" offload=cpu task.context=524288 task.decode_steps=4
+    bench memory cpu-32k "${MODEL[@]}" "${UNCACHED[@]}" task.context=32768 task.decode_steps=4
+    bench memory cpu-128k "${MODEL[@]}" "${UNCACHED[@]}" task.context=131072 task.decode_steps=4
+    BENCH_TIMEOUT=560 bench memory cpu-512k "${MODEL[@]}" "${UNCACHED[@]}" task.context=524288 task.decode_steps=4
 }
 
 section_capacity() {  # the longest prompt the default host pool holds (Qwen3-4B: 144 KiB of KV per token)
@@ -240,7 +245,7 @@ per_token = 36 * 8 * 128 * 2 * 2
 pool_tokens = host_pool_blocks(None, 1024 * per_token) * 1024  # the default pool: 0.9 x available - 4 GiB
 print(min(${CAPACITY_CAP:-786432}, (pool_tokens - 16384) // 16384 * 16384))")
     echo "== capacity: default host pool -> context $ctx" | tee -a "$OUT/status.log"
-    BENCH_TIMEOUT="${BENCH_TIMEOUT_CAPACITY:-575}" bench capacity "cpu-$ctx" "${MODEL[@]}" offload=cpu \
+    BENCH_TIMEOUT="${BENCH_TIMEOUT_CAPACITY:-575}" bench capacity "cpu-$ctx" "${MODEL[@]}" "${UNCACHED[@]}" \
         task.context="$ctx" task.decode_steps=16
 }
 
