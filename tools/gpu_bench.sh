@@ -6,7 +6,7 @@
 #
 # Sections (each fits a 10-minute limit on an H100; times are rough):
 #   info            nvidia-smi, versions, the measured ceilings (python3 -m sparsekv.tasks.bench.floors)
-#   tests           the GPU-marked tests (pytest -m gpu)
+#   tests           the whole suite, one pytest process per tests/ folder, each with its share of the cores
 #   decode          GPU-resident graphed decode at 4K, batch 1 / 8 / 32                                      ~1.5 min
 #   offload         offloaded full decode at 8K (whole-step graph and segmented), 32K and 128K with HF beside ~5 min
 #   quest           Quest decode at 128K (every layer selecting; the default 2 dense layers) beside full      ~3 min
@@ -135,10 +135,13 @@ EOF
 }
 
 section_tests() {  # the whole suite (tests that pick CUDA when present run there too), one process per folder
-    local start=$SECONDS rc=0 dir pids=()
-    for dir in tests/*/; do
+    local start=$SECONDS rc=0 dir pids=() folders=(tests/*/)
+    # each process its share of the cores (most tests run on the CPU; a thread per core in each oversubscribes)
+    local threads=$(( $(nproc) / ${#folders[@]} )); [ "$threads" -ge 1 ] || threads=1
+    for dir in "${folders[@]}"; do
         dir=${dir%/}
-        timeout --kill-after=20 "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -rfE "$dir" ${TEST_ARGS:-} \
+        OMP_NUM_THREADS=$threads timeout --kill-after=20 "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -rfE \
+            "$dir" ${TEST_ARGS:-} \
             > "$OUT/tests-${dir#tests/}.log" 2>&1 &
         pids+=($!)
     done
