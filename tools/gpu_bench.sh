@@ -10,7 +10,7 @@
 #   decode          GPU-resident graphed decode at 4K, batch 1 / 8 / 32                                      ~1.5 min
 #   offload         offloaded full decode at 8K (whole-step graph and segmented), 32K and 128K with HF beside ~5 min
 #   quest           Quest decode at 128K (every layer selecting; the default 2 dense layers) beside full      ~3 min
-#   prefill         32K and 128K prefill resident and offloaded, HF beside the resident rows               ~4 min
+#   prefill         32K and 128K prefill resident and offloaded (128K: cache off and on), HF beside    ~5 min
 #   sparse_prefill  128K resident prefill on structured weights: full, minference_band, xattn_bsa_090 presets ~4 min
 #   sparse_prefill_scaling  minference and xattn_bsa (default settings) beside full attention at 128K, 256K and 512K
 #                   (SCALING_CONTEXTS), offloaded, structured dummy weights                              ~10 min
@@ -186,9 +186,13 @@ section_quest() {  # Quest at 128K against full offloaded decode in the same run
 section_prefill() {  # full-attention prefill; HF transformers beside the 32K rows
     bench prefill none-32k-1chunk-hf "${MODEL[@]}" offload=none task.context=32768 \
         scheduler.max_num_batched_tokens=32768 task.decode_steps=4 task.baseline=true
-    bench prefill cpu-32k-hf "${MODEL[@]}" offload=cpu task.context=32768 task.decode_steps=4 task.baseline=true
+    bench prefill cpu-32k-hf "${MODEL[@]}" "${UNCACHED[@]}" task.context=32768 task.decode_steps=4 task.baseline=true
     bench prefill none-128k-hf "${MODEL[@]}" offload=none task.context=131072 task.decode_steps=4 task.baseline=true
-    VS=prefill/none-128k-hf bench prefill cpu-128k "${MODEL[@]}" offload=cpu task.context=131072 task.decode_steps=4
+    # offloaded with every chunk's earlier blocks streamed over PCIe (cache off), and with the default cache
+    VS=prefill/none-128k-hf bench prefill cpu-128k "${MODEL[@]}" "${UNCACHED[@]}" task.context=131072 \
+        task.decode_steps=4
+    VS=prefill/none-128k-hf bench prefill cpu-128k-cache "${MODEL[@]}" offload=cpu task.context=131072 \
+        task.decode_steps=4
 }
 
 section_sparse_prefill() {  # 128K, GPU-resident, weights with planted attention structure; each preset against full
