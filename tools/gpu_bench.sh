@@ -38,10 +38,11 @@
 #                   and length, offload none and cpu (RULER_OFFLOADS): full, quest at 1K / 2K / 4K tokens with the
 #                   default 2 dense layers and with every layer selecting, streaming_llm (the plugin in plugins/) at
 #                   2K tokens, minference (64-offset bands) and minference-diagonals (single diagonals), xattn_bsa,
-#                   xattn_bsa_090, at none MInference at 500 / 3,000 and 2,000 / 8,192 columns / diagonals and XAttention at threshold 0.8, and at cpu
-#                   Quest at 2K / 4K tokens with 256-token host blocks; then task=report over them; 15 runs at
-#                   none (40-100 s each, about 14 min on an H100), 14 at cpu (60-100 s, 17 min): two GPUs per
-#                   mode side by side, or RULER_ROWS split over more calls (RULER_TIMEOUT: 180 s per run) ~31 min
+#                   xattn_bsa_090, at none MInference at 500 / 3,000 and 2,000 / 8,192 columns / diagonals and
+#                   XAttention at threshold 0.8, and at cpu Quest at 2K / 4K tokens with 256-token host blocks; then
+#                   task=report over them; 15 runs at none (40-100 s each, about 14 min on an H100), 14 at cpu
+#                   (60-100 s, 17 min): two GPUs per mode side by side, or RULER_ROWS split over more calls
+#                   (RULER_TIMEOUT: 180 s per run)                                                          ~31 min
 #                   (RULER_ROWS="streaming_llm-2048 minference ..." runs only the rows of those labels)
 #   tp              TP=1 beside TP=N for N in TP_SIZES (default "1 2"; "1 2 4" on 4 GPUs) per model of TP_MODELS
 #                   (default "qwen3_8b llama3_8b", dummy weights), rows of TP_ROWS (default "decode offload
