@@ -43,7 +43,7 @@ ROWS=(
     "quest 128K decode, default|decode|${MODEL[*]} offload=cpu policy=quest {b}context=131072 {b}decode_steps=16"
     "quest 128K decode, token_budget=4096 dense_layers=0|decode|${MODEL[*]} offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0 {b}context=131072 {b}decode_steps=16"
     "32K resident prefill|prefill|${MODEL[*]} offload=none {b}context=32768 scheduler.max_num_batched_tokens=32768 {b}decode_steps=2"
-    "128K minference_band prefill|prefill|${STRUCTURED[*]} offload=none policy=minference_band {b}context=131072 {b}decode_steps=2"
+    "128K minference prefill (64-offset bands)|prefill|${STRUCTURED[*]} offload=none policy=minference policy.slash_granularity=64 {b}context=131072 {b}decode_steps=2"
     "128K xattn_bsa_090 prefill|prefill|${STRUCTURED[*]} offload=none policy=xattn_bsa_090 {b}context=131072 {b}decode_steps=2"
 )
 

@@ -11,7 +11,7 @@
 #   offload         offloaded full decode at 8K (whole-step graph and segmented), 32K and 128K with HF beside ~5 min
 #   quest           Quest decode at 128K (every layer selecting; the default 2 dense layers) beside full      ~3 min
 #   prefill         32K and 128K prefill resident and offloaded (128K: cache off and on), HF beside    ~5 min
-#   sparse_prefill  128K resident prefill on structured weights: full, minference_band, xattn_bsa_090 presets ~4 min
+#   sparse_prefill  128K resident prefill on structured weights: full, minference, the xattn_bsa_090 preset  ~4 min
 #   sparse_prefill_scaling  minference and xattn_bsa (default settings) beside full attention at 128K, 256K and 512K
 #                   (SCALING_CONTEXTS), offloaded, structured dummy weights                              ~10 min
 #   sparse_prefill_1m minference and xattn_bsa at 1M tokens with the fp8 host tier (full attention at 1M takes
@@ -199,10 +199,10 @@ section_prefill() {  # full-attention prefill; HF transformers beside the 32K ro
 section_sparse_prefill() {  # 128K, GPU-resident, weights with planted attention structure; each preset against full
     local S=("${STRUCTURED[@]}" offload=none task.context=131072 task.decode_steps=4)
     bench sparse_prefill full "${S[@]}" policy=full
-    VS=sparse_prefill/full bench sparse_prefill minference_band "${S[@]}" policy=minference_band
-    VS=sparse_prefill/full bench sparse_prefill minference_band-v500-s3072 "${S[@]}" policy=minference_band \
+    VS=sparse_prefill/full bench sparse_prefill minference "${S[@]}" policy=minference
+    VS=sparse_prefill/full bench sparse_prefill minference-v500-s3072 "${S[@]}" policy=minference \
         policy.vertical_size=500 policy.slash_size=3072
-    VS=sparse_prefill/full bench sparse_prefill minference_band-v300-s2048 "${S[@]}" policy=minference_band \
+    VS=sparse_prefill/full bench sparse_prefill minference-v300-s2048 "${S[@]}" policy=minference \
         policy.vertical_size=300 policy.slash_size=2048
     VS=sparse_prefill/full bench sparse_prefill xattn_bsa_090 "${S[@]}" policy=xattn_bsa_090
     VS=sparse_prefill/full bench sparse_prefill xattn_bsa_090-stride16 "${S[@]}" policy=xattn_bsa_090 policy.stride=16
@@ -230,10 +230,10 @@ section_sparse_prefill_1m() {  # 1M tokens with the fp8 host tier (144 GiB of bf
 
 section_quality() {  # the sparse prefill presets on planted inputs at 32K: density, error, needle hits
     local Q=(task.context=32768 task.phase=prefill)
-    BENCH_TIMEOUT=90 run_task quality minference_band quality policy=minference_band "${Q[@]}"
-    BENCH_TIMEOUT=90 run_task quality minference_band-v500-s3072 quality policy=minference_band \
+    BENCH_TIMEOUT=90 run_task quality minference quality policy=minference "${Q[@]}"
+    BENCH_TIMEOUT=90 run_task quality minference-v500-s3072 quality policy=minference \
         policy.vertical_size=500 policy.slash_size=3072 "${Q[@]}"
-    BENCH_TIMEOUT=90 run_task quality minference_band-v300-s2048 quality policy=minference_band \
+    BENCH_TIMEOUT=90 run_task quality minference-v300-s2048 quality policy=minference \
         policy.vertical_size=300 policy.slash_size=2048 "${Q[@]}"
     BENCH_TIMEOUT=90 run_task quality xattn_bsa_090 quality policy=xattn_bsa_090 "${Q[@]}"
     BENCH_TIMEOUT=90 run_task quality xattn_bsa_090-stride16 quality policy=xattn_bsa_090 policy.stride=16 "${Q[@]}"

@@ -500,17 +500,14 @@ def test_small_budget_density_below_one():
 
 
 # ------------------------------------------------------------------------------------------------ engine
-@pytest.mark.parametrize("offload,preset", [
-    (["offload=cpu", "offload.block_size=16", "offload.prefill_chunk_size=32"], "minference"),
-    (["offload=none", "offload.block_size=16"], "minference"),
-    (["offload=cpu", "offload.block_size=16", "offload.prefill_chunk_size=32"], "minference_band"),
-    (["offload=none", "offload.block_size=16"], "minference_band"),
-])
-def test_engine_full_budget_greedy_equals_full(qwen3_ckpt, offload, preset, sparse_path, monkeypatch):
+@pytest.mark.parametrize("granularity", [SLASH_BAND, 1])
+@pytest.mark.parametrize("offload", [["offload=cpu", "offload.block_size=16", "offload.prefill_chunk_size=32"],
+                                     ["offload=none", "offload.block_size=16"]])
+def test_engine_full_budget_greedy_equals_full(qwen3_ckpt, offload, granularity, sparse_path, monkeypatch):
     monkeypatch.delenv(_dispatch.ENV_BACKEND, raising=False)  # references: the kernel is tested above
     prompt = random_prompt(70, seed=11)
     expected = LLM(str(qwen3_ckpt), overrides=CPU + offload + ["policy=full"]).generate([prompt], GREEDY)
-    llm = LLM(str(qwen3_ckpt), overrides=CPU + offload + [f"policy={preset}"] + FULL_BUDGET[1:])
+    llm = LLM(str(qwen3_ckpt), overrides=CPU + offload + FULL_BUDGET + [f"policy.slash_granularity={granularity}"])
     assert llm.engine.policy.name == "minference"
     out = llm.generate([prompt], GREEDY)
     assert out[0].token_ids == expected[0].token_ids

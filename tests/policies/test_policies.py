@@ -445,7 +445,6 @@ def test_bad_hyperparameter_fails_when_the_engine_is_built(ckpt):
     ("quest_4k", QuestPolicy, {"token_budget": 4096}, ("dense_layers", 0)),
     ("quest_2k", QuestPolicy, {"token_budget": 2048}, ("dense_layers", 0)),
     ("xattn_bsa_090", XAttentionPolicy, {"threshold": 0.9}, ("stride", 4)),
-    ("minference_band", MInferencePolicy, {"slash_granularity": 64}, ("slash_size", 4096)),
 ])
 def test_presets_compose_onto_their_policy(preset, cls, values, extra):
     policy = build_policy(compose_config([f"policy={preset}"]).policy)
