@@ -104,7 +104,7 @@ class MInferencePolicy(SparsePolicy):
     # second estimate pass, measured slower end to end at 128K on structured dummy weights (docs/benchmarks.md)
     slash_excludes_vertical: bool = False
     # SLASH_BAND (64): rank whole 64-offset bands; 1: rank single diagonals (MInference's own). Bands score within
-    # a point of full attention on the probe at 32K and prefill 128K a third faster (docs/decisions.md)
+    # a point of full attention on the probe at 32K and prefill 128K in two thirds of the time (docs/decisions.md)
     slash_granularity: int = SLASH_BAND
 
     supports_prefill: ClassVar[bool] = True
