@@ -373,6 +373,12 @@ def test_chunked_prefill_full_budget_is_dense(c0, n, slots, granularity, sparse_
     assert policy.last_density == pytest.approx(1.0)
 
 
+def diagonal_policy(**fields) -> MInferencePolicy:
+    """MInference's own selection, single diagonals: the planted patterns below pick a diagonal or two, which a
+    64-offset band (the default) would round up to the whole toy sequence."""
+    return MInferencePolicy(slash_granularity=1, **fields)
+
+
 def _planted(S: int, n: int, column: int, offset: int, d: int = 64, h: int = 2, seed: int = 0):
     """Keys are random unit vectors u_j, except key `column` = w; query p = 14 (u_{p-offset} + w): the column
     and the diagonal carry nearly all of every row's mass (rows p < offset only the column)."""
@@ -392,8 +398,7 @@ def _planted(S: int, n: int, column: int, offset: int, d: int = 64, h: int = 2, 
 def test_planted_pattern_is_found_and_density_is_low():
     S, n, column, offset = 256, 160, 77, 41  # every query sees the column and its diagonal
     q, k, v = _planted(S, n, column, offset)
-    policy = MInferencePolicy(last_q=32, vertical_size=4, slash_size=6, sink_tokens=2, recent_diagonals=3,
-                              slash_granularity=1)
+    policy = diagonal_policy(last_q=32, vertical_size=4, slash_size=6, sink_tokens=2, recent_diagonals=3)
     vertical, slash = policy.estimate_pattern(q.to(DEV), k.to(DEV), 1.0)
     assert (vertical == column).any(dim=1).all() and (slash == offset).any(dim=1).all()
     out = policy.compute_prefill(q.to(DEV), k.to(DEV), v.to(DEV), 0, 1.0).cpu()
@@ -457,8 +462,8 @@ def test_slash_budget_is_not_spent_on_a_selected_column():
     q, k = q[:, None, :].contiguous().to(DEV), k[:, None, :].contiguous().to(DEV)
     found = {}
     for exclude in (True, False):
-        policy = MInferencePolicy(last_q=L, vertical_size=1, slash_size=3, sink_tokens=0, recent_diagonals=2,
-                                  slash_excludes_vertical=exclude, slash_granularity=1)
+        policy = diagonal_policy(last_q=L, vertical_size=1, slash_size=3, sink_tokens=0, recent_diagonals=2,
+                                 slash_excludes_vertical=exclude)
         vertical, slash = policy.estimate_pattern(q, k, 1.0)
         assert vertical.tolist() == [[column]]
         found[exclude] = offset in slash[0].tolist()
@@ -469,8 +474,7 @@ def test_slash_budget_is_not_spent_on_a_selected_column():
 def test_planted_pattern_through_the_offloaded_chunks(slots):
     S, n, column, offset = 192, 64, 20, 100  # column in the oldest block; the diagonal crosses 3 blocks
     q, k, v = _planted(S, n, column, offset, seed=1)
-    policy = MInferencePolicy(last_q=32, vertical_size=8, slash_size=8, sink_tokens=2, recent_diagonals=3,
-                              slash_granularity=1)
+    policy = diagonal_policy(last_q=32, vertical_size=8, slash_size=8, sink_tokens=2, recent_diagonals=3)
     out = _chunked_prefill(policy, q, k, v, S - n, 32, 1.0, slots)
     dense, _ = flash_attn_with_lse_reference(q, k, v, 1.0, causal=True)
     assert policy.last_density < 0.25
@@ -491,10 +495,10 @@ def test_planted_band_through_the_offloaded_chunks():
 
 def test_small_budget_density_below_one():
     q, k, v = _qkv(160, 160, 2, 1, 16, seed=5)
-    policy = MInferencePolicy(vertical_size=10, slash_size=10, sink_tokens=4, recent_diagonals=4, slash_granularity=1)
+    policy = diagonal_policy(vertical_size=10, slash_size=10, sink_tokens=4, recent_diagonals=4)
     policy.compute_prefill(q.to(DEV), k.to(DEV), v.to(DEV), 0, 0.25)
     assert 0.0 < policy.last_density < 0.2
-    adaptive = MInferencePolicy(adaptive_budget=0.5, slash_granularity=1)
+    adaptive = diagonal_policy(adaptive_budget=0.5)
     adaptive.compute_prefill(q.to(DEV), k.to(DEV), v.to(DEV), 0, 0.25)
     assert policy.last_density < adaptive.last_density < 1.0
 

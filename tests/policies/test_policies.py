@@ -24,7 +24,6 @@ from sparsekv import LLM, SamplingParams, plugins
 from sparsekv.factory import build_policy
 from sparsekv.llm import compose_config
 from sparsekv.policies.context import KVLayout, PolicyContext
-from sparsekv.policies.minference import MInferencePolicy
 from sparsekv.policies.quest import QuestPolicy
 from sparsekv.policies.scorer import top_blocks
 from sparsekv.policies.xattn.policy import XAttentionPolicy, threshold_keep
