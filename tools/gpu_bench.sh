@@ -137,9 +137,8 @@ EOF
 
 section_tests() {  # the whole suite (tests that pick CUDA when present run there too), each folder in two halves
     local start=$SECONDS rc=0 dir part pids=() files half
-    # whole folders took 540 s+ (e2e, kernels) on a 16-core H100 host while their halves took 190-440 s: most of the
-    # time is single-threaded (Triton compiles, small CPU tensors), so processes, each with its share of the cores,
-    # beat threads
+    # on a 16-core H100 host, four whole-folder processes of 4 threads each ran e2e and kernels past 540 s; their
+    # halves, four processes of 4 threads, took 262-442 s (unit 190 s, policies 246 s as whole folders)
     local threads=$(( $(nproc) / 8 )); [ "$threads" -ge 1 ] || threads=1
     for dir in tests/*/; do
         dir=${dir%/}; files=("$dir"/test_*.py); half=$(( (${#files[@]} + 1) / 2 ))
