@@ -34,7 +34,7 @@ def probe_vocabulary() -> list[str]:
     for group in (words.NOUNS, words.ADJECTIVES, words.VERBS, words.ADVERBS, words.KEYS, words.LIST_WORDS):
         found.update(group)
     found.update(LETTERS)
-    punctuation = sorted({c for text in texts for c in text if not c.isalnum() and not c.isspace()} | set(".,:?"))
+    punctuation = sorted({c for text in texts for c in text if not c.isalnum() and not c.isspace()} | set(".,:=?"))
     return [*SPECIAL, *DIGITS, *punctuation, *sorted(found)]
 
 

@@ -1,6 +1,7 @@
 """Train the probe checkpoint: a small Qwen3 that answers the RULER generators' tasks from 1K to 32K tokens.
 
-    python3 tools/train_probe.py --out sparsekv/checkpoints/probe --seed 0 --stop-step 1120  # one GPU, < 10 min
+    python3 tools/train_probe.py --out /tmp/base --seed 0 --stop-step 1120  # one GPU, about 5 minutes
+    python3 tools/train_probe.py --out /tmp/next --init-from /tmp/base ...  # continue it (docs/probe.md: the recipe)
 
 The data is the generators' own samples (sparsekv/tasks/ruler), with the probe tokenizer (tools/probe_tokenizer.py).
 The loss is on the answer (the tokens after the answer prefix, then EOS) and, at --tail-weight, on the question and
@@ -9,10 +10,11 @@ micro-batch holds samples of one context length (short ones: many samples), draw
 first --short-frac of the steps stay at --min-len to --short-len, then the longest length doubles up to --max-len
 over the next --ramp of the steps; --frontier-share of the draws come from the top two octaves reached, the rest
 from any length reached. The tasks are the suite's and kv_adjacent (key matching in its plainest form,
-probe_data.kv_adjacent_sample). The defaults are the committed checkpoint's recipe (docs/probe.md). The plan's time
+probe_data.kv_adjacent_sample). The defaults are the committed checkpoint's first run (docs/probe.md). The plan's time
 by the cost model of docs/probe.md is printed before training. DataLoader workers build the samples. Training seeds
 are >= TRAIN_SEED_BASE (10**9); evaluation (task=ruler, and the sanity check at the end here) uses seeds below it.
-The steps, lengths, tasks and sample seeds are a pure function of --seed and the arguments. --time-limit-min caps
+The steps, lengths, tasks and sample seeds are a pure function of --seed and the arguments. --init-from continues
+a checkpoint (same tokenizer, its shape) and nests its training.json under init_from_record. --time-limit-min caps
 the whole run (training stops early, saves, then evaluates). Saved: config.json (bfloat16), safetensors shards of at
 most 15 MB, the tokenizer, training.json. docs/probe.md has the design and the time estimate.
 """
@@ -67,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="share of micro-batches drawn from the top two octaves reached (the rest: any length reached)")
     p.add_argument("--micro-tokens", type=int, default=32768, help="prompt tokens per micro-batch (>= --max-len)")
     p.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
+    p.add_argument("--init-from", default=None,
+                   help="start from this checkpoint (a fine-tune); its shape replaces --hidden ... --rope-theta")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--intermediate", type=int, default=768)
     p.add_argument("--layers", type=int, default=6)
@@ -125,6 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_model(args: argparse.Namespace, tokenizer):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
+    if args.init_from:
+        return load_model(args, tokenizer)
+
     dims = dict(vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=args.hidden,
                 intermediate_size=args.intermediate, num_hidden_layers=args.layers, num_attention_heads=args.heads,
                 num_key_value_heads=args.kv_heads, head_dim=args.head_dim, max_position_embeddings=65536,
@@ -136,6 +143,26 @@ def build_model(args: argparse.Namespace, tokenizer):
         config = Qwen3Config(rope_theta=args.rope_theta, **dims)
     torch.manual_seed(args.seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def load_model(args: argparse.Namespace, tokenizer):
+    """--init-from's checkpoint in float32, after checking it was trained with this tokenizer; the shape options
+    take its values, so the record and the time estimate describe the model trained."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = Path(args.init_from).expanduser()
+    if not (source / "config.json").is_file():
+        sys.exit(f"--init-from {source}: no config.json there; pass a checkpoint directory")
+    if AutoTokenizer.from_pretrained(str(source)).get_vocab() != tokenizer.get_vocab():
+        sys.exit(f"--init-from {source}: its tokenizer differs from tools/probe_tokenizer.py's; token ids would "
+                 "not match: train from scratch instead")
+    model = AutoModelForCausalLM.from_pretrained(str(source), attn_implementation="sdpa", dtype=torch.float32)
+    c = model.config
+    args.hidden, args.intermediate, args.layers = c.hidden_size, c.intermediate_size, c.num_hidden_layers
+    args.heads, args.kv_heads, args.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    rope = getattr(c, "rope_parameters", None) or {}
+    args.rope_theta = rope.get("rope_theta", getattr(c, "rope_theta", args.rope_theta))
+    return model
 
 
 def learning_rate(step: int, args: argparse.Namespace) -> float:
@@ -381,6 +408,10 @@ def main(argv: list[str] | None = None) -> None:
             param.data = param.data.to(torch.bfloat16)
     record = {"args": {k: v for k, v in vars(args).items() if k != "out"}, **progress,
               "train_seed_base": TRAIN_SEED_BASE, "train_seconds": round(time.time() - t0, 1)}
+    if args.init_from:  # the lineage: the record of the run this one continued, and of the runs before it
+        source_record = Path(args.init_from).expanduser() / "training.json"
+        if source_record.is_file():
+            record["init_from_record"] = json.loads(source_record.read_text())
     save(model, tokenizer, out, record)  # before the evaluation, which only adds its scores
     if args.eval_samples:
         try:

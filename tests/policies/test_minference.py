@@ -590,7 +590,9 @@ def test_gpu_estimate_and_prefill_do_not_sync(granularity):
     policy.compute_prefill(q, k, v, 0, d ** -0.5)  # compile first
     assert host_sync_sites(lambda: policy.estimate_pattern(q, k, d ** -0.5)) == []
     vertical, slash = policy.estimate_pattern(q, k, d ** -0.5)
-    assert vertical.shape == (h, 1000) and slash.shape[1] == (6096 if granularity == 1 else 96 * SLASH_BAND)
+    bands = -(-policy.slash_size // SLASH_BAND)
+    assert vertical.shape == (h, policy.vertical_size)
+    assert slash.shape[1] == (policy.slash_size if granularity == 1 else bands * SLASH_BAND)
     out = policy.compute_prefill(q, k, v, 0, d ** -0.5)
     ref, _ = vertical_slash_attention_reference(q, k, v, vertical, slash, d ** -0.5, sk - n)
     assert _rel_err(out, ref) < 1e-2

@@ -117,7 +117,8 @@ def test_default_probe_tokenizer_is_the_committed_checkpoints(probe, tmp_path):
 
 def test_probe_tokenizer_spells_variable_names(probe):
     name = make_sample("variable_tracking", probe, 1024, seed=0).answers[0]
-    assert probe.tokenize(f"VAR {name} = VAR {name}.") == ["VAR", *name, "=", "VAR", *name, "."]
+    assert probe.tokenize(f"of VAR {name} is assigned to VAR {name}.") == ["of", "VAR", *name, "is", "assigned",
+                                                                           "to", "VAR", *name, "."]
     assert probe.tokenize("The A I What Question Answer") == ["The", "A", "I", "What", "Question", "Answer"]
     vocab = probe.get_vocab()
     assert not any(name in vocab for name in words.VAR_NAMES) and all(key in vocab for key in words.KEYS)
@@ -144,10 +145,11 @@ def test_variable_tracking_answers_follow_the_chain(bpe):
     sample = make_sample("variable_tracking", bpe, 2048, seed=4)
     text = bpe.decode(sample.prompt_ids)
     value = re.search(r"assigned the value (\d+) in the text", text).group(1)
-    holds = {name for name, v in re.findall(r"VAR ([A-Z]+) = (\d+)\.", text) if v == value}
+    holds = {name for v, name in re.findall(r"value (\d+) is assigned to VAR ([A-Z]+)\.", text) if v == value}
     for _ in range(generators.VT_HOPS + 1):
-        holds |= {name for name, prev in re.findall(r"VAR ([A-Z]+) = VAR ([A-Z]+)\.", text) if prev in holds}
-    assert list(sample.answers) == [n for n in re.findall(r"VAR ([A-Z]+) =", text) if n in holds]
+        holds |= {name for prev, name in re.findall(r"of VAR ([A-Z]+) is assigned to VAR ([A-Z]+)\.", text)
+                  if prev in holds}
+    assert list(sample.answers) == [n for n in re.findall(r"assigned to VAR ([A-Z]+)\.", text) if n in holds]
     assert len(sample.answers) == generators.VT_HOPS + 1
 
 
@@ -190,7 +192,7 @@ def test_needles_set_the_facts_of_the_counted_tasks(bpe):
     assert len(facts) == 12 and sample.answers == (facts[asked],)
     assert len(make_sample("niah_multiquery", bpe, 2048, seed=3, needles=6).answers) == 6
     chains = make_sample("variable_tracking", bpe, 2048, seed=4, needles=5)
-    assert len(re.findall(r"VAR [A-Z]+ = \d+\.", bpe.decode(chains.prompt_ids))) == 5
+    assert len(re.findall(r"value \d+ is assigned to VAR [A-Z]+\.", bpe.decode(chains.prompt_ids))) == 5
     assert make_sample("niah_multikey", bpe, 2048, seed=3, needles=None) == make_sample("niah_multikey", bpe, 2048, 3)
 
 

@@ -117,8 +117,17 @@ def test_short_phase_comes_first_then_the_ramp_reaches_max_len(train_probe, prob
 REMOVED_OPTIONS = {"spell_names": True, "restate_key": False, "context_weight": 0.0}
 
 
-def test_defaults_are_the_committed_checkpoints_recipe(train_probe, probe_data):
-    committed = json.loads((TOOLS.parent / "sparsekv" / "checkpoints" / "probe" / "training.json").read_text())
+def committed_lineage() -> list[dict]:
+    """The committed checkpoint's training.json and the records of the runs it continued, the first run last."""
+    record = json.loads((TOOLS.parent / "sparsekv" / "checkpoints" / "probe" / "training.json").read_text())
+    lineage = [record]
+    while "init_from_record" in lineage[-1]:
+        lineage.append(lineage[-1]["init_from_record"])
+    return lineage
+
+
+def test_defaults_are_the_committed_checkpoints_first_run(train_probe, probe_data):
+    committed = committed_lineage()[-1]
     args = train_probe.parse_args([])
     for key, value in committed["args"].items():
         if key == "task_weights":  # a training task that lost (weight 0 in the run) is gone
@@ -271,3 +280,34 @@ def test_bad_output_or_length_fails_before_training_and_keeps_the_files(train_pr
     assert (foreign / "thesis.txt").read_text() == "keep me"
     with pytest.raises(SystemExit, match="--min-len 40 is too small"):
         train_probe.main(["--out", str(tmp_path / "x"), *TOY, "--min-len", "40"])
+
+
+def test_init_from_continues_a_checkpoint_and_records_its_lineage(train_probe, tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    train_probe.main(["--out", str(first), "--steps", "1", "--workers", "0", *TOY, "--eval-samples", "0"])
+    train_probe.main(["--out", str(second), "--init-from", str(first), "--steps", "1", "--workers", "0", "--hidden",
+                      "999", "--layers", "9", "--max-len", "512", "--min-len", "256", "--micro-tokens", "1024",
+                      "--eval-samples", "0", "--seed", "1"])
+    config = json.loads((second / "config.json").read_text())
+    first_config = json.loads((first / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (first_config["hidden_size"],
+                                                                    first_config["num_hidden_layers"])
+    record = json.loads((second / "training.json").read_text())
+    assert record["args"]["init_from"] == str(first) and record["args"]["hidden"] == first_config["hidden_size"]
+    assert record["init_from_record"] == json.loads((first / "training.json").read_text())
+
+
+def test_init_from_refuses_a_directory_without_a_checkpoint(train_probe, tmp_path):
+    with pytest.raises(SystemExit, match="no config.json there"):
+        train_probe.main(["--out", str(tmp_path / "out"), "--init-from", str(tmp_path), "--steps", "1",
+                          "--workers", "0", *TOY, "--eval-samples", "0"])
+
+
+def test_committed_checkpoint_continues_its_first_run(train_probe):
+    lineage = committed_lineage()
+    assert len(lineage) == 3 and all(r["args"]["init_from"] for r in lineage[:-1])
+    first = lineage[-1]
+    for record in lineage[:-1]:  # the fine-tunes keep the first run's shape
+        assert all(record["args"][k] == first["args"][k] for k in ("hidden", "layers", "heads", "kv_heads"))
+    # the three runs' time on the 2 x H200 and 4 x H200 hosts that trained them (docs/probe.md)
+    assert sum(r["train_seconds"] for r in lineage) == pytest.approx(620.4, abs=0.1)

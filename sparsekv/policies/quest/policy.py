@@ -15,7 +15,9 @@ over the group), and since the ring loads whole blocks for every head, the KV he
 score per block.
 
 Selection. Keep the `topk_blocks` best blocks, or token_budget // block_size blocks when `token_budget` is set
-(token_budget wins when both are; with neither set the budget is DEFAULT_TOKEN_BUDGET tokens). The first block
+(token_budget wins when both are; with neither set the budget is DEFAULT_TOKEN_BUDGET tokens, and at least
+DEFAULT_MIN_BLOCKS blocks where the blocks are larger: the budget the probe's RULER matrix chose, docs/benchmarks.md,
+which still leaves blocks to choose among 1,024-token host blocks). The first block
 (attention sink) and the newest full block are always kept, so at least 2 blocks load whatever the budget. Layers
 below `dense_layers` and sequences with at most `threshold_blocks` full blocks load everything. In decode the
 choice stays on the device (select_blocks returns a device tensor): the chosen blocks are gathered from pinned host
@@ -44,7 +46,8 @@ from sparsekv.policies.quest.row_select import quest_select_rows
 from sparsekv.policies.base import SparsePolicy
 from sparsekv.policies.scorer import top_blocks
 
-DEFAULT_TOKEN_BUDGET = 4096
+DEFAULT_TOKEN_BUDGET = 2048
+DEFAULT_MIN_BLOCKS = 4  # the default budget keeps the sink, the newest block and at least 2 chosen ones
 log = logging.getLogger(__name__)
 
 
@@ -60,7 +63,7 @@ def _check_int(name: str, value, minimum: int, optional: bool = False) -> None:
 class QuestPolicy(SparsePolicy):
     """Query-aware block selection for decode from per-block key min/max (Quest)."""
     name: str = "quest"
-    token_budget: Optional[int] = None  # tokens of host blocks loaded per step (null + topk_blocks null: 4096)
+    token_budget: Optional[int] = None  # tokens of blocks loaded per step (both null: 2048, at least 4 blocks)
     topk_blocks: Optional[int] = None  # blocks loaded per step (token_budget wins when both are set)
     threshold_blocks: int = 0  # select only when the sequence has more full blocks than this
     dense_layers: int = 2  # the first layers load every block
@@ -80,16 +83,17 @@ class QuestPolicy(SparsePolicy):
 
     def budget_blocks(self, block_size: int) -> int:
         """Blocks loaded per (layer, step) when selecting: at least the sink and the newest block."""
-        if self.token_budget is not None or self.topk_blocks is None:
-            budget = DEFAULT_TOKEN_BUDGET if self.token_budget is None else self.token_budget
-            return max(budget // block_size, 2)
-        return max(self.topk_blocks, 2)
+        if self.token_budget is not None:
+            return max(self.token_budget // block_size, 2)
+        if self.topk_blocks is not None:
+            return max(self.topk_blocks, 2)
+        return max(DEFAULT_TOKEN_BUDGET // block_size, DEFAULT_MIN_BLOCKS)
 
     # ---- metadata hooks (keys still on the GPU)
     def initialize(self, layout: KVLayout) -> None:
         if self.budget_blocks(layout.block_size) <= 2:
-            budget = (f"policy.topk_blocks={self.topk_blocks}" if self.token_budget is None and self.topk_blocks
-                      else f"policy.token_budget={self.token_budget or DEFAULT_TOKEN_BUDGET}")
+            budget = (f"policy.token_budget={self.token_budget}" if self.token_budget is not None
+                      else f"policy.topk_blocks={self.topk_blocks}")
             log.warning(f"quest: {budget} with blocks of {layout.block_size} tokens keeps only the sink and the newest "
                         "block, so Quest chooses nothing (a StreamingLLM window); give it at least 3 blocks "
                         f"(token_budget >= {3 * layout.block_size}) or smaller blocks (offload.block_size)")

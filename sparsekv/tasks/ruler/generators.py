@@ -46,8 +46,9 @@ PREFIX_ONE = "The special magic number for {key} mentioned in the provided text 
 QUESTION_ALL = "What are all the special magic numbers for {key} mentioned in the provided text?"
 PREFIX_ALL = "The special magic numbers for {key} mentioned in the provided text are"
 VT_INTRO = "Memorize and track the chain of variable assignments hidden in the following text."
-VT_FIRST = "VAR {name} = {value}."
-VT_NEXT = "VAR {name} = VAR {previous}."
+# source before target, so each hop of the chain reads forward from the name just found (docs/decisions.md)
+VT_FIRST = "The value {value} is assigned to VAR {name}."
+VT_NEXT = "The value of VAR {previous} is assigned to VAR {name}."
 VT_QUESTION = "Question: Find all variables that are assigned the value {value} in the text above."
 VT_PREFIX = ("Answer: According to the chain of variable assignments in the text above, {count} variables are "
              "assigned the value {value}, they are:")
