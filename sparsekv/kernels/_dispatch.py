@@ -12,7 +12,8 @@ picks, per call, the first of the preferred backend's fallbacks that can serve i
 * ``'torch'``: the pure-torch references.
 
 ``SPARSEKV_ATTN_BACKEND`` (torch|triton|flash_attn|sdpa|cudnn) forces the preferred one; a backend that
-cannot run a given call falls back along flash_attn -> sdpa -> triton -> torch.
+cannot run a given call falls back along flash_attn -> sdpa -> triton -> torch (forced on a CPU device where it
+cannot run, resolve_kernels logs a warning and takes the torch references).
 Merge and paged-decode kernels only distinguish Triton from torch (KernelChoice.triton).
 """
 

@@ -9,12 +9,15 @@ to run the Triton kernels under the CPU interpreter, or the references on CUDA.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
 from ._dispatch import BACKENDS, ENV_BACKEND, HAS_TRITON, INTERPRET, has_flash_attn, pdl_supported
+
+log = logging.getLogger(__name__)
 
 __all__ = ["KernelChoice", "resolve_kernels"]
 
@@ -51,6 +54,10 @@ def resolve_kernels(device: torch.device | str, *, backend: str | None = None) -
         # Off-GPU the Triton kernels run only when asked for, under the interpreter (TRITON_INTERPRET=1)
         if forced == "triton" and HAS_TRITON and INTERPRET:
             return KernelChoice(attention="triton", triton=True, gemv_max_rows=0, decode_fusion=True, pdl=False)
+        if forced and forced != "torch":
+            log.warning(f"{ENV_BACKEND}={forced} on device {device}: runs the torch references there ("
+                        + ("Triton runs off-GPU only under TRITON_INTERPRET=1, a slow mode for tests)"
+                           if forced == "triton" else f"{forced} needs CUDA)"))
         return KernelChoice.torch_reference()
     if forced == "torch" or not HAS_TRITON:
         return KernelChoice.torch_reference() if forced == "torch" or not has_flash_attn() else KernelChoice(

@@ -163,6 +163,17 @@ def test_attention_backend_override(monkeypatch):
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
 
 
+def test_a_forced_backend_that_cannot_run_on_the_cpu_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(_dispatch, "INTERPRET", False)
+    monkeypatch.setattr("sparsekv.kernels.backend.INTERPRET", False)
+    with caplog.at_level("WARNING", logger="sparsekv.kernels.backend"):
+        assert resolve_kernels("cpu", backend="triton") == KernelChoice.torch_reference()
+        assert resolve_kernels("cpu", backend="sdpa") == KernelChoice.torch_reference()
+        assert resolve_kernels("cpu", backend="torch") == KernelChoice.torch_reference()
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and "TRITON_INTERPRET=1" in messages[0] and "sdpa needs CUDA" in messages[1]
+
+
 # ------------------------------------------------------------------ merge
 def _partials(n, h, d, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
