@@ -297,10 +297,20 @@ def test_init_from_continues_a_checkpoint_and_records_its_lineage(train_probe, t
     assert record["init_from_record"] == json.loads((first / "training.json").read_text())
 
 
-def test_init_from_refuses_a_directory_without_a_checkpoint(train_probe, tmp_path):
+def test_init_from_refuses_a_directory_without_a_checkpoint_or_with_another_tokenizer(train_probe, tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    args = ["--out", str(tmp_path / "out"), "--steps", "1", "--workers", "0", *TOY, "--eval-samples", "0"]
     with pytest.raises(SystemExit, match="no config.json there"):
-        train_probe.main(["--out", str(tmp_path / "out"), "--init-from", str(tmp_path), "--steps", "1",
-                          "--workers", "0", *TOY, "--eval-samples", "0"])
+        train_probe.main([*args, "--init-from", str(tmp_path)])
+    other = tmp_path / "other"
+    train_probe.main(["--out", str(other), "--steps", "1", "--workers", "0", *TOY, "--eval-samples", "0"])
+    words = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "amber": 1}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>").save_pretrained(str(other))
+    with pytest.raises(SystemExit, match="its tokenizer differs"):
+        train_probe.main([*args, "--init-from", str(other)])
+    assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
 def test_committed_checkpoint_continues_its_first_run(train_probe):

@@ -15,9 +15,9 @@ over the group), and since the ring loads whole blocks for every head, the KV he
 score per block.
 
 Selection. Keep the `topk_blocks` best blocks, or token_budget // block_size blocks when `token_budget` is set
-(token_budget wins when both are; with neither set the budget is DEFAULT_TOKEN_BUDGET tokens, and at least
-DEFAULT_MIN_BLOCKS blocks where the blocks are larger: the budget the probe's RULER matrix chose, docs/benchmarks.md,
-which still leaves blocks to choose among 1,024-token host blocks). The first block
+(token_budget wins when both are). With neither set: DEFAULT_TOKEN_BUDGET tokens, the smallest budget within 2
+points of full on the probe's RULER matrix (docs/benchmarks.md), but at least DEFAULT_MIN_BLOCKS blocks, so that
+Quest still chooses among 1,024-token host blocks. The first block
 (attention sink) and the newest full block are always kept, so at least 2 blocks load whatever the budget. Layers
 below `dense_layers` and sequences with at most `threshold_blocks` full blocks load everything. In decode the
 choice stays on the device (select_blocks returns a device tensor): the chosen blocks are gathered from pinned host
