@@ -25,6 +25,7 @@ import contextlib
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -46,10 +47,14 @@ EVAL_LENGTHS = (2048, 8192, 32768)
 CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
                     "tokenizer_config.json", "special_tokens_map.json", "training.json")
 EVAL_RESERVE_S = 60.0  # of --time-limit-min kept for the evaluation and the save
+SAVE_RESERVE_S = 15.0  # ... for the save alone (--eval-samples 0)
+# the whole run's options, which --then stages take from the first stage
+RUN_FIELDS = ("out", "device", "workers", "time_limit_min", "eval_samples")
+SHAPE_FIELDS = ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "rope_theta")  # weights carry on
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(TOOLS.parent / "sparsekv" / "checkpoints" / "probe"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=1300, help="the plan's steps (the schedule spans them)")
@@ -89,6 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-samples", type=int, default=3,
                    help="held-out samples per task and length at the end (0: no end-of-run check)")
     p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--then", action="append", default=[], metavar="OPTIONS",
+                   help="a further stage (repeatable): these options, quoted (--then=\"...\" when they start with "
+                        "--name=value), over the defaults; it continues the weights with a fresh optimizer and "
+                        "schedule, as --init-from on the saved checkpoint would")
     args = p.parse_args(argv)
     args.tasks = [t for t in args.tasks.split(",") if t]
     if args.short_len is None:
@@ -123,6 +132,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for ok, message in checks:
         if not ok:
             p.error(message)
+    args.stages = [args]
+    whole_run = {"--" + f.replace("_", "-") for f in (*RUN_FIELDS, *SHAPE_FIELDS, "init_from", "then")}
+    for text in args.then:
+        words = shlex.split(text)
+        taken = sorted({w.split("=")[0] for w in words} & whole_run)
+        if taken:
+            p.error(f"--then {text!r}: {', '.join(taken)}: options of the whole run; give them outside --then")
+        stage = parse_args(words, prog=f"{p.prog} --then {text!r}")
+        for field in RUN_FIELDS:
+            setattr(stage, field, getattr(args, field))
+        stage.stages = [stage]
+        args.stages.append(stage)
     return args
 
 
@@ -385,33 +406,52 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit(f"--device {args.device}: CUDA is not available here; pass --device cpu")
     tokenizer = build_probe_tokenizer()
-    for task in args.tasks:  # every task must fit the shortest length before the workers start
-        try:
-            training_sample(task, tokenizer, args.min_len, 0)
-        except ValueError as exc:
-            sys.exit(f"--min-len {args.min_len} is too small: {exc}")
-    plan = micro_plan(args)[:(args.stop_step or args.steps) * args.accum]  # the steps this run takes
+    for stage in args.stages:  # every task must fit the shortest length before the workers start
+        for task in stage.tasks:
+            try:
+                training_sample(task, tokenizer, stage.min_len, 0)
+            except ValueError as exc:
+                sys.exit(f"--min-len {stage.min_len} is too small: {exc}")
     hard_stop = t0 + args.time_limit_min * 60
-    deadline = hard_stop - min(EVAL_RESERVE_S, args.time_limit_min * 60 * 0.2)
+    reserve = EVAL_RESERVE_S if args.eval_samples else SAVE_RESERVE_S
+    deadline = hard_stop - min(reserve, args.time_limit_min * 60 * 0.2)
     model = build_model(args, tokenizer).to(device)
+    for stage in args.stages[1:]:  # the shape the first stage built or loaded
+        for field in SHAPE_FIELDS:
+            setattr(stage, field, getattr(args, field))
     n_params = sum(p.numel() for p in model.parameters())
     print(f"probe: {n_params / 1e6:.2f}M parameters, {args.layers} layers, hidden {args.hidden}, heads "
           f"{args.heads}/{args.kv_heads}x{args.head_dim}; {args.steps} steps x {args.accum} micro-batches of "
           f"{args.micro_tokens} tokens, lengths {args.min_len}-{args.max_len}; device {device}, "
           f"{args.workers} data workers", flush=True)
-    print(f"plan: {plan_summary(plan, args.micro_tokens)}", flush=True)
-    attention = fast_attention(model, args, device, plan, deadline - time.time())
-    loader = make_loader(plan, args.workers, pin=device.type == "cuda", tail_weight=args.tail_weight)
-    progress = train(args, model, loader, device, attention, deadline, t0)
-    with torch.no_grad():  # parameters only: the rotary inv_freq buffer stays float32, as loaders rebuild it
-        for param in model.parameters():
-            param.data = param.data.to(torch.bfloat16)
-    record = {"args": {k: v for k, v in vars(args).items() if k != "out"}, **progress,
-              "train_seed_base": TRAIN_SEED_BASE, "train_seconds": round(time.time() - t0, 1)}
+    record: dict | None = None
     if args.init_from:  # the lineage: the record of the run this one continued, and of the runs before it
         source_record = Path(args.init_from).expanduser() / "training.json"
-        if source_record.is_file():
-            record["init_from_record"] = json.loads(source_record.read_text())
+        record = json.loads(source_record.read_text()) if source_record.is_file() else None
+    attention = None
+    for number, stage in enumerate(args.stages, 1):
+        stage_t0 = time.time()
+        plan = micro_plan(stage)[:(stage.stop_step or stage.steps) * stage.accum]  # the steps this stage takes
+        print(f"{f'stage {number} of {len(args.stages)}: ' if len(args.stages) > 1 else ''}plan: "
+              f"{plan_summary(plan, stage.micro_tokens)}", flush=True)
+        if attention is None:
+            attention = fast_attention(model, stage, device, plan, deadline - time.time())
+        loader = make_loader(plan, stage.workers, pin=device.type == "cuda", tail_weight=stage.tail_weight)
+        progress = train(stage, model, loader, device, attention, deadline, t0)
+        last = number == len(args.stages) or progress["stopped_early"]
+        with torch.no_grad():  # as saved: bfloat16 (a next stage continues from these values, as after a reload)
+            for param in model.parameters():  # parameters only: the rotary inv_freq buffer stays float32
+                param.data = param.data.to(torch.bfloat16) if last else param.data.to(torch.bfloat16).float()
+        stage_record = {"args": {k: v for k, v in vars(stage).items() if k not in ("out", "stages")}, **progress,
+                        "train_seed_base": TRAIN_SEED_BASE,
+                        "train_seconds": round(time.time() - (t0 if number == 1 else stage_t0), 1)}
+        if record is not None:
+            stage_record["init_from_record"] = record
+        record = stage_record
+        if last:
+            if number < len(args.stages):
+                print(f"stages {number + 1}-{len(args.stages)} not run: --time-limit-min reached", flush=True)
+            break
     save(model, tokenizer, out, record)  # before the evaluation, which only adds its scores
     if args.eval_samples:
         try:

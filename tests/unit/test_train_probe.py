@@ -321,3 +321,25 @@ def test_committed_checkpoint_continues_its_first_run(train_probe):
         assert all(record["args"][k] == first["args"][k] for k in ("hidden", "layers", "heads", "kv_heads"))
     # the three runs' time on the 2 x H200 and 4 x H200 hosts that trained them (docs/probe.md)
     assert sum(r["train_seconds"] for r in lineage) == pytest.approx(620.4, abs=0.1)
+
+
+def test_then_stages_continue_the_weights_in_one_run(train_probe, tmp_path):
+    out = tmp_path / "staged"
+    second = "--steps 2 --seed 5 --lr 1e-4 --max-len 512 --min-len 256 --micro-tokens 1024 --accum 2 --log-every 1"
+    train_probe.main(["--out", str(out), "--steps", "3", "--workers", "0", *TOY, "--eval-samples", "0",
+                      "--then", second])
+    record = json.loads((out / "training.json").read_text())
+    first = record["init_from_record"]
+    assert (record["args"]["steps"], record["args"]["seed"], record["steps_done"]) == (2, 5, 2)
+    assert record["args"]["hidden"] == first["args"]["hidden"] == 64  # the first stage's shape
+    assert (first["args"]["steps"], first["steps_done"], first["args"]["then"]) == (3, 3, [second])
+    assert "init_from_record" not in first
+
+
+def test_then_stages_refuse_whole_run_options_and_bad_values(train_probe, tmp_path, capsys):
+    for text, message in (("--out x", "--out: options of the whole run"),
+                          ("--layers 3 --lr 1e-4", "--layers: options of the whole run"),
+                          ("--steps 0", "--then '--steps 0': error: --steps must be >= 1")):
+        with pytest.raises(SystemExit):
+            train_probe.parse_args(["--out", str(tmp_path / "o"), "--then", text])
+        assert message in capsys.readouterr().err
