@@ -138,11 +138,7 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
         taken = sorted({w.split("=")[0] for w in words} & whole_run)
         if taken:
             p.error(f"--then {text!r}: {', '.join(taken)}: options of the whole run; give them outside --then")
-        stage = parse_args(words, prog=f"{p.prog} --then {text!r}")
-        for field in RUN_FIELDS:
-            setattr(stage, field, getattr(args, field))
-        stage.stages = [stage]
-        args.stages.append(stage)
+        args.stages.append(parse_args(words, prog=f"{p.prog} --then {text!r}"))
     return args
 
 
@@ -374,8 +370,8 @@ def main(argv: list[str] | None = None) -> None:
     reserve = EVAL_RESERVE_S if args.eval_samples else SAVE_RESERVE_S
     deadline = hard_stop - min(reserve, args.time_limit_min * 60 * 0.2)
     model = build_model(args, tokenizer).to(device)
-    for stage in args.stages[1:]:  # the shape the first stage built or loaded
-        for field in SHAPE_FIELDS:
+    for stage in args.stages[1:]:  # the whole run's options and the shape the first stage built or loaded
+        for field in (*RUN_FIELDS, *SHAPE_FIELDS):
             setattr(stage, field, getattr(args, field))
     n_params = sum(p.numel() for p in model.parameters())
     print(f"probe: {n_params / 1e6:.2f}M parameters, {args.layers} layers, hidden {args.hidden}, heads "
