@@ -142,10 +142,17 @@ def build_policy(policy_cfg: DictConfig):
         if not isinstance(policy, policies[name]):
             policy = policies[name](**policy)
     except ValueError as exc:
-        owner = registry().policy_owner(name)
-        where = "" if owner is None or owner.name == "builtin" else f" (plugin '{owner.name}', package {owner.package})"
-        raise PolicyConfigError(f"policy={name}{where}: {exc}") from exc
+        raise PolicyConfigError(f"{policy_origin(name)}: {exc}") from exc
     return policy
+
+
+def policy_origin(name: str) -> str:
+    """'policy=NAME', and for a plugin's policy its plugin and package: how errors about a policy name it."""
+    from sparsekv.plugins import registry
+
+    owner = registry().policy_owner(name)
+    where = "" if owner is None or owner.name == "builtin" else f" (plugin '{owner.name}', package {owner.package})"
+    return f"policy={name}{where}"
 
 
 def check_config(cfg: DictConfig) -> DictConfig:

@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig
 
 from sparsekv.config import Device, DType, LoadFormat, OffloadMode, PrefillMode, parse_gpu_cache_gib
-from sparsekv.config_check import build_policy  # noqa: F401 - re-exported: factory.build_policy
+from sparsekv.config_check import build_policy, policy_origin  # noqa: F401 - build_policy re-exported
 from sparsekv.distributed.engine import DistributedEngine, TensorParallelSampler
 from sparsekv.distributed.launch import check_launch, driver_ranks, under_torchrun
 from sparsekv.distributed.sharding import check_tensor_parallel, rank_spec
@@ -19,6 +19,7 @@ from sparsekv.graphs.cuda_graph import attach_graph_runner
 from sparsekv.graphs.graph_config import check_graph_config, graph_settings, resolve_graph_mode
 from sparsekv.engine.llm_engine import LLMEngine
 from sparsekv.engine.warm_start import warm_up
+from sparsekv.errors import PolicyConfigError
 from sparsekv.kernels._dispatch import activate_kernels
 from sparsekv.kernels.backend import resolve_kernels
 from sparsekv.kvcache.base import available_host_memory, format_bytes
@@ -28,6 +29,7 @@ from sparsekv.kvcache.paged import PagedKVStore
 from sparsekv.models.loader import build_model, model_class, resolve_spec
 from sparsekv.models.spec import ModelSpec
 from sparsekv.plugins import registry
+from sparsekv.policies.context import KVLayout
 from sparsekv.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -175,10 +177,34 @@ def prefill_chunk_tokens(cfg: DictConfig, max_model_len: int) -> int:
 GPU_CACHE_MARGIN = 2 * GIB  # device memory gpu_cache_gib=auto leaves free (graphs, allocator slack, kernels)
 
 
+def sequence_blocks(cfg: DictConfig, max_model_len: int, host_blocks: int) -> int:
+    """Host blocks the scheduler's sequences can hold at once: max_num_seqs full-length sequences, at most the
+    pool. Ids are handed out lowest first (BlockManager), so no id in use reaches it."""
+    return min(host_blocks, cfg.scheduler.max_num_seqs * -(-max_model_len // cfg.offload.block_size))
+
+
+def policy_metadata_bytes(policies: list, layout: KVLayout) -> tuple[int, str]:
+    """Device bytes per host block of the policies' metadata (SparsePolicy.device_bytes_per_block), checked, and
+    the policies that keep any, named as errors name them."""
+    total, owners = 0, []
+    for policy in {id(p): p for p in policies}.values():
+        value = policy.device_bytes_per_block(layout)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise PolicyConfigError(f"{policy_origin(policy.name)}: {type(policy).__name__}.device_bytes_per_block "
+                                    f"returned {value!r}; it must return the device bytes its metadata keeps per "
+                                    "host block, all layers, as an int >= 0")
+        total += value
+        if value:
+            owners.append(policy_origin(policy.name))
+    return total, ", ".join(owners)
+
+
 def gpu_cache_slots(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                    max_model_len: int, host_blocks: int, host_dtype: torch.dtype | None = None) -> int:
+                    max_model_len: int, host_blocks: int, host_dtype: torch.dtype | None = None,
+                    metadata: tuple[int, str] = (0, "")) -> int:
     """Slots per layer of the GPU block cache (offload.gpu_cache_gib): auto is the device memory left after the
-    weights (loaded by now), the ring, the prefill and decode buffers and the activations, less GPU_CACHE_MARGIN,
+    weights (loaded by now), the ring, the prefill and decode buffers, the activations and the policies' block
+    metadata (`metadata`: policy_metadata_bytes, for every block the sequences can hold), less GPU_CACHE_MARGIN,
     on CUDA, and no cache on a CPU device; never more than the host pool or max_num_seqs full-length sequences
     can use. Blocks are counted as the host holds them (`host_dtype`, default the model's: fp8 bytes plus scales
     with the fp8 host tier), which is how the cache and the ring hold them."""
@@ -187,11 +213,17 @@ def gpu_cache_slots(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device
     layers = spec.num_hidden_layers
     block_bytes = host_block_bytes(layers, offload.block_size, spec.num_key_value_heads, spec.head_dim,
                                    host_dtype or dtype) // layers  # K and V of one block of one layer
-    useful = min(host_blocks, cfg.scheduler.max_num_seqs * -(-max_model_len // offload.block_size))
+    useful = sequence_blocks(cfg, max_model_len, host_blocks)
+    reserve = useful * metadata[0]
+    if device.type == "cuda" and reserve and reserve > (free := torch.cuda.mem_get_info(device)[0]) - GPU_CACHE_MARGIN:
+        raise ValueError(f"{metadata[1]} keeps {format_bytes(reserve)} of block metadata on the device for "
+                         f"{useful} host blocks (scheduler.max_num_seqs={cfg.scheduler.max_num_seqs} x "
+                         f"scheduler.max_model_len={max_model_len}), more than the {format_bytes(free)} free after "
+                         "the weights; lower scheduler.max_model_len or scheduler.max_num_seqs")
     if gib is None:
         if device.type != "cuda":
             return 0
-        free = torch.cuda.mem_get_info(device)[0]
+        free = torch.cuda.mem_get_info(device)[0] - reserve
         token_bytes = spec.kv_bytes_per_token * dtype.itemsize
         buffers = (offload.num_gpu_blocks * block_bytes + (prefill_chunk_tokens(cfg, max_model_len)
                    + cfg.scheduler.max_num_seqs * offload.block_size) * token_bytes)
@@ -199,9 +231,10 @@ def gpu_cache_slots(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device
             4 * spec.intermediate_size + 8 * spec.hidden_size + 6 * spec.num_attention_heads * spec.head_dim
         ) * dtype.itemsize
         gib = max(0.0, (free - buffers - activations - GPU_CACHE_MARGIN) / GIB)
-    elif device.type == "cuda" and gib * GIB > (free := torch.cuda.mem_get_info(device)[0]):
+    elif device.type == "cuda" and gib * GIB > (free := torch.cuda.mem_get_info(device)[0] - reserve):
+        held = f" and the policies' block metadata ({format_bytes(reserve)})" if reserve else ""
         raise ValueError(f"offload.gpu_cache_gib={gib:g} exceeds the {format_bytes(free)}"
-                         " of free device memory after the weights; lower it, or use auto")
+                         f" of free device memory after the weights{held}; lower it, or use auto")
     slots = min(useful, int(gib * GIB // (layers * block_bytes)))
     return slots if slots >= 1 else 0
 
@@ -231,13 +264,17 @@ def build_kv_store(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device:
         share = total / tp.size
         blocks = tp.agree_min(max(0, int(share // block_bytes)), device)
         host_pool_gib = (blocks + 0.5) * block_bytes / GIB  # exactly `blocks` blocks (host_pool_blocks rounds down)
-    cache_slots = gpu_cache_slots(cfg, spec, dtype, device, max_model_len, host_pool_blocks(host_pool_gib, block_bytes),
-                                  host_dtype)
+    host_blocks = host_pool_blocks(host_pool_gib, block_bytes)
+    layout = KVLayout(num_layers=spec.num_hidden_layers, num_kv_heads=spec.num_key_value_heads,
+                      head_dim=spec.head_dim, block_size=offload.block_size, max_blocks=host_blocks, dtype=dtype,
+                      device=device, expected_blocks=sequence_blocks(cfg, max_model_len, host_blocks))
+    cache_slots = gpu_cache_slots(cfg, spec, dtype, device, max_model_len, host_blocks, host_dtype,
+                                  policy_metadata_bytes([prefill_policy, decode_policy], layout))
     store = OffloadKVStore(spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, offload.block_size,
                            offload.num_gpu_blocks, chunk, cfg.scheduler.max_num_seqs, host_pool_gib, dtype,
                            device, prefill_policy, decode_policy, initial_prefill_buffer,
                            check_selections=check_selections, host_dtype=host_dtype,
-                           cache_slots_per_layer=cache_slots)
+                           cache_slots_per_layer=cache_slots, expected_blocks=layout.expected_blocks)
     if cache_slots:
         log.info("GPU block cache: %d blocks per layer (%s)", cache_slots, format_bytes(store.engine.cache.bytes))
     return store

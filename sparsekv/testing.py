@@ -26,6 +26,8 @@ in a few seconds.
   paged_selection  a policy declaring paged_device_selection chooses in select_blocks_paged, row by row of a
                    batch (short rows, a padding row and stale table entries included), what select_blocks chooses
                    for each row, and passes the validator (check_paged_choice, synced)
+  metadata_bytes   device_bytes_per_block returns an int >= 0, and the tensors the policy holds grow by at most
+                   that much per host block recorded (what offload=cpu reserves before it sizes the GPU block cache)
 """
 from __future__ import annotations
 
@@ -175,6 +177,55 @@ def check_paged_selection(policy_cls: type[SparsePolicy], covering: dict | None 
                                  f"select_blocks chose {sorted(want)}")
 
 
+def check_metadata_bytes(policy_cls: type[SparsePolicy], covering: dict | None = None, **fields: Any) -> None:
+    """The tensors a policy holds grow per recorded host block by at most what device_bytes_per_block declares."""
+    lay = TINY
+    bs, kv_heads, dim = lay["block_size"], lay["num_kv_heads"], lay["head_dim"]
+
+    def held(blocks: int) -> tuple[int, int]:
+        policy = policy_cls(**fields)
+        layout = KVLayout(num_layers=lay["num_layers"], num_kv_heads=kv_heads, head_dim=dim, block_size=bs,
+                          max_blocks=64, dtype=torch.float32, device=torch.device("cpu"), expected_blocks=blocks)
+        declared = policy.device_bytes_per_block(layout)
+        assert isinstance(declared, int) and not isinstance(declared, bool) and declared >= 0, (
+            f"{policy_cls.__name__}.device_bytes_per_block returned {declared!r}; expected an int >= 0")
+        policy.initialize(layout)
+        keys = torch.randn(blocks, bs, kv_heads, dim, generator=torch.Generator().manual_seed(5))
+        for layer in range(lay["num_layers"]):
+            for block in range(blocks):
+                policy.on_prefill_offload(block, layer, keys[block], bs)
+        return declared, _tensor_bytes(policy)
+
+    declared, few = held(4)
+    _, many = held(12)
+    grown = (many - few) / 8
+    assert grown <= declared, (f"{policy_cls.__name__} holds {grown:g} more bytes of tensors per recorded host block "
+                               f"than device_bytes_per_block declares ({declared}); declare what the metadata takes, "
+                               "so that offload=cpu leaves room for it")
+
+
+def _tensor_bytes(obj: Any, seen: set | None = None, depth: int = 0) -> int:
+    """Bytes of the distinct tensor storages an object holds in its attributes, lists, tuples and dicts (3 deep)."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        if storage.data_ptr() in seen:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+    if depth > 3:
+        return 0
+    if isinstance(obj, dict):
+        children = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        children = list(obj)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        children = list(vars(obj).values())
+    else:
+        return 0
+    return sum(_tensor_bytes(child, seen, depth + 1) for child in children)
+
+
 def _ids(selection) -> list[int]:
     return selection.tolist() if isinstance(selection, torch.Tensor) else list(selection)
 
@@ -204,6 +255,7 @@ CHECKS: dict[str, Callable[..., None]] = {
     "offload_resident": check_offload_resident,
     "graph_safe": check_graph_safe,
     "paged_selection": check_paged_selection,
+    "metadata_bytes": check_metadata_bytes,
 }
 
 

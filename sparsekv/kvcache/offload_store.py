@@ -34,7 +34,7 @@ class OffloadKVStore(KVStore):
                  prefill_tokens: int, max_num_seqs: int, host_pool_gib: float | None, dtype: torch.dtype,
                  device: torch.device, prefill_policy, decode_policy, initial_prefill_buffer: int,
                  check_selections: bool = False, host_dtype: torch.dtype | None = None,
-                 cache_slots_per_layer: int = 0):
+                 cache_slots_per_layer: int = 0, expected_blocks: int = 0):
         self.block_size = block_size
         self.chunk_tokens = prefill_tokens
         self.prefill_token_budget = prefill_tokens
@@ -50,7 +50,8 @@ class OffloadKVStore(KVStore):
         # the policies whose metadata hooks see every offloaded block
         self.policies = [prefill_policy] if prefill_policy is decode_policy else [prefill_policy, decode_policy]
         self.layout = KVLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                               block_size=block_size, max_blocks=self.num_blocks, dtype=dtype, device=device)
+                               block_size=block_size, max_blocks=self.num_blocks, dtype=dtype, device=device,
+                               expected_blocks=min(expected_blocks, self.num_blocks))
         for policy in self.policies:
             policy.initialize(self.layout)
         self.prefill_policy, self.decode_policy = prefill_policy, decode_policy

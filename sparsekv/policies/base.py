@@ -49,6 +49,12 @@ class SparsePolicy:
     def initialize(self, layout: KVLayout) -> None:
         """Allocate per-layer metadata once the KV layout is known."""
 
+    def device_bytes_per_block(self, layout: KVLayout) -> int:
+        """Device bytes the metadata of one host block takes, all layers (default 0: none). offload=cpu reserves
+        this for every block the scheduler's sequences can hold before it gives the rest of the device memory to
+        the GPU block cache; a table that grows past what it declared can run the device out of memory."""
+        return 0
+
     def on_prefill_offload(self, block_id: int, layer: int, keys: torch.Tensor, n: int) -> None:
         """A prefill block leaves for the host; keys [n, KVH, D] (its valid rows) are still on the GPU."""
 

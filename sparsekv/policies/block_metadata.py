@@ -2,9 +2,11 @@
 
 Policies (Quest's key bounds, XAttention's key summaries) record a few small tensors per host block while the
 block's keys are still on the GPU (SparsePolicy.on_prefill_offload / on_decode_offload) and read them when they
-choose blocks, without loading the blocks. The table lives on the device and grows on demand: initialize() gets
-the host pool's block count, an upper bound that may be far larger than what the running sequences use, so
-nothing is allocated up front.
+choose blocks, without loading the blocks. The table lives on the device: initialize() gets
+the host pool's block count, an upper bound that may be far larger than what the running sequences use, and the
+number of blocks they can hold at once (KVLayout.expected_blocks), which is allocated up front: the engine
+reserves that much device memory for it (SparsePolicy.device_bytes_per_block), and a table that never grows
+keeps GPU memory fixed while the engine runs.
 """
 from __future__ import annotations
 
@@ -14,20 +16,21 @@ import torch
 class BlockMetadata:
     """A tensor [num_layers, capacity, *item_shape] on `device`, indexed by (layer, cpu block id).
 
-    `capacity` grows (doubling, at least to the id written) when a block id beyond it arrives; rows never
-    written read as `fill`.
+    `capacity` starts at `rows` and grows (doubling, at least to the id written) when a block id beyond it
+    arrives; rows never written read as `fill`.
     """
 
     MIN_CAPACITY = 16
 
     def __init__(self, num_layers: int, item_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 max_blocks: int | None = None, fill: float = 0.0):
+                 max_blocks: int | None = None, fill: float = 0.0, rows: int = 0):
         self.num_layers = num_layers
         self.item_shape = tuple(item_shape)
         self.dtype, self.device = dtype, torch.device(device)
         self.max_blocks = max_blocks
         self.fill = fill
-        self.data = torch.full((num_layers, 0, *self.item_shape), fill, dtype=dtype, device=self.device)
+        rows = min(rows, max_blocks) if max_blocks else rows
+        self.data = torch.full((num_layers, rows, *self.item_shape), fill, dtype=dtype, device=self.device)
 
     @property
     def capacity(self) -> int:

@@ -36,9 +36,12 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int  # tokens per host block
-    max_blocks: int  # upper bound on host block ids (the host pool's size; tables grow on demand up to it)
+    max_blocks: int  # upper bound on host block ids (the host pool's size)
     dtype: torch.dtype
     device: torch.device
+    # host blocks the scheduler's sequences can hold at once (0: not known). Ids are handed out lowest first, so a
+    # table allocated with this many rows at initialize() never grows while the engine runs
+    expected_blocks: int = 0
 
 
 @dataclass(frozen=True)

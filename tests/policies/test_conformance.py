@@ -16,8 +16,8 @@ from sparsekv.builtin_plugin import POLICY_CLASSES, load
 from sparsekv.policies import PolicyContext, PolicySelectionError, SparsePolicy, check_selection
 from sparsekv.policies.context import PagedChoice
 from sparsekv.policies.quest import QuestPolicy
-from sparsekv.testing import (CHECKS, check_full_budget, check_graph_safe, check_paged_selection, check_policy,
-                              check_valid_selections, run_check)
+from sparsekv.testing import (CHECKS, check_full_budget, check_graph_safe, check_metadata_bytes, check_paged_selection,
+                              check_policy, check_valid_selections, run_check)
 from tests.policies.test_streaming_plugin import install_streaming_plugin, plugin_site_on_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -190,3 +190,24 @@ def test_empty_selection_allowed_when_declared():
         allow_empty_selection: ClassVar[bool] = True
 
     assert check_selection(MayBeEmpty(), _ctx(), []) == []
+
+
+@dataclass
+class UndeclaredTables(QuestPolicy):
+    """Keeps Quest's per-block key bounds on the device but declares none, or declares a bad value."""
+    name: str = "undeclared_tables"
+    declared: object = 0
+
+    def device_bytes_per_block(self, layout):
+        return self.declared
+
+
+@pytest.mark.parametrize("declared, message", [
+    (0, r"UndeclaredTables holds 512 more bytes of tensors per recorded host block than device_bytes_per_block "
+        r"declares \(0\)"),
+    (1.5, r"UndeclaredTables.device_bytes_per_block returned 1.5; expected an int >= 0"),
+    (-1, r"returned -1; expected an int >= 0"),
+])
+def test_metadata_bytes_fails_on_undeclared_tables(declared, message):
+    with pytest.raises(AssertionError, match=message):
+        check_metadata_bytes(UndeclaredTables, declared=declared)

@@ -240,7 +240,9 @@ def _planted_xattn_offload(policy_cls) -> None:
         if block == needle:
             k += 4.0 * u  # every key of the needle block points along u
         policy.on_prefill_offload(block, 0, k, bs)
-    assert policy.summary_bytes_per_block() == 1 * (bs // 4) * kv_heads * dim * 4  # 1/stride of the keys
+    layout = make_layout(1, kv_heads, dim, bs)
+    table_bytes = policy._summary.bytes_per_block() + policy._groups.bytes_per_block()
+    assert policy.device_bytes_per_block(layout) == table_bytes == (bs // 4) * kv_heads * dim * 4 + 4  # 1/stride
     query = 4.0 * u + 0.3 * torch.randn(32, heads, dim, generator=gen)  # a 2-block chunk asking for u
     ctx = make_ctx("prefill", 0, query, blocks, bs, (len(blocks) + 2) * bs)
     chosen = policy.select_blocks(ctx)

@@ -2,8 +2,8 @@
 
 Metadata. While a block's keys are still on the GPU (on_prefill_offload / on_decode_offload), the policy records
 per layer, per KV head and per channel the minimum and maximum key of the block: two device tables
-[L, blocks, KVH, D] indexed by cpu block id (sparsekv.policies.block_metadata.BlockMetadata), grown when a larger
-block id arrives. A partly filled prompt block is recorded over its valid rows and re-recorded when decode fills
+[L, blocks, KVH, D] indexed by cpu block id (sparsekv.policies.block_metadata.BlockMetadata), allocated at
+initialize() for the blocks the sequences can hold (declared by device_bytes_per_block). A partly filled prompt block is recorded over its valid rows and re-recorded when decode fills
 it. Memory: 2 * KVH * D elements per block and layer, i.e. 2 / block_size of the block's keys.
 
 Score. For a query q and a block with bounds (kmin, kmax), no key k of the block can have q.k above the
@@ -98,8 +98,11 @@ class QuestPolicy(SparsePolicy):
                         "block, so Quest chooses nothing (a StreamingLLM window); give it at least 3 blocks "
                         f"(token_budget >= {3 * layout.block_size}) or smaller blocks (offload.block_size)")
         shape = (layout.num_kv_heads, layout.head_dim)
-        self._kmax = BlockMetadata(layout.num_layers, shape, layout.dtype, layout.device, layout.max_blocks)
-        self._kmin = BlockMetadata(layout.num_layers, shape, layout.dtype, layout.device, layout.max_blocks)
+        self._kmax, self._kmin = (BlockMetadata(layout.num_layers, shape, layout.dtype, layout.device,
+                                                layout.max_blocks, rows=layout.expected_blocks) for _ in range(2))
+
+    def device_bytes_per_block(self, layout: KVLayout) -> int:
+        return 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * layout.dtype.itemsize  # kmax, kmin
 
     def on_prefill_offload(self, block_id: int, layer: int, keys: torch.Tensor, n: int) -> None:
         if self._kmax is None or self._kmin is None:

@@ -23,7 +23,7 @@ offload=cpu (compute_chunked_prefill from the base pipeline; select_blocks(ctx) 
 live on the host and only the chosen blocks may cross PCIe, so the decision uses a key summary kept on the GPU.
 Summary: for every host block and layer, the mean of each run of `summary_stride` (default: `stride`) consecutive
 keys, [block_size / summary_stride, KVH, D] in the key dtype, recorded by on_prefill_offload / on_decode_offload
-while the keys are on the GPU (a device table indexed by cpu block id, grown on demand). That is 1/summary_stride
+while the keys are on the GPU (a device table indexed by cpu block id, sized at initialize()). That is 1/summary_stride
 of the block's keys, 1/(2*summary_stride) of its KV: for Qwen3-4B (KVH 8, D 128, bf16) with 1024-token host
 blocks and stride 8, 256 KiB per block and layer against 4 MiB of KV (6.25%), 9 MiB per block over 36 layers.
 Why means: if the queries of a stride group are replaced by their mean q_bar, the antidiagonal score of a tile
@@ -126,8 +126,6 @@ class XAttentionPolicy(SparsePolicy):
                 raise ValueError(f"policy.{name}={value!r}: must be a number in (0, 1]")
         self._summary: BlockMetadata | None = None  # [L, blocks, groups, KVH, D] key means
         self._groups: BlockMetadata | None = None  # [L, blocks] valid summary groups per block
-        self._layout: tuple[int, int, int, torch.dtype, torch.device] | None = None
-        self._max_blocks: int | None = None  # the host pool's block count (caps the tables' doubling)
 
     # ---------------------------------------------------------------------------------------- shared
     def _vote(self, keep: torch.Tensor) -> torch.Tensor:
@@ -179,12 +177,15 @@ class XAttentionPolicy(SparsePolicy):
 
     # ---------------------------------------------------------------------------------------- offload=cpu
     def initialize(self, layout: KVLayout) -> None:
-        # the summary table is sized by the longest block seen (a table per group count, widened on demand)
-        self._layout = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
-                        torch.device(layout.device))
-        self._max_blocks = layout.max_blocks
-        self._summary = None
-        self._groups = BlockMetadata(layout.num_layers, (), torch.int32, layout.device, layout.max_blocks)
+        groups = _cdiv(layout.block_size, self.summary_group)  # a full block's; a partial block fills fewer
+        self._summary = BlockMetadata(layout.num_layers, (groups, layout.num_kv_heads, layout.head_dim), layout.dtype,
+                                      layout.device, layout.max_blocks, rows=layout.expected_blocks)
+        self._groups = BlockMetadata(layout.num_layers, (), torch.int32, layout.device, layout.max_blocks,
+                                     rows=layout.expected_blocks)
+
+    def device_bytes_per_block(self, layout: KVLayout) -> int:
+        summary = _cdiv(layout.block_size, self.summary_group) * layout.num_kv_heads * layout.head_dim
+        return layout.num_layers * (summary * layout.dtype.itemsize + torch.int32.itemsize)  # summary, group count
 
     def on_prefill_offload(self, block_id: int, layer: int, keys: torch.Tensor, n: int) -> None:
         self._record(block_id, layer, keys, n)
@@ -193,35 +194,16 @@ class XAttentionPolicy(SparsePolicy):
     def summary_group(self) -> int:
         return self.summary_stride or self.stride
 
-    def summary_bytes_per_block(self) -> int | None:
-        """Device bytes of the key summary per host block, all layers (None before the first block)."""
-        return self._summary.bytes_per_block() if self._summary is not None else None
-
     def _record(self, cpu_block_id: int, layer_id: int, k_cache: torch.Tensor, n: int) -> None:
-        if self._layout is None or self._groups is None:
+        if self._summary is None or self._groups is None:
             raise RuntimeError("XAttentionPolicy.initialize() must run before blocks are offloaded")
         width = self.summary_group
         groups = _cdiv(n, width)
         means = _group_means(k_cache[:n], width)  # [groups, KVH, D]
-        self._ensure_groups(groups)
-        assert self._summary is not None
         self._summary.ensure(cpu_block_id)
         self._summary.data[layer_id, cpu_block_id, :groups] = means.to(self._summary.dtype)
         self._groups.ensure(cpu_block_id)
         self._groups.data[layer_id, cpu_block_id:cpu_block_id + 1].fill_(groups)  # a device fill, no host copy
-
-    def _ensure_groups(self, groups: int) -> None:
-        """Allocate the summary table, or widen its group dimension (a block longer than any seen so far)."""
-        assert self._layout is not None
-        if self._summary is not None and self._summary.item_shape[0] >= groups:
-            return
-        num_layers, kv_heads, dim, dtype, device = self._layout
-        table = BlockMetadata(num_layers, (groups, kv_heads, dim), dtype, device, self._max_blocks)
-        if self._summary is not None and self._summary.capacity:
-            old = self._summary
-            table.ensure(old.capacity - 1)
-            table.data[:, :old.capacity, :old.item_shape[0]] = old.data
-        self._summary = table
 
     def prefix_block_mass(self, query: torch.Tensor, block_ids: torch.Tensor, layer_id: int, block_size: int,
                           chunk_keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
