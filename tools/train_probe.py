@@ -25,7 +25,6 @@ import contextlib
 import json
 import math
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -38,8 +37,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from probe_data import (TASK_WEIGHTS, TRAIN_SEED_BASE, make_loader, micro_plan, parse_task_weights,  # noqa: E402
-                        plan_summary, training_sample)
+from probe_args import RUN_FIELDS, SHAPE_FIELDS, parse_args  # noqa: E402,F401 - parse_args: the tests' entry
+from probe_data import TRAIN_SEED_BASE, make_loader, micro_plan, plan_summary, training_sample  # noqa: E402
 from probe_eval import evaluate  # noqa: E402
 from probe_tokenizer import build_probe_tokenizer  # noqa: E402
 
@@ -47,99 +46,6 @@ CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors.
                     "tokenizer_config.json", "special_tokens_map.json", "training.json")
 EVAL_RESERVE_S = 60.0  # of --time-limit-min kept for the evaluation and the save
 SAVE_RESERVE_S = 15.0  # ... for the save alone (--eval-samples 0)
-# the whole run's options, which --then stages take from the first stage
-RUN_FIELDS = ("out", "device", "workers", "time_limit_min", "eval_samples")
-SHAPE_FIELDS = ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "rope_theta")  # weights carry on
-
-
-def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=str(TOOLS.parent / "sparsekv" / "checkpoints" / "probe"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=1300, help="the plan's steps (the schedule spans them)")
-    p.add_argument("--stop-step", type=int, default=None,
-                   help="stop after this many steps of the plan (the committed run's time cap: 1120)")
-    p.add_argument("--max-len", type=int, default=32768, help="longest context, in tokens")
-    p.add_argument("--min-len", type=int, default=512, help="shortest context, in tokens")
-    p.add_argument("--tasks", default=",".join(TASK_WEIGHTS), help="comma-separated tasks to train on")
-    p.add_argument("--task-weights", default="", help="task=weight,... overriding the mix of probe_data.TASK_WEIGHTS")
-    p.add_argument("--short-len", type=int, default=None,
-                   help="longest context of the short phase (default 2048, or --max-len when that is shorter)")
-    p.add_argument("--short-frac", type=float, default=0.55,
-                   help="fraction of the steps spent at --min-len to --short-len before the ramp")
-    p.add_argument("--ramp", type=float, default=0.2,
-                   help="fraction of the steps over which the longest length doubles from --short-len to --max-len")
-    p.add_argument("--frontier-share", type=float, default=0.5,
-                   help="share of micro-batches drawn from the top two octaves reached (the rest: any length reached)")
-    p.add_argument("--micro-tokens", type=int, default=32768, help="prompt tokens per micro-batch (>= --max-len)")
-    p.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
-    p.add_argument("--init-from", default=None,
-                   help="start from this checkpoint (a fine-tune); its shape replaces --hidden ... --rope-theta")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--rope-theta", type=float, default=1e6)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--tail-weight", type=float, default=0.25,
-                   help="loss weight of the question and answer prefix (the answer's is 1)")
-    p.add_argument("--qk-norm-lr-mult", type=float, default=5.0, help="learning-rate factor of the QK-norm weights")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--workers", type=int, default=max(0, min(14, (os.cpu_count() or 1) - 2)))
-    p.add_argument("--time-limit-min", type=float, default=9.0, help="the whole run, evaluation and save included")
-    p.add_argument("--eval-samples", type=int, default=3,
-                   help="held-out samples per task and length at the end (0: no end-of-run check)")
-    p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--then", action="append", default=[], metavar="OPTIONS",
-                   help="a further stage (repeatable): these options, quoted (--then=\"...\" when they start with "
-                        "--name=value), over the defaults; it continues the weights with a fresh optimizer and "
-                        "schedule, as --init-from on the saved checkpoint would")
-    args = p.parse_args(argv)
-    args.tasks = [t for t in args.tasks.split(",") if t]
-    if args.short_len is None:
-        args.short_len = min(2048, args.max_len)
-    try:
-        args.task_weights = parse_task_weights(args.task_weights)
-    except ValueError as exc:
-        p.error(str(exc))
-    unknown = [t for t in args.tasks if t not in args.task_weights]
-    if unknown or not args.tasks:
-        p.error(f"--tasks {','.join(unknown) or '(none)'}: choose from {','.join(args.task_weights)}")
-    checks = [(args.steps >= 1, "--steps must be >= 1"), (args.accum >= 1, "--accum must be >= 1"),
-              (args.min_len <= args.max_len, f"--min-len {args.min_len} exceeds --max-len {args.max_len}"),
-              (args.micro_tokens >= args.max_len, f"--micro-tokens {args.micro_tokens} is below --max-len "
-                                                  f"{args.max_len}; raise it to at least --max-len"),
-              (0 < args.ramp <= 1, f"--ramp {args.ramp} must be in (0, 1]"),
-              (args.min_len <= args.short_len <= args.max_len, f"--short-len {args.short_len} must lie between "
-                                                              f"--min-len {args.min_len} and --max-len {args.max_len}"),
-              (0 <= args.short_frac and args.short_frac + args.ramp <= 1,
-               f"--short-frac {args.short_frac} + --ramp {args.ramp} must lie in [0, 1]"),
-              (0 <= args.frontier_share <= 1, f"--frontier-share {args.frontier_share} must be in [0, 1]"),
-              (args.heads % args.kv_heads == 0, f"--heads {args.heads} must be a multiple of --kv-heads "
-                                                f"{args.kv_heads}"),
-              (args.max_len + 64 <= 65536, f"--max-len {args.max_len} leaves no room for the answer below 65536 "
-                                           "positions"),
-              (args.time_limit_min > 0, "--time-limit-min must be > 0"), (args.workers >= 0, "--workers >= 0"),
-              (args.eval_samples >= 0, f"--eval-samples {args.eval_samples} must be >= 0"),
-              (args.stop_step is None or 1 <= args.stop_step <= args.steps,
-               f"--stop-step {args.stop_step} must lie between 1 and --steps {args.steps}"),
-              (sum(args.task_weights[t] for t in args.tasks) > 0,
-               "the --tasks all weigh 0: give one a weight with --task-weights")]
-    for ok, message in checks:
-        if not ok:
-            p.error(message)
-    args.stages = [args]
-    whole_run = {"--" + f.replace("_", "-") for f in (*RUN_FIELDS, *SHAPE_FIELDS, "init_from", "then")}
-    for text in args.then:
-        words = shlex.split(text)
-        taken = sorted({w.split("=")[0] for w in words} & whole_run)
-        if taken:
-            p.error(f"--then {text!r}: {', '.join(taken)}: options of the whole run; give them outside --then")
-        args.stages.append(parse_args(words, prog=f"{p.prog} --then {text!r}"))
-    return args
 
 
 def build_model(args: argparse.Namespace, tokenizer):
@@ -225,11 +131,11 @@ def random_micro(length: int, args: argparse.Namespace, vocab: int) -> dict:
             "weights": torch.ones(39), "answer": torch.ones(39, dtype=torch.bool)}
 
 
-def fast_attention(model, args: argparse.Namespace, device: torch.device, plan, budget_s: float) -> Callable:
+def fast_attention(model, args: argparse.Namespace, device: torch.device, plans: list, budget_s: float) -> Callable:
     """On CUDA, attention must run in a flash/efficient kernel: the math fallback needs tens of GB at 32K. One
-    forward and backward at each end of the plan's lengths checks that (HF's GQA path first, then with K/V
-    repeated), times them and estimates the training time, with a warning when it exceeds budget_s (the time
-    left before training must stop). Returns the context manager for the steps."""
+    forward and backward at each end of the lengths checks that (HF's GQA path first, then with K/V repeated),
+    times them and estimates the training time of every stage's plan (`plans`), with a warning when it exceeds
+    budget_s (the time left before training must stop). Returns the context manager for the steps."""
     if device.type != "cuda":
         return contextlib.nullcontext
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -261,15 +167,36 @@ def fast_attention(model, args: argparse.Namespace, device: torch.device, plan, 
     else:
         print("preflight: warning: attention may fall back to the math kernel (slow, much memory at 32K)", flush=True)
         return contextlib.nullcontext
-    span = max(1, args.max_len - args.min_len)
-    estimate = sum(short + (long - short) * (length - args.min_len) / span for length, _ in plan)
-    print(f"preflight: a micro-batch takes {short:.3f} s at length {args.min_len}, {long:.3f} s at {args.max_len}; "
-          f"{len(plan)} micro-batches: about {estimate:.0f} s of training", flush=True)
-    if estimate > budget_s:
-        fitting = int(len(plan) / args.accum * budget_s / estimate)
-        print(f"preflight: warning: {estimate:.0f} s exceed the {budget_s:.0f} s --time-limit-min leaves for "
-              f"training; the run will stop early: pass --stop-step {fitting} (or fewer --steps)", flush=True)
+    for line in preflight_report(plans, (args.min_len, short), (args.max_len, long), args.accum, budget_s):
+        print(f"preflight: {line}", flush=True)
     return context
+
+
+def preflight_report(plans: list, short: tuple[int, float], long: tuple[int, float], accum: int,
+                     budget_s: float) -> list[str]:
+    """The training time of the stages' plans (micro-batches of (length, samples)) from two timed micro-batches
+    (length, seconds), linear in the length, and a warning naming the fix when it exceeds budget_s."""
+    span = max(1, long[0] - short[0])
+    per_stage = [sum(short[1] + (long[1] - short[1]) * (length - short[0]) / span for length, _ in plan)
+                 for plan in plans]
+    total = sum(per_stage)
+    lines = [f"a micro-batch takes {short[1]:.3f} s at length {short[0]}, {long[1]:.3f} s at {long[0]}; "
+             f"{sum(map(len, plans))} micro-batches: about {total:.0f} s of training"
+             + (f" ({' + '.join(f'{s:.0f}' for s in per_stage)} s by stage)" if len(plans) > 1 else "")]
+    if total <= budget_s:
+        return lines
+    head = f"warning: {total:.0f} s exceed the {budget_s:.0f} s --time-limit-min leaves for training; "
+    if len(plans) == 1:
+        fitting = int(len(plans[0]) / accum * budget_s / total)
+        return lines + [head + f"the run will stop early: pass --stop-step {fitting} (or fewer --steps)"]
+    before = 0.0
+    for number, (plan, seconds) in enumerate(zip(plans, per_stage), 1):
+        if before + seconds > budget_s:
+            fitting = int(len(plan) / accum * max(0.0, budget_s - before) / seconds)
+            return lines + [head + f"stage {number} of {len(plans)} would stop after about {fitting} of its "
+                            f"{len(plan) // accum} steps: shorten the stages (--steps / --stop-step in each --then)"]
+        before += seconds
+    return lines
 
 
 def train(args: argparse.Namespace, model, loader, device: torch.device, attention: Callable, deadline: float,
@@ -382,14 +309,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.init_from:  # the lineage: the record of the run this one continued, and of the runs before it
         source_record = Path(args.init_from).expanduser() / "training.json"
         record = json.loads(source_record.read_text()) if source_record.is_file() else None
+    plans = [micro_plan(stage)[:(stage.stop_step or stage.steps) * stage.accum] for stage in args.stages]
     attention = None
-    for number, stage in enumerate(args.stages, 1):
+    for number, (stage, plan) in enumerate(zip(args.stages, plans), 1):  # a plan: the steps its stage takes
         stage_t0 = time.time()
-        plan = micro_plan(stage)[:(stage.stop_step or stage.steps) * stage.accum]  # the steps this stage takes
         print(f"{f'stage {number} of {len(args.stages)}: ' if len(args.stages) > 1 else ''}plan: "
               f"{plan_summary(plan, stage.micro_tokens)}", flush=True)
         if attention is None:
-            attention = fast_attention(model, stage, device, plan, deadline - time.time())
+            attention = fast_attention(model, stage, device, plans, deadline - time.time())
         loader = make_loader(plan, stage.workers, pin=device.type == "cuda", tail_weight=stage.tail_weight)
         progress = train(stage, model, loader, device, attention, deadline, t0)
         last = number == len(args.stages) or progress["stopped_early"]

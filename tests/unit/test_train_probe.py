@@ -157,6 +157,20 @@ def test_cost_model_matches_the_preflight_it_was_fit_to(train_probe, probe_data)
     assert probe_data.plan_seconds(plan) == pytest.approx(449, abs=5)  # the preflight's estimate on the H200
 
 
+def test_preflight_estimates_every_stage_and_names_the_one_the_time_limit_cuts(train_probe):
+    plans = [[(512, [])] * 40, [(32768, [])] * 8]  # 10 and 2 steps of 4 micro-batches
+    timing = dict(short=(512, 0.05), long=(32768, 0.25), accum=4)
+    fits = train_probe.preflight_report(plans, budget_s=10, **timing)
+    assert fits == ["a micro-batch takes 0.050 s at length 512, 0.250 s at 32768; 48 micro-batches: about 4 s of "
+                    "training (2 + 2 s by stage)"]
+    cut = train_probe.preflight_report(plans, budget_s=3.4, **timing)
+    assert cut[1] == ("warning: 4 s exceed the 3 s --time-limit-min leaves for training; stage 2 of 2 would stop "
+                      "after about 1 of its 2 steps: shorten the stages (--steps / --stop-step in each --then)")
+    one = train_probe.preflight_report(plans[:1], budget_s=1.1, **timing)
+    assert one[0].endswith("40 micro-batches: about 2 s of training")
+    assert one[1].endswith("the run will stop early: pass --stop-step 5 (or fewer --steps)")
+
+
 def test_variable_names_are_spelled_one_token_per_letter(probe_data):
     dataset = probe_data.MicroBatches([(512, [("variable_tracking", 10**9 + 2)])])
     batch = dataset[0]
