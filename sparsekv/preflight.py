@@ -100,7 +100,8 @@ def check_task_inputs(cfg: DictConfig) -> None:
 
 def check_prompt(cfg: DictConfig) -> None:
     """cfg.prompt is non-empty, tokenizable by the model's tokenizer and leaves room to generate."""
-    from sparsekv.factory import CPU_DEFAULT_MAX_MODEL_LEN, resolve_device
+    from sparsekv.factory import resolve_device
+    from sparsekv.kvcache.sizing import CPU_DEFAULT_MAX_MODEL_LEN
     from sparsekv.models.loader import resolve_spec
     from sparsekv.tokenizer import load_tokenizer
 

@@ -44,7 +44,7 @@ class OffloadKVStore(KVStore):
         self.num_blocks = host_pool_blocks(host_pool_gib, self.bytes_per_block)
         self.host = HostPool(num_layers, max(1, self.num_blocks), block_size, num_kv_heads, head_dim, host_dtype,
                              pin_memory=device.type == "cuda")
-        # cache_slots_per_layer: the GPU block cache's size (0: none); factory.gpu_cache_slots sizes it
+        # cache_slots_per_layer: the GPU block cache's size (0: none); sizing.gpu_cache_slots sizes it
         self.engine = self.engine_class(self.host, num_gpu_blocks, initial_prefill_buffer, max_num_seqs, device,
                                         model_dtype=dtype, cache_slots_per_layer=cache_slots_per_layer)
         # the policies whose metadata hooks see every offloaded block

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.factory import check_scheduler_config, kv_block_bytes, num_device_kv_blocks
+from sparsekv.factory import check_scheduler_config
+from sparsekv.kvcache.sizing import kv_block_bytes, num_device_kv_blocks
 from sparsekv.llm import compose_config
 from sparsekv.models.loader import resolve_spec
 

@@ -11,7 +11,7 @@ import torch
 
 from sparsekv import LLM, SamplingParams
 from sparsekv.errors import PolicyConfigError
-from sparsekv.factory import GPU_CACHE_MARGIN, gpu_cache_slots, policy_metadata_bytes, sequence_blocks
+from sparsekv.kvcache.sizing import GPU_CACHE_MARGIN, gpu_cache_slots, policy_metadata_bytes, sequence_blocks
 from sparsekv.llm import compose_config
 from sparsekv.policies.context import KVLayout
 from sparsekv.policies.quest import QuestPolicy
