@@ -13,7 +13,8 @@
 #   prefill         32K and 128K prefill resident and offloaded (128K: cache off and on), HF beside    ~5 min
 #   sparse_prefill  128K resident prefill on structured weights: full, minference, the xattn_bsa_090 preset  ~4 min
 #   sparse_prefill_scaling  minference and xattn_bsa (default settings) beside full attention at 128K, 256K and 512K
-#                   (SCALING_CONTEXTS), offloaded, structured dummy weights                              ~10 min
+#                   (SCALING_CONTEXTS), offloaded, structured dummy weights (SCALING_POLICIES="xattn_bsa": only
+#                   that policy, still beside full)                                                       ~10 min
 #   sparse_prefill_1m minference and xattn_bsa at 1M tokens with the fp8 host tier (full attention at 1M takes
 #                   longer than a 10-minute limit: its time is the 512K row's x4 by the causal FLOPs)    ~10 min
 #   quality         the sparse prefill presets' density, error and needle hits at 32K on planted inputs       ~6 min
@@ -218,7 +219,7 @@ section_sparse_prefill_scaling() {  # sparse prefill from 128K to 512K beside fu
     for ctx in ${SCALING_CONTEXTS:-131072 262144 524288}; do
         local S=("${STRUCTURED[@]}" offload=cpu task.context="$ctx" task.decode_steps=2)
         BENCH_TIMEOUT=300 bench sparse_prefill_scaling "full-$ctx" "${S[@]}" policy=full
-        for policy in minference xattn_bsa; do
+        for policy in ${SCALING_POLICIES:-minference xattn_bsa}; do
             VS="sparse_prefill_scaling/full-$ctx" BENCH_TIMEOUT=300 bench sparse_prefill_scaling "$policy-$ctx" \
                 "${S[@]}" policy="$policy"
         done
