@@ -148,15 +148,16 @@ def gpu_cache_slots(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device
                                    host_dtype or dtype) // layers  # K and V of one block of one layer
     useful = sequence_blocks(cfg, max_model_len, host_blocks)
     reserve = useful * metadata[0]
-    if device.type == "cuda" and reserve and reserve > (free := torch.cuda.mem_get_info(device)[0]) - GPU_CACHE_MARGIN:
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    if reserve and device.type == "cuda" and reserve > free - GPU_CACHE_MARGIN:
         raise ValueError(f"{metadata[1]} keeps {format_bytes(reserve)} of block metadata on the device for "
                          f"{useful} host blocks (scheduler.max_num_seqs={cfg.scheduler.max_num_seqs} x "
                          f"scheduler.max_model_len={max_model_len}), more than the {format_bytes(free)} free after "
                          "the weights; lower scheduler.max_model_len or scheduler.max_num_seqs")
+    free -= reserve
     if gib is None:
         if device.type != "cuda":
             return 0
-        free = torch.cuda.mem_get_info(device)[0] - reserve
         token_bytes = spec.kv_bytes_per_token * dtype.itemsize
         buffers = (offload.num_gpu_blocks * block_bytes + (prefill_chunk_tokens(cfg, max_model_len)
                    + cfg.scheduler.max_num_seqs * offload.block_size) * token_bytes)
@@ -164,7 +165,7 @@ def gpu_cache_slots(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device
             4 * spec.intermediate_size + 8 * spec.hidden_size + 6 * spec.num_attention_heads * spec.head_dim
         ) * dtype.itemsize
         gib = max(0.0, (free - buffers - activations - GPU_CACHE_MARGIN) / GIB)
-    elif device.type == "cuda" and gib * GIB > (free := torch.cuda.mem_get_info(device)[0] - reserve):
+    elif device.type == "cuda" and gib * GIB > free:
         held = f" and the policies' block metadata ({format_bytes(reserve)})" if reserve else ""
         raise ValueError(f"offload.gpu_cache_gib={gib:g} exceeds the {format_bytes(free)}"
                          f" of free device memory after the weights{held}; lower it, or use auto")
