@@ -37,7 +37,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from probe_args import RUN_FIELDS, SHAPE_FIELDS, parse_args  # noqa: E402,F401 - parse_args: the tests' entry
+from probe_args import RUN_FIELDS, SHAPE_FIELDS, parse_args  # noqa: E402
 from probe_data import TRAIN_SEED_BASE, make_loader, micro_plan, plan_summary, training_sample  # noqa: E402
 from probe_eval import evaluate  # noqa: E402
 from probe_tokenizer import build_probe_tokenizer  # noqa: E402

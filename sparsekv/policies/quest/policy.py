@@ -3,8 +3,9 @@
 Metadata. While a block's keys are still on the GPU (on_prefill_offload / on_decode_offload), the policy records
 per layer, per KV head and per channel the minimum and maximum key of the block: two device tables
 [L, blocks, KVH, D] indexed by cpu block id (sparsekv.policies.block_metadata.BlockMetadata), allocated at
-initialize() for the blocks the sequences can hold (declared by device_bytes_per_block). A partly filled prompt block is recorded over its valid rows and re-recorded when decode fills
-it. Memory: 2 * KVH * D elements per block and layer, i.e. 2 / block_size of the block's keys.
+initialize() for the blocks the sequences can hold (declared by device_bytes_per_block). A partly filled prompt
+block is recorded over its valid rows and re-recorded when decode fills it. Memory: 2 * KVH * D elements per block
+and layer, i.e. 2 / block_size of the block's keys.
 
 Score. For a query q and a block with bounds (kmin, kmax), no key k of the block can have q.k above the
 per-channel upper bound  sum_i max(q_i * kmax_i, q_i * kmin_i)  (each channel takes the bound that its query sign
@@ -17,11 +18,10 @@ score per block.
 Selection. Keep the `topk_blocks` best blocks, or token_budget // block_size blocks when `token_budget` is set
 (token_budget wins when both are). With neither set: DEFAULT_TOKEN_BUDGET tokens, the smallest budget within 2
 points of full on the probe's RULER matrix (docs/benchmarks.md), but at least DEFAULT_MIN_BLOCKS blocks, so that
-Quest still chooses among 1,024-token host blocks. The first block
-(attention sink) and the newest full block are always kept, so at least 2 blocks load whatever the budget. Layers
-below `dense_layers` and sequences with at most `threshold_blocks` full blocks load everything. In decode the
-choice stays on the device (select_blocks returns a device tensor): the chosen blocks are gathered from pinned host
-memory by a kernel, so no layer waits for the host. In decode, scores and choice are one kernel launch (quest_select
+Quest still chooses among 1,024-token host blocks. The first block (attention sink) and the newest full block are
+always kept, so at least 2 blocks load whatever the budget. Layers below `dense_layers` and sequences with at most
+`threshold_blocks` full blocks load everything. In decode the choice stays on the device (select_blocks returns a
+device tensor): the chosen blocks are gathered from pinned host memory by a kernel, so no layer waits for the host. In decode, scores and choice are one kernel launch (quest_select
 in sparsekv/policies/quest/quest_score.py); score_blocks and sparsekv.policies.scorer.top_blocks are its reference.
 A batched decode step chooses for all of its selecting sequences at once (select_blocks_batch): their candidates
 padded to the longest, the same scores over the padded rows, one top-k per row. With offload=none the resident

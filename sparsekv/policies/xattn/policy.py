@@ -23,9 +23,10 @@ offload=cpu (compute_chunked_prefill from the base pipeline; select_blocks(ctx) 
 live on the host and only the chosen blocks may cross PCIe, so the decision uses a key summary kept on the GPU.
 Summary: for every host block and layer, the mean of each run of `summary_stride` (default: `stride`) consecutive
 keys, [block_size / summary_stride, KVH, D] in the key dtype, recorded by on_prefill_offload / on_decode_offload
-while the keys are on the GPU (a device table indexed by cpu block id, sized at initialize()). That is 1/summary_stride
-of the block's keys, 1/(2*summary_stride) of its KV: for Qwen3-4B (KVH 8, D 128, bf16) with 1024-token host
-blocks and stride 8, 256 KiB per block and layer against 4 MiB of KV (6.25%), 9 MiB per block over 36 layers.
+while the keys are on the GPU (a device table indexed by cpu block id, sized at initialize()). That is
+1/summary_stride of the block's keys, 1/(2*summary_stride) of its KV: for Qwen3-4B (KVH 8, D 128, bf16) with
+1024-token host blocks and stride 8, 256 KiB per block and layer against 4 MiB of KV (6.25%), 9 MiB per block over
+36 layers.
 Why means: if the queries of a stride group are replaced by their mean q_bar, the antidiagonal score of a tile
 becomes q_bar . (mean of the tile's keys) / sqrt(D), so the per-group key mean is exactly the key side of the
 scoring under that approximation; a single strong key is diluted by 1/stride, just as in the antidiagonal sum.
@@ -176,16 +177,19 @@ class XAttentionPolicy(SparsePolicy):
         return out
 
     # ---------------------------------------------------------------------------------------- offload=cpu
+    def _summary_shape(self, layout: KVLayout) -> tuple[int, int, int]:
+        """[groups, KVH, D] of one block and layer: a full block's groups (a partial block fills fewer)."""
+        return _cdiv(layout.block_size, self.summary_group), layout.num_kv_heads, layout.head_dim
+
     def initialize(self, layout: KVLayout) -> None:
-        groups = _cdiv(layout.block_size, self.summary_group)  # a full block's; a partial block fills fewer
-        self._summary = BlockMetadata(layout.num_layers, (groups, layout.num_kv_heads, layout.head_dim), layout.dtype,
-                                      layout.device, layout.max_blocks, rows=layout.expected_blocks)
+        self._summary = BlockMetadata(layout.num_layers, self._summary_shape(layout), layout.dtype, layout.device,
+                                      layout.max_blocks, rows=layout.expected_blocks)
         self._groups = BlockMetadata(layout.num_layers, (), torch.int32, layout.device, layout.max_blocks,
                                      rows=layout.expected_blocks)
 
     def device_bytes_per_block(self, layout: KVLayout) -> int:
-        summary = _cdiv(layout.block_size, self.summary_group) * layout.num_kv_heads * layout.head_dim
-        return layout.num_layers * (summary * layout.dtype.itemsize + torch.int32.itemsize)  # summary, group count
+        summary = math.prod(self._summary_shape(layout)) * layout.dtype.itemsize
+        return layout.num_layers * (summary + torch.int32.itemsize)  # the summary and the group count
 
     def on_prefill_offload(self, block_id: int, layer: int, keys: torch.Tensor, n: int) -> None:
         self._record(block_id, layer, keys, n)
