@@ -39,12 +39,12 @@
 #                   and length, offload none and cpu (RULER_OFFLOADS): full, quest at 1K / 2K / 4K tokens with the
 #                   default 2 dense layers and with every layer selecting, streaming_llm (the plugin in plugins/) at
 #                   2K tokens, minference (64-offset bands) and minference-diagonals (single diagonals), xattn_bsa,
-#                   xattn_bsa_090, at none MInference at 250 / 1,500 and 1,000 / 6,096 columns / diagonals and
-#                   XAttention at thresholds 0.7 and 0.95 (around the defaults: 500 / 3,000 and 0.8), and at cpu
-#                   Quest at 2K / 4K tokens with 256-token host blocks; then
-#                   task=report over them; 16 runs at none (40-100 s each, about 15 min on an H100), 14 at cpu
+#                   xattn_bsa_090, at none MInference at 250 / 1,500, 1,000 / 6,096 and 2,000 / 8,192 columns /
+#                   diagonals and XAttention at thresholds 0.6 and 0.8 (around the defaults: 500 / 3,000 and 0.7),
+#                   and at cpu Quest at 2K / 4K tokens with 256-token host blocks; then
+#                   task=report over them; 17 runs at none (40-100 s each, about 16 min on an H100), 14 at cpu
 #                   (60-100 s, 17 min): two GPUs per mode side by side, or RULER_ROWS split over more calls
-#                   (RULER_TIMEOUT: 180 s per run)                                                          ~31 min
+#                   (RULER_TIMEOUT: 180 s per run)                                                          ~32 min
 #                   (RULER_ROWS="streaming_llm-2048 minference ..." runs only the rows of those labels)
 #   tp              TP=1 beside TP=N for N in TP_SIZES (default "1 2"; "1 2 4" on 4 GPUs) per model of TP_MODELS
 #                   (default "qwen3_8b llama3_8b", dummy weights), rows of TP_ROWS (default "decode offload
@@ -367,8 +367,9 @@ section_ruler_policies() {  # the policies judged on the probe: accuracy per tas
     # the budgets around the prefill policies' defaults, resident only (their defaults are set from these rows)
     local NONE_ROWS=("minference-v250-s1500|policy=minference policy.vertical_size=250 policy.slash_size=1500"
                      "minference-v1000-s6096|policy=minference policy.vertical_size=1000 policy.slash_size=6096"
-                     "xattn_bsa_070|policy=xattn_bsa policy.threshold=0.7"
-                     "xattn_bsa_095|policy=xattn_bsa policy.threshold=0.95")
+                     "minference-v2000-s8192|policy=minference policy.vertical_size=2000 policy.slash_size=8192"
+                     "xattn_bsa_060|policy=xattn_bsa policy.threshold=0.6"
+                     "xattn_bsa_080|policy=xattn_bsa policy.threshold=0.8")
     # offload=cpu selects among host blocks of 1,024 tokens, where a 2,048-token budget is the sink and the newest
     # block alone; these rows give Quest the resident store's 256-token blocks
     local CPU_ROWS=("quest-2048-block256|policy=quest policy.token_budget=2048 offload.block_size=256"

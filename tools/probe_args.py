@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import sys
 from pathlib import Path
 
 import torch
@@ -14,15 +15,24 @@ TOOLS = Path(__file__).resolve().parent
 # the whole run's options, which --then stages take from the first stage
 RUN_FIELDS = ("out", "device", "workers", "time_limit_min", "eval_samples")
 SHAPE_FIELDS = ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "rope_theta")  # weights carry on
+# the committed checkpoint's run (docs/probe.md): the defaults stopped at step 1,120, then the variable-tracking stage
+# and the stage at every length; --recipe puts these options first, so options given after it win
+RECIPE = ("--seed", "0", "--stop-step", "1120", "--time-limit-min", "10", "--eval-samples", "0",
+          "--then", "--seed 1 --steps 500 --short-frac 0.3 --ramp 0.2 --lr 5e-4 --warmup 50 "
+                    "--task-weights variable_tracking=4",
+          "--then", "--seed 2 --steps 450 --short-frac 0 --ramp 0.01 --lr 1.5e-4 --warmup 10 --frontier-share 0.7")
 
 
 def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description="Train the probe checkpoint (tools/train_probe.py).")
+    p.add_argument("--recipe", action="store_true",
+                   help="the committed checkpoint's three stages in one run (probe_args.RECIPE); options given with "
+                        "it override its first stage's, and a --then adds a fourth stage")
     p.add_argument("--out", default=str(TOOLS.parent / "sparsekv" / "checkpoints" / "probe"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=1300, help="the plan's steps (the schedule spans them)")
     p.add_argument("--stop-step", type=int, default=None,
-                   help="stop after this many steps of the plan (the committed run's time cap: 1120)")
+                   help="stop after this many steps of the plan (the recipe's first stage: 1120)")
     p.add_argument("--max-len", type=int, default=32768, help="longest context, in tokens")
     p.add_argument("--min-len", type=int, default=512, help="shortest context, in tokens")
     p.add_argument("--tasks", default=",".join(TASK_WEIGHTS), help="comma-separated tasks to train on")
@@ -61,6 +71,9 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
                    help="a further stage (repeatable): these options, quoted (--then=\"...\" when they start with "
                         "--name=value), over the defaults; it continues the weights with a fresh optimizer and "
                         "schedule, as --init-from on the saved checkpoint would")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--recipe" in argv:
+        argv = [*RECIPE, *argv]
     args = p.parse_args(argv)
     args.tasks = [t for t in args.tasks.split(",") if t]
     if args.short_len is None:
@@ -96,7 +109,7 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
         if not ok:
             p.error(message)
     args.stages = [args]
-    whole_run = {"--" + f.replace("_", "-") for f in (*RUN_FIELDS, *SHAPE_FIELDS, "init_from", "then")}
+    whole_run = {"--" + f.replace("_", "-") for f in (*RUN_FIELDS, *SHAPE_FIELDS, "init_from", "then", "recipe")}
     for text in args.then:
         words = shlex.split(text)
         taken = sorted({w.split("=")[0] for w in words} & whole_run)

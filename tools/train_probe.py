@@ -1,7 +1,8 @@
 """Train the probe checkpoint: a small Qwen3 that answers the RULER generators' tasks from 1K to 32K tokens.
 
-    python3 tools/train_probe.py --out /tmp/base --seed 0 --stop-step 1120  # one GPU, about 5 minutes
-    python3 tools/train_probe.py --out /tmp/next --init-from /tmp/base ...  # continue it (docs/probe.md: the recipe)
+    python3 tools/train_probe.py --recipe --out /tmp/probe  # the committed checkpoint's run: one GPU, about 9 minutes
+    python3 tools/train_probe.py --out /tmp/base --seed 0 --stop-step 1120  # its first stage alone, about 5 minutes
+    python3 tools/train_probe.py --out /tmp/next --init-from /tmp/base ...  # continue a checkpoint
 
 The data is the generators' own samples (sparsekv/tasks/ruler), with the probe tokenizer (tools/probe_tokenizer.py).
 The loss is on the answer (the tokens after the answer prefix, then EOS) and, at --tail-weight, on the question and
@@ -10,7 +11,7 @@ micro-batch holds samples of one context length (short ones: many samples), draw
 first --short-frac of the steps stay at --min-len to --short-len, then the longest length doubles up to --max-len
 over the next --ramp of the steps; --frontier-share of the draws come from the top two octaves reached, the rest
 from any length reached. The tasks are the suite's and kv_adjacent (key matching in its plainest form,
-probe_data.kv_adjacent_sample). The defaults are the committed checkpoint's first run (docs/probe.md). The plan's time
+probe_data.kv_adjacent_sample). The defaults are the committed checkpoint's first stage (docs/probe.md). The plan's time
 by the cost model of docs/probe.md is printed before training. DataLoader workers build the samples. Training seeds
 are >= TRAIN_SEED_BASE (10**9); evaluation (task=ruler, and the sanity check at the end here) uses seeds below it.
 The steps, lengths, tasks and sample seeds are a pure function of --seed and the arguments. --init-from continues

@@ -65,10 +65,12 @@ def test_structured_weights_plant_local_decay_and_stripes(arch):
 
 
 def test_xattn_keeps_fewer_blocks_on_structured_weights():
-    """Offloaded xattn_bsa prefill: every prefix block on plain dummy weights, a subset on structured ones."""
+    """Offloaded xattn_bsa prefill: every prefix block on plain dummy weights, a subset on structured ones (at a
+    threshold of 0.8: on plain dummy weights a lower one drops a few blocks of their flat attention too)."""
     context, density = 8192, {}
     for load_format in ("dummy", "dummy_structured"):
-        llm = _llm(load_format, context, "policy=xattn_bsa", "offload=cpu", "offload.prefill_chunk_size=2048")
+        llm = _llm(load_format, context, "policy=xattn_bsa", "policy.threshold=0.8", "offload=cpu",
+                   "offload.prefill_chunk_size=2048")
         llm.engine.policy.reset_density()
         llm.generate([_prompt(context)], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         density[load_format] = llm.engine.policy.mean_density

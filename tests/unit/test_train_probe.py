@@ -113,12 +113,8 @@ def test_short_phase_comes_first_then_the_ramp_reaches_max_len(train_probe, prob
     assert probe_data.plan_seconds([(1024, []), (32768, [])]) == pytest.approx(0.046 + 0.078)
 
 
-# options of the committed run since removed, recorded at the behaviour that is now fixed
-REMOVED_OPTIONS = {"spell_names": True, "restate_key": False, "context_weight": 0.0}
-
-
 def committed_lineage() -> list[dict]:
-    """The committed checkpoint's training.json and the records of the runs it continued, the first run last."""
+    """The committed checkpoint's training.json and the records of the stages it continued, the first stage last."""
     record = json.loads((TOOLS.parent / "sparsekv" / "checkpoints" / "probe" / "training.json").read_text())
     lineage = [record]
     while "init_from_record" in lineage[-1]:
@@ -126,23 +122,31 @@ def committed_lineage() -> list[dict]:
     return lineage
 
 
-def test_defaults_are_the_committed_checkpoints_first_run(train_probe, probe_data):
-    committed = committed_lineage()[-1]
+def test_recipe_is_the_committed_checkpoints_run(train_probe):
+    stages = train_probe.parse_args(["--recipe"]).stages
+    lineage = committed_lineage()[::-1]  # the first stage first
+    assert len(stages) == len(lineage) == 3
+    for stage, record in zip(stages, lineage):
+        for key, value in record["args"].items():
+            if key not in ("device", "workers"):  # a --then stage runs with the first stage's run options
+                assert getattr(stages[0] if key in train_probe.RUN_FIELDS else stage, key) == value, key
+        assert record["steps_done"] == (stage.stop_step or stage.steps) and not record["stopped_early"]
+    # given after --recipe, an option wins over the recipe's
+    assert train_probe.parse_args(["--recipe", "--seed", "7"]).seed == 7
+
+
+def test_recipe_starts_from_the_defaults(train_probe, probe_data):
     args = train_probe.parse_args([])
-    for key, value in committed["args"].items():
-        if key == "task_weights":  # a training task that lost (weight 0 in the run) is gone
-            assert args.task_weights == {task: w for task, w in value.items() if w}
-        elif key in REMOVED_OPTIONS:
-            assert not hasattr(args, key) and value == REMOVED_OPTIONS[key], key
-        elif key not in ("device", "workers", "time_limit_min", "stop_step"):
-            assert getattr(args, key) == value, key
+    first = train_probe.parse_args(["--recipe"])
+    differ = {k for k, v in vars(args).items() if k != "stages" and getattr(first, k) != v}
+    assert differ == {"recipe", "stop_step", "time_limit_min", "eval_samples", "then"}
+    assert first.stop_step == 1120
     assert args.task_weights == probe_data.TASK_WEIGHTS and args.tasks == list(probe_data.TASK_WEIGHTS)
-    assert committed["steps_done"] == 1120 and committed["stopped_early"]  # --stop-step 1120 reproduces it
     plan = probe_data.micro_plan(args)
     assert len(plan) == 5200 and {length for length, _ in plan[:715 * 4]} == {512, 768, 1024, 1536, 2048}
     first_full = min(i for i, (length, _) in enumerate(plan) if length == 32768) // 4  # the ramp: 260 steps
     assert 715 + 250 <= first_full <= 715 + 265
-    # the committed run's 1120 steps took 300 s on a 4 x H200 host (four runs at once); the cost model: 219 s
+    # the committed run's first 1,120 steps trained in 276 s on a 4 x H200 host (four runs at once); the model: 219 s
     assert probe_data.plan_seconds(plan[:1120 * 4]) == pytest.approx(219, abs=3)
 
 
@@ -327,14 +331,14 @@ def test_init_from_refuses_a_directory_without_a_checkpoint_or_with_another_toke
     assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
-def test_committed_checkpoint_continues_its_first_run(train_probe):
+def test_committed_checkpoint_is_one_run_of_three_stages(train_probe):
     lineage = committed_lineage()
-    assert len(lineage) == 3 and all(r["args"]["init_from"] for r in lineage[:-1])
     first = lineage[-1]
-    for record in lineage[:-1]:  # the fine-tunes keep the first run's shape
+    assert first["args"]["then"] and not any(r["args"]["init_from"] for r in lineage)  # --then stages, one run
+    for record in lineage[:-1]:  # the later stages keep the first stage's shape
         assert all(record["args"][k] == first["args"][k] for k in ("hidden", "layers", "heads", "kv_heads"))
-    # the three runs' time on the 2 x H200 and 4 x H200 hosts that trained them (docs/probe.md)
-    assert sum(r["train_seconds"] for r in lineage) == pytest.approx(620.4, abs=0.1)
+    # the stages' training time on the 4 x H200 host that trained it (docs/probe.md), of 531 s in all
+    assert sum(r["train_seconds"] for r in lineage) == pytest.approx(524.2, abs=0.1)
 
 
 def test_then_stages_continue_the_weights_in_one_run(train_probe, tmp_path):

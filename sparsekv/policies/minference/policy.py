@@ -94,7 +94,8 @@ class MInferencePolicy(SparsePolicy):
     """Vertical-slash sparse prefill (MInference). Changes computation only, loads every block."""
     name: str = "minference"
     last_q: int = 64  # queries at the end of the chunk that estimate the pattern
-    # the smallest budgets of the probe's RULER matrix within 2 points of full at 32K (docs/benchmarks.md)
+    # the smallest budgets within 2 points of full at 32K on the probe's earlier checkpoint; on the committed one no
+    # measured budget up to 1,000 / 6,096 is (docs/benchmarks.md, "Policies judged on the probe")
     vertical_size: int = 500  # key columns kept per head
     slash_size: int = 3000  # diagonals kept per head
     adaptive_budget: Optional[float] = None  # if set: both budgets = this fraction of the keys the chunk sees

@@ -100,7 +100,7 @@ class XAttentionPolicy(SparsePolicy):
     """XAttention antidiagonal block selection for prefill (block-sparse attention)."""
     name: str = "xattn_bsa"
     # the smallest threshold of the probe's RULER matrix within 2 points of full at 32K (docs/benchmarks.md)
-    threshold: float = 0.8  # cumulative attention mass kept per query block, in (0, 1]
+    threshold: float = 0.7  # cumulative attention mass kept per query block, in (0, 1]
     stride: int = 8  # antidiagonal stride of the scoring
     block_size: int = 128  # offload=none: tokens per query/key block (a multiple of stride)
     vote_fraction: float = 0.5  # a block is kept when at least this fraction of the KV heads keep it
