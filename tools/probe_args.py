@@ -16,7 +16,7 @@ TOOLS = Path(__file__).resolve().parent
 RUN_FIELDS = ("out", "device", "workers", "time_limit_min", "eval_samples")
 SHAPE_FIELDS = ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "rope_theta")  # weights carry on
 # the committed checkpoint's run (docs/probe.md): the defaults stopped at step 1,120, then the variable-tracking stage
-# and the stage at every length; --recipe puts these options first, so options given after it win
+# and the stage at every length; --recipe puts these options first, so the options given with it win
 RECIPE = ("--seed", "0", "--stop-step", "1120", "--time-limit-min", "10", "--eval-samples", "0",
           "--then", "--seed 1 --steps 500 --short-frac 0.3 --ramp 0.2 --lr 5e-4 --warmup 50 "
                     "--task-weights variable_tracking=4",
