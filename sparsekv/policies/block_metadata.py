@@ -2,11 +2,11 @@
 
 Policies (Quest's key bounds, XAttention's key summaries) record a few small tensors per host block while the
 block's keys are still on the GPU (SparsePolicy.on_prefill_offload / on_decode_offload) and read them when they
-choose blocks, without loading the blocks. The table lives on the device: initialize() gets
-the host pool's block count, an upper bound that may be far larger than what the running sequences use, and the
-number of blocks they can hold at once (KVLayout.expected_blocks), which is allocated up front: the engine
-reserves that much device memory for it (SparsePolicy.device_bytes_per_block), and a table that never grows
-keeps GPU memory fixed while the engine runs.
+choose blocks, without loading the blocks. The table lives on the device: initialize() gets the host pool's block
+count, an upper bound that may be far larger than what the running sequences use, and the number of blocks they
+can hold at once (KVLayout.expected_blocks), which is allocated up front: the engine reserves that much device
+memory for it (SparsePolicy.device_bytes_per_block), and a table that never grows keeps GPU memory fixed while the
+engine runs.
 """
 from __future__ import annotations
 
