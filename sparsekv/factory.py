@@ -27,7 +27,7 @@ from sparsekv.kvcache.offload_store import HOST_HEADROOM, OffloadKVStore, host_p
 from sparsekv.kvcache.paged import PagedKVStore
 from sparsekv.kvcache.sizing import (CPU_DEFAULT_MAX_MODEL_LEN, GIB, check_kv_memory, gpu_cache_slots,
                                     num_device_kv_blocks, policy_metadata_bytes, prefill_chunk_tokens,
-                                    sequence_blocks)
+                                    prefill_step_tokens, sequence_blocks)
 from sparsekv.models.loader import build_model, model_class, resolve_spec
 from sparsekv.models.spec import ModelSpec
 from sparsekv.plugins import registry
@@ -97,10 +97,18 @@ def build_kv_store(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device:
     decode_policy = policy if policy.supports_decode else full
     check_selections = bool(cfg.get("check_selections", False))  # validate device selections too (a sync each)
     if cfg.offload.mode == OffloadMode.none:  # a selecting decode policy chooses among the resident blocks
-        num_blocks = tp.agree_min(num_device_kv_blocks(cfg, spec, dtype, device, max_model_len), device)
-        return PagedKVStore(spec.num_hidden_layers, num_blocks, cfg.offload.block_size, spec.num_key_value_heads,
-                            spec.head_dim, dtype, device, prefill_policy, max_model_len, decode_policy=decode_policy,
-                            check_selections=check_selections)
+        prefill_tokens = prefill_step_tokens(cfg, prefill_policy, max_model_len)
+        if prefill_tokens != cfg.scheduler.max_num_batched_tokens:
+            log.info("policy %s prefills whole prompts: %d prompt tokens per prefill step (scheduler."
+                     "max_num_batched_tokens=%d; policy.whole_prompt_prefill=false keeps those chunks)",
+                     prefill_policy.name, prefill_tokens, cfg.scheduler.max_num_batched_tokens)
+        num_blocks = tp.agree_min(num_device_kv_blocks(cfg, spec, dtype, device, max_model_len, prefill_tokens),
+                                  device)
+        store = PagedKVStore(spec.num_hidden_layers, num_blocks, cfg.offload.block_size, spec.num_key_value_heads,
+                             spec.head_dim, dtype, device, prefill_policy, max_model_len,
+                             decode_policy=decode_policy, check_selections=check_selections)
+        store.prefill_token_budget = prefill_tokens
+        return store
     offload = cfg.offload
     chunk = prefill_chunk_tokens(cfg, max_model_len)
     initial_prefill_buffer = min(chunk, cfg.scheduler.max_num_batched_tokens)

@@ -29,10 +29,21 @@ def kv_block_bytes(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
     return spec.kv_bytes_per_token * cfg.offload.block_size * dtype.itemsize
 
 
+def prefill_step_tokens(cfg: DictConfig, prefill_policy, max_model_len: int) -> int:
+    """offload=none: prompt tokens one prefill step may compute: scheduler.max_num_batched_tokens, or at least
+    max_model_len (a whole prompt) for a policy with whole_prompt_prefill (SparsePolicy)."""
+    budget = int(cfg.scheduler.max_num_batched_tokens)
+    whole = getattr(prefill_policy, "whole_prompt_prefill", False)
+    if not isinstance(whole, bool):
+        raise ValueError(f"policy {getattr(prefill_policy, 'name', prefill_policy)!r} sets whole_prompt_prefill="
+                         f"{whole!r}; the policy must set it to True or False")
+    return max(budget, max_model_len) if whole else budget
+
+
 def num_device_kv_blocks(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                         max_model_len: int) -> int:
-    """Room for max_num_seqs sequences of max_model_len tokens, capped by the memory left after the weights on CUDA
-    (gpu_memory_utilization) and by CPU_KV_POOL_CAP on CPU."""
+                         max_model_len: int, prefill_tokens: int) -> int:
+    """Room for max_num_seqs sequences of max_model_len tokens, capped by the memory left after the weights and a
+    prefill step of prefill_tokens on CUDA (gpu_memory_utilization) and by CPU_KV_POOL_CAP on CPU."""
     offload = cfg.offload
     if offload.num_kv_blocks:
         return int(offload.num_kv_blocks)
@@ -42,7 +53,7 @@ def num_device_kv_blocks(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, d
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
-        activations = cfg.scheduler.max_num_batched_tokens * (
+        activations = prefill_tokens * (
             4 * spec.intermediate_size + 8 * spec.hidden_size + 6 * spec.num_attention_heads * spec.head_dim
         ) * dtype.itemsize + (1 << 30)
         budget = total * offload.gpu_memory_utilization - used - activations

@@ -44,6 +44,11 @@ class SparsePolicy:
     paged_device_selection: ClassVar[bool] = False
     # An empty selection means "only the chunk's own keys / the unfinished block"; without this flag it is an error.
     allow_empty_selection: ClassVar[bool] = False
+    # offload=none: a prefill policy that estimates its pattern from the last queries it is given sets True (a class
+    # or a dataclass field); the engine then prefills each prompt in one step (the scheduler's prefill budget raised
+    # to max_model_len, activation memory sized for it), so the estimate comes from the prompt's end, as the method
+    # was published. offload=cpu keeps offload.prefill_chunk_size chunks: the GPU memory stays fixed.
+    whole_prompt_prefill: ClassVar[bool] = False
 
     # ---- metadata hooks, called by the store while the keys are still on the GPU
     def initialize(self, layout: KVLayout) -> None:

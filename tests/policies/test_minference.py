@@ -20,6 +20,7 @@ from sparsekv.policies.minference.vertical_slash import (
     vertical_slash_attention_reference,
     vertical_slash_pair_count,
 )
+from sparsekv.policies.minference import vertical_slash_estimate as estimate
 from sparsekv.policies.minference.vertical_slash_estimate import (
     last_rows_lse,
     last_rows_lse_reference,
@@ -27,8 +28,10 @@ from sparsekv.policies.minference.vertical_slash_estimate import (
     vertical_slash_masses_reference,
 )
 from sparsekv.kvcache.host_pool import HostPool
+from sparsekv.kvcache.sizing import prefill_step_tokens
 from sparsekv.kvcache.reader import RingReader
 from sparsekv.policies.context import PolicyContext
+from sparsekv.policies.full import FullAttentionPolicy
 from sparsekv.kvcache.offload_engine import OffloadEngine
 from sparsekv.policies.minference.policy import SLASH_BAND, MInferencePolicy
 from sparsekv.policies.minference.selection import band_offsets, band_sums, compact, top_indices
@@ -309,7 +312,8 @@ def test_band_and_compaction_helpers():
 def test_hyperparameter_validation_names_the_field():
     for field, value in [("last_q", 0), ("vertical_size", -1), ("slash_size", -5), ("sink_tokens", -1),
                          ("recent_diagonals", 1.5), ("adaptive_budget", 0.0), ("adaptive_budget", 1.5),
-                         ("last_q", True), ("slash_excludes_vertical", 1), ("slash_granularity", 32),
+                         ("last_q", True), ("slash_excludes_vertical", 1), ("whole_prompt_prefill", "yes"),
+                         ("slash_granularity", 32),
                          ("slash_granularity", 64.0), ("slash_granularity", True)]:
         with pytest.raises(ValueError, match=field):
             MInferencePolicy(**{field: value})
@@ -320,6 +324,46 @@ def test_hyperparameter_validation_names_the_field():
 def test_hyperparameter_validation_through_the_config(qwen3_ckpt):
     with pytest.raises(ValueError, match="slash_size"):
         LLM(str(qwen3_ckpt), overrides=CPU + ["policy=minference", "policy.slash_size=-3"])
+
+
+def _prefill_query_lengths(llm: LLM, monkeypatch) -> list[int]:
+    """The query lengths compute_prefill sees in layer 0, recorded while llm runs."""
+    seen: list[int] = []
+    policy = llm.engine.kv_store.prefill_policy
+    original = policy.compute_prefill
+
+    def record(q, k, v, layer_id, softmax_scale):
+        if layer_id == 0:
+            seen.append(q.shape[0])
+        return original(q, k, v, layer_id, softmax_scale)
+
+    monkeypatch.setattr(policy, "compute_prefill", record)
+    return seen
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_resident_prefill_takes_the_whole_prompt_in_one_step(qwen3_ckpt, whole, monkeypatch):
+    """offload=none: by default the pattern is estimated from the prompt's last queries, so the prompt is one step
+    however small scheduler.max_num_batched_tokens is; whole_prompt_prefill=false keeps the scheduler's chunks."""
+    llm = LLM(str(qwen3_ckpt), overrides=CPU + ["policy=minference", "scheduler.max_num_batched_tokens=64",
+                                               f"policy.whole_prompt_prefill={str(whole).lower()}"])
+    assert llm.engine.scheduler.max_num_batched_tokens == (llm.engine.max_model_len if whole else 64)
+    seen = _prefill_query_lengths(llm, monkeypatch)
+    out = llm.generate([random_prompt(150, seed=3)], GREEDY)[0]
+    assert len(out.token_ids) == 4
+    assert seen == ([150] if whole else [64, 64, 22])
+
+
+def test_whole_prompt_prefill_budget_and_a_bad_plugin_value():
+    cfg = SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=8192))
+    assert prefill_step_tokens(cfg, MInferencePolicy(), 32768) == 32768
+    assert prefill_step_tokens(cfg, MInferencePolicy(), 4096) == 8192
+    assert prefill_step_tokens(cfg, MInferencePolicy(whole_prompt_prefill=False), 32768) == 8192
+    assert prefill_step_tokens(cfg, FullAttentionPolicy(), 32768) == 8192
+    plugin = MInferencePolicy()
+    plugin.name, plugin.whole_prompt_prefill = "my_plugin", 1
+    with pytest.raises(ValueError, match="my_plugin.*whole_prompt_prefill=1"):
+        prefill_step_tokens(cfg, plugin, 32768)
 
 
 def _qkv(n_q, s, h, kvh, d, seed):
@@ -530,7 +574,39 @@ def test_engine_small_budget_runs_sparse(qwen3_ckpt, monkeypatch):
     assert llm.engine.policy.last_density < 0.8
 
 
+class _Hopper:  # the device properties max_estimate_rows reads, as an H100 / H200 reports them
+    shared_memory_per_block_optin = 232448
+
+
+def test_estimate_rows_limited_by_shared_memory_with_a_clear_error(monkeypatch):
+    """last_q rows and as many keys share one double-buffered shared-memory tile: on a Hopper GPU 512 rows at
+    head_dim 128 in bf16 need 524,288 bytes (Triton's own count when it refused them), so the policy refuses them
+    when the store is built, naming the field and the most that fits."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(estimate, "use_triton", lambda device: True)
+    monkeypatch.setattr(estimate, "triton_interpret", lambda: False)
+    monkeypatch.setattr(estimate, "HAS_TRITON", True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _Hopper())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert estimate.max_estimate_rows(128, torch.bfloat16, cuda) == 128
+    assert estimate.max_estimate_rows(128, torch.float32, cuda) == 64
+    assert estimate.max_estimate_rows(256, torch.bfloat16, cuda) == 64
+    assert estimate.max_estimate_rows(128, torch.bfloat16, torch.device("cpu")) is None
+    layout = SimpleNamespace(head_dim=128, dtype=torch.bfloat16, device=cuda)
+    MInferencePolicy(last_q=128).initialize(layout)
+    with pytest.raises(ValueError, match=r"policy.last_q=512: .*H100.* at most 128 .*use policy.last_q <= 128"):
+        MInferencePolicy(last_q=512).initialize(layout)
+    with pytest.raises(ValueError, match="q_last's rows=256"):  # what the kernels' launchers check
+        estimate.check_estimate_rows(256, 128, torch.bfloat16, cuda, "q_last's rows")
+
+
 # ------------------------------------------------------------------------------------------------ GPU only
+@pytest.mark.gpu
+def test_gpu_last_q_past_shared_memory_is_refused_before_any_work(qwen3_ckpt):
+    with pytest.raises(ValueError, match="policy.last_q=512"):
+        LLM(str(qwen3_ckpt), overrides=["device=cuda", "dtype=bfloat16", "policy=minference", "policy.last_q=512"])
+
+
 @pytest.mark.gpu
 def test_gpu_kernel_bf16_realistic():
     sq = sk = 4096

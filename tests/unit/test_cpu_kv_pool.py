@@ -15,7 +15,8 @@ def pool_bytes(overrides: list[str]) -> tuple[int, int]:
     cfg = compose_config(["device=cpu", *overrides])
     spec = resolve_spec(cfg.model)
     max_model_len = check_scheduler_config(cfg, spec, CPU)
-    blocks = num_device_kv_blocks(cfg, spec, torch.float32, CPU, max_model_len)
+    blocks = num_device_kv_blocks(cfg, spec, torch.float32, CPU, max_model_len,
+                                  cfg.scheduler.max_num_batched_tokens)
     return blocks * kv_block_bytes(cfg, spec, torch.float32), max_model_len
 
 

@@ -81,9 +81,10 @@ from sparsekv.kernels import merge_attention_outputs
 from sparsekv.policies.minference.vertical_slash import vertical_slash_attention, visible_pair_count
 from sparsekv.policies.minference.selection import (SENTINEL, add_to_granules, band_offsets, band_sums, compact,
                                                     kth_value, offsets_kept, top_indices, top_values)
-from sparsekv.policies.minference.vertical_slash_estimate import last_rows_lse, vertical_slash_masses
+from sparsekv.policies.minference.vertical_slash_estimate import (check_estimate_rows, last_rows_lse,
+                                                                vertical_slash_masses)
 from sparsekv.policies.base import SparsePolicy
-from sparsekv.policies.context import KVReader, PolicyContext
+from sparsekv.policies.context import KVLayout, KVReader, PolicyContext
 
 SLASH_BAND = 64  # offsets per band when slash_granularity > 1
 _INF = float("inf")
@@ -108,6 +109,10 @@ class MInferencePolicy(SparsePolicy):
     # SLASH_BAND (64): rank whole 64-offset bands; 1: rank single diagonals (MInference's own). Bands score within
     # a point of full attention on the probe at 32K and prefill 128K in two thirds of the time (docs/decisions.md)
     slash_granularity: int = SLASH_BAND
+    # offload=none: prefill each prompt in one step, so the last_q queries are the prompt's last ones (the question)
+    # rather than each 8K chunk's; at 32K on the probe 82.5 against 78.3 with chunks, full 83.3, and 128K prefill
+    # 14% faster (docs/benchmarks.md). false: scheduler.max_num_batched_tokens chunks (less activation memory)
+    whole_prompt_prefill: bool = True
 
     supports_prefill: ClassVar[bool] = True
     supports_decode: ClassVar[bool] = False
@@ -131,13 +136,17 @@ class MInferencePolicy(SparsePolicy):
         if isinstance(granularity, bool) or not isinstance(granularity, int) or granularity not in (1, SLASH_BAND):
             raise ValueError(f"policy.slash_granularity={self.slash_granularity!r}: must be 1 (single diagonals) or "
                              f"{SLASH_BAND} (whole {SLASH_BAND}-offset bands)")
-        if not isinstance(self.slash_excludes_vertical, bool):
-            raise ValueError(f"policy.slash_excludes_vertical={self.slash_excludes_vertical!r}: must be true or false")
+        for flag in ("slash_excludes_vertical", "whole_prompt_prefill"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"policy.{flag}={getattr(self, flag)!r}: must be true or false")
         budget = self.adaptive_budget
         if budget is not None:
             if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0.0 < budget <= 1.0 \
                     or math.isnan(budget):
                 raise ValueError(f"policy.adaptive_budget={budget!r}: must be a fraction in (0, 1] or null")
+
+    def initialize(self, layout: KVLayout) -> None:
+        check_estimate_rows(self.last_q, layout.head_dim, layout.dtype, layout.device, "policy.last_q")
 
     def budgets(self, num_keys: int) -> tuple[int, int]:
         """(columns, diagonals) kept per head when the chunk sees num_keys keys; forced ones included."""

@@ -156,6 +156,7 @@ def _check(q_last: torch.Tensor, k: torch.Tensor, row0: int, lse: torch.Tensor |
         raise ValueError(f"lse must be [H={H}, L={L}] on {k.device}; got {tuple(lse.shape)} on {lse.device}")
     if isinstance(offsets_from, bool) or not isinstance(offsets_from, int) or not 0 <= offsets_from <= row0 + L:
         raise ValueError(f"offsets_from must be an int in [0, row0 + L = {row0 + L}]; got {offsets_from!r}")
+    check_estimate_rows(L, q_last.shape[2], q_last.dtype, q_last.device, "q_last's rows")
 
 
 # -------------------------------------------------------------------------------------------- reference
@@ -233,6 +234,31 @@ def vertical_slash_masses_reference(q_last: torch.Tensor, k: torch.Tensor, softm
         sums.scatter_add_(1, index.reshape(len(heads), -1), p.reshape(len(heads), -1))
         diag[heads] = sums[:, :-1]
     return col, diag
+
+
+def max_estimate_rows(head_dim: int, dtype: torch.dtype, device: torch.device) -> int | None:
+    """The most query rows one estimate takes on `device`: the kernels hold the rows and as many keys in one tile,
+    double-buffered in shared memory (2 x (rows + keys) x head_dim elements); None where nothing limits them (the
+    torch reference, the interpreter)."""
+    if device.type != "cuda" or not HAS_TRITON or triton_interpret() or not use_triton(device):
+        return None
+    limit = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", None)
+    if not limit:
+        return None
+    block_d, itemsize, rows = max(16, next_power_of_2(head_dim)), torch.empty((), dtype=dtype).element_size(), 16
+    while 2 * (2 * rows + max(2 * rows, GPU_BLOCK_K)) * block_d * itemsize <= limit:
+        rows *= 2
+    return rows
+
+
+def check_estimate_rows(rows: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                        name: str = "the estimate's query rows") -> None:
+    """A clear error, before any launch, for more rows than the device's shared memory holds."""
+    most = max_estimate_rows(head_dim, dtype, device)
+    if most is not None and rows > most:
+        raise ValueError(f"{name}={rows}: the vertical-slash estimate holds that many query rows and as many keys in "
+                         f"one shared-memory tile, and {torch.cuda.get_device_name(device)} fits at most {most} at "
+                         f"head_dim {head_dim} in {dtype}; use {name} <= {most}")
 
 
 # ------------------------------------------------------------------------------------------- launcher

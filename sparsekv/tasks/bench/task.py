@@ -129,9 +129,10 @@ def warmup_length(cfg: DictConfig, engine) -> int:
     offloaded, a full prefill chunk plus full ring groups of earlier blocks and a decode over host blocks."""
     store = engine.kv_store
     if store.chunk_tokens is None:
-        # resident: a chunk that attends to an earlier chunk's keys compiles kernels of its own
+        # resident: a chunk that attends to an earlier chunk's keys compiles kernels of its own; the engine's prefill
+        # budget, not the config's (a whole_prompt_prefill policy raises it to max_model_len)
         return max(int(cfg.task.warmup_tokens),
-                   2 * int(cfg.scheduler.max_num_batched_tokens) + int(cfg.offload.block_size))
+                   2 * int(engine.scheduler.max_num_batched_tokens) + int(cfg.offload.block_size))
     # two full chunks (the second attends to ring groups), block-aligned so decode starts a fresh block and its
     # tail lengths go 1, 2, ..., 16, 17 (Triton specialises integers equal to 1 and divisible by 16)
     ring_tokens = store.block_size * max(2, store.engine.num_slots)
