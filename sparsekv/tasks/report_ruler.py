@@ -81,16 +81,29 @@ def _differing_args(rows: list[dict[str, Any]]) -> list[str]:
     return [k for k in names if len({json.dumps(d.get(k), sort_keys=True) for d in dicts}) > 1]
 
 
+def _moves_with(rows: list[dict[str, Any]], swept: str, key: str) -> bool:
+    """Whether `key` has one value for each value of `swept` in these rows."""
+    seen: dict[str, str] = {}
+    for row in rows:
+        args = _args(row)
+        value = json.dumps(args.get(key), sort_keys=True)
+        if seen.setdefault(json.dumps(args.get(swept), sort_keys=True), value) != value:
+            return False
+    return True
+
+
 def sweep_lines(rows: list[dict[str, Any]]) -> list[tuple[str, str | None, list[dict[str, Any]]]]:
     """One policy's rows split into budget sweeps: (what fixes the line, e.g. "dense_layers=2"; the swept setting,
     the differing one with the most values, e.g. token_budget; the line's rows). Each other differing setting gives
-    a line per value, so a sweep never zig-zags between, say, Quest with and without dense layers."""
+    a line per value, so a sweep never zig-zags between, say, Quest with and without dense layers; a setting that
+    moves with the swept one (one value per swept value, e.g. MInference's slash_size with vertical_size) stays on
+    the line."""
     differing = _differing_args(rows)
     if not differing:
         return [("", None, rows)]
     values = {k: {json.dumps(_args(r).get(k), sort_keys=True) for r in rows} for k in differing}
     swept = max(differing, key=lambda k: (len(values[k]), -differing.index(k)))
-    fixed = [k for k in differing if k != swept]
+    fixed = [k for k in differing if k != swept and not _moves_with(rows, swept, k)]
     lines: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         args = _args(row)

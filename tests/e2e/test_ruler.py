@@ -205,7 +205,7 @@ def test_report_over_a_sweep(qwen3_ckpt, tmp_path, monkeypatch, capsys):
 
 def test_budget_sweeps_split_by_the_other_settings():
     """Quest swept over budgets with and without dense layers: two lines (one per dense_layers value), each
-    through its budgets; a policy with one differing setting stays one line."""
+    through its budgets; a policy with one differing setting stays one line, and so do settings that move together."""
     import json
 
     from sparsekv.tasks.report_ruler import sweep_lines, sweep_points
@@ -225,3 +225,9 @@ def test_budget_sweeps_split_by_the_other_settings():
     xattn = [row("xattn_bsa", d, threshold=t, stride=8) for d, t in ((0.9, 0.9), (0.95, 0.95))]
     assert [(fixed, swept) for fixed, swept, _ in sweep_lines(xattn)] == [("", "threshold")]
     assert sweep_lines([row("full", 1.0)]) == [("", None, [row("full", 1.0)])]
+    # MInference's two budgets move together: one line through them; single diagonals at one budget, a line apart
+    minference = [row("minference", v / 5000, vertical_size=v, slash_size=6 * v, slash_granularity=64)
+                  for v in (250, 500, 1000, 2000)]
+    minference.append(row("minference", 0.1, vertical_size=500, slash_size=3000, slash_granularity=1))
+    assert [(fixed, swept, len(group)) for fixed, swept, group in sweep_lines(minference)] == [
+        ("slash_granularity=1", "slash_size", 1), ("slash_granularity=64", "slash_size", 4)]

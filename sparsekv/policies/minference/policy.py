@@ -16,6 +16,9 @@ masks with two comparisons instead of selection bits.
 offload=none (compute_prefill): all keys are on the device, so the selection is MInference's own: softmax of
 the last-q scores over every key they may see, column sums and diagonal sums, top-k of each, computed by the fused
 kernels of sparsekv.policies.minference.vertical_slash_estimate (the scores are never materialised). With
+`whole_prompt_prefill` (the default) the engine prefills each prompt in one step, so the last-q rows are the
+prompt's own last ones, as MInference estimates them; in chunks each chunk's pattern would come from its own last
+rows, inside the context. With
 `slash_excludes_vertical` the diagonal sums leave out the selected columns: a column read by the last-q rows
 otherwise adds its mass to the last_q diagonals it crosses, and those diagonals, each costing a key tile per query
 block, win slash budget for mass the column already keeps.
