@@ -25,9 +25,9 @@ from sparsekv.kvcache.base import available_host_memory, format_bytes
 from sparsekv.kvcache.host_quant import host_block_bytes, resolve_host_dtype
 from sparsekv.kvcache.offload_store import HOST_HEADROOM, OffloadKVStore, host_pool_blocks
 from sparsekv.kvcache.paged import PagedKVStore
-from sparsekv.kvcache.sizing import (CPU_DEFAULT_MAX_MODEL_LEN, GIB, check_kv_memory, gpu_cache_slots,
-                                    num_device_kv_blocks, policy_metadata_bytes, prefill_chunk_tokens,
-                                    prefill_step_tokens, sequence_blocks)
+from sparsekv.kvcache.sizing import (CPU_DEFAULT_MAX_MODEL_LEN, GIB, check_kv_memory, check_whole_prompt_room,
+                                    gpu_cache_slots, num_device_kv_blocks, policy_metadata_bytes,
+                                    prefill_chunk_tokens, prefill_step_tokens, sequence_blocks)
 from sparsekv.models.loader import build_model, model_class, resolve_spec
 from sparsekv.models.spec import ModelSpec
 from sparsekv.plugins import registry
@@ -104,6 +104,8 @@ def build_kv_store(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device:
                      prefill_policy.name, prefill_tokens, cfg.scheduler.max_num_batched_tokens)
         num_blocks = tp.agree_min(num_device_kv_blocks(cfg, spec, dtype, device, max_model_len, prefill_tokens),
                                   device)
+        check_whole_prompt_room(num_blocks, cfg.offload.block_size, max_model_len, prefill_tokens,
+                                cfg.scheduler.max_num_batched_tokens, prefill_policy.name)
         store = PagedKVStore(spec.num_hidden_layers, num_blocks, cfg.offload.block_size, spec.num_key_value_heads,
                              spec.head_dim, dtype, device, prefill_policy, max_model_len,
                              decode_policy=decode_policy, check_selections=check_selections)

@@ -40,6 +40,17 @@ def prefill_step_tokens(cfg: DictConfig, prefill_policy, max_model_len: int) -> 
     return max(budget, max_model_len) if whole else budget
 
 
+def check_whole_prompt_room(num_blocks: int, block_size: int, max_model_len: int, prefill_tokens: int,
+                            budget: int, policy_name: str) -> None:
+    """offload=none: a whole-prompt prefill step must leave the KV pool room for one max_model_len sequence."""
+    if prefill_tokens > budget and num_blocks * block_size < max_model_len:
+        raise ValueError(f"policy {policy_name!r} prefills whole prompts of up to scheduler.max_model_len="
+                         f"{max_model_len} tokens in one step, and that step's activations leave the KV cache "
+                         f"{num_blocks * block_size} tokens, less than one sequence; set policy.whole_prompt_prefill="
+                         "false (prefill in scheduler.max_num_batched_tokens chunks), lower scheduler.max_model_len "
+                         "or use offload=cpu")
+
+
 def num_device_kv_blocks(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                          max_model_len: int, prefill_tokens: int) -> int:
     """Room for max_num_seqs sequences of max_model_len tokens, capped by the memory left after the weights and a

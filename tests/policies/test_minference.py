@@ -28,7 +28,7 @@ from sparsekv.policies.minference.vertical_slash_estimate import (
     vertical_slash_masses_reference,
 )
 from sparsekv.kvcache.host_pool import HostPool
-from sparsekv.kvcache.sizing import prefill_step_tokens
+from sparsekv.kvcache.sizing import check_whole_prompt_room, prefill_step_tokens
 from sparsekv.kvcache.reader import RingReader
 from sparsekv.policies.context import PolicyContext
 from sparsekv.policies.full import FullAttentionPolicy
@@ -354,12 +354,16 @@ def test_resident_prefill_takes_the_whole_prompt_in_one_step(qwen3_ckpt, whole, 
     assert seen == ([150] if whole else [64, 64, 22])
 
 
-def test_whole_prompt_prefill_budget_and_a_bad_plugin_value():
+def test_whole_prompt_prefill_budget_room_and_a_bad_plugin_value():
     cfg = SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=8192))
     assert prefill_step_tokens(cfg, MInferencePolicy(), 32768) == 32768
     assert prefill_step_tokens(cfg, MInferencePolicy(), 4096) == 8192
     assert prefill_step_tokens(cfg, MInferencePolicy(whole_prompt_prefill=False), 32768) == 8192
     assert prefill_step_tokens(cfg, FullAttentionPolicy(), 32768) == 8192
+    check_whole_prompt_room(128, 256, 32768, 32768, 8192, "minference")  # one sequence fits
+    check_whole_prompt_room(8, 256, 32768, 8192, 8192, "minference")  # chunked: the pool is the scheduler's matter
+    with pytest.raises(ValueError, match="whole_prompt_prefill=false"):
+        check_whole_prompt_room(100, 256, 32768, 32768, 8192, "minference")
     plugin = MInferencePolicy()
     plugin.name, plugin.whole_prompt_prefill = "my_plugin", 1
     with pytest.raises(ValueError, match="my_plugin.*whole_prompt_prefill=1"):
