@@ -23,10 +23,18 @@ def output_dir(cfg: DictConfig) -> Path:
     return path
 
 
-def write_record(cfg: DictConfig, name: str, figures: dict[str, Any]) -> Path:
+MODEL_DIMS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def write_record(cfg: DictConfig, name: str, figures: dict[str, Any], spec=None) -> Path:
     """`<run dir>/<name>.json` = {"config": resolved config, "status": "ok", **figures}; a failed multirun job
-    passes {"status": "failed", "error": ..., "traceback": ...} (sparsekv.__main__)."""
-    record = {"config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "status": "ok", **figures}
+    passes {"status": "failed", "error": ..., "traceback": ...} (sparsekv.__main__). `spec`: the ModelSpec the
+    run built, whose dimensions replace config.model's (a checkpoint's config.json overrides the config's)."""
+    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    if spec is not None:
+        config["model"].update({key: getattr(spec, key) for key in MODEL_DIMS})
+    record = {"config": config, "status": "ok", **figures}
     path = output_dir(cfg) / f"{name}.json"
     path.write_text(json.dumps(record, indent=2, default=str))
     return path

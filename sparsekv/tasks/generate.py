@@ -47,7 +47,7 @@ def run(cfg: DictConfig) -> dict:
           f"({stats.decode_ms_per_step:.2f} ms/token)")
     print(summary_line(phases))
     print("peak memory: " + ", ".join(f"{k} {v:.3f}" for k, v in engine.peak_memory().items()))
-    path = write_record(cfg, "generate", figures)
+    path = write_record(cfg, "generate", figures, engine.spec)
     print(f"record: {path}")
     return figures
 

@@ -240,7 +240,7 @@ def run(cfg: DictConfig) -> dict:
         **engine.peak_memory(),
     }
     print_table(figures)
-    path = write_record(cfg, "needle", figures)
+    path = write_record(cfg, "needle", figures, engine.spec)
     print(f"record: {path}")
     return figures
 

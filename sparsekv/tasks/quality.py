@@ -242,6 +242,6 @@ def run(cfg: DictConfig) -> dict:
         else:
             print(f"  {phase} mean: " + ", ".join(f"{k} {'-' if v is None else f'{v:.4g}'}" for k, v in means.items()))
     print_warnings(warnings)
-    path = write_record(cfg, "quality", figures)
+    path = write_record(cfg, "quality", figures, spec)
     print(f"record: {path}")
     return figures

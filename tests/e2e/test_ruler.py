@@ -39,6 +39,8 @@ def test_ruler_cli_record(qwen3_ckpt, offload, tmp_path, monkeypatch, capsys):
     assert record["policy_args"]["token_budget"] == 64 and record["block_size"] == 16
     assert record["tasks"] == TASKS and record["lengths"] == LENGTHS and record["with_needles"] is False
     assert record["model"] == "hf" and record["dtype"] == "float32" and record["seed"] == 0
+    dims = record["config"]["model"]  # the checkpoint's, not the config schema's defaults
+    assert (dims["vocab_size"], dims["intermediate_size"], dims["num_hidden_layers"]) == (128, 96, 3)
 
     cells = {(c["task"], c["length"]): c for c in record["cells"]}
     assert set(cells) == {(t, n) for t in TASKS for n in LENGTHS}

@@ -203,6 +203,6 @@ def run(cfg: DictConfig) -> dict:
         **engine.peak_memory(),
     }
     print_table(figures)
-    path = write_record(cfg, "ruler", figures)
+    path = write_record(cfg, "ruler", figures, engine.spec)
     print(f"record: {path}")
     return figures
