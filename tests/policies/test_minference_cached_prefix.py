@@ -149,7 +149,8 @@ def test_engine_with_a_gpu_block_cache_decodes_as_offload_none(qwen3_ckpt, monke
               "policy.vertical_size=8", "policy.slash_size=8", "policy.sink_tokens=4", "policy.recent_diagonals=4",
               "policy.slash_granularity=1"]
     prompt, greedy = random_prompt(90, seed=13), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    resident = LLM(str(qwen3_ckpt), overrides=common + ["offload=none", "scheduler.max_num_batched_tokens=32"])
+    resident = LLM(str(qwen3_ckpt), overrides=common + ["offload=none", "scheduler.max_num_batched_tokens=32",
+                                                        "policy.whole_prompt_prefill=false"])  # the same chunks
     expected = resident.generate([prompt], greedy)[0].token_ids
     offloaded = LLM(str(qwen3_ckpt), overrides=common + ["offload=cpu", "offload.prefill_chunk_size=32",
                                                          "offload.gpu_cache_gib=0.01"])
