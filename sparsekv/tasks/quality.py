@@ -179,6 +179,7 @@ def model_inputs(cfg: DictConfig, s: dict[str, Any], device: torch.device) -> li
 def run(cfg: DictConfig) -> dict:
     from sparsekv.factory import build_policy, resolve_device, resolve_dtype
     from sparsekv.kvcache.host_quant import resolve_host_dtype
+    from sparsekv.models.loader import resolve_spec
     from sparsekv.tasks.common import write_record
 
     q = cfg.task
@@ -242,6 +243,6 @@ def run(cfg: DictConfig) -> dict:
         else:
             print(f"  {phase} mean: " + ", ".join(f"{k} {'-' if v is None else f'{v:.4g}'}" for k, v in means.items()))
     print_warnings(warnings)
-    path = write_record(cfg, "quality", figures, spec)
+    path = write_record(cfg, "quality", figures, resolve_spec(cfg.model) if use_model else None)
     print(f"record: {path}")
     return figures

@@ -307,7 +307,7 @@ def run(cfg: DictConfig) -> dict:
 
     print_table(figures)
     print_warnings(warnings)
-    path = write_record(cfg, "bench", figures, engine.spec)
+    path = write_record(cfg, "bench", figures, spec)
     print(f"record: {path}")
     return figures
 
