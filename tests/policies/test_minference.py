@@ -345,6 +345,7 @@ def _prefill_query_lengths(llm: LLM, monkeypatch) -> list[int]:
 def test_resident_prefill_takes_the_whole_prompt_in_one_step(qwen3_ckpt, whole, monkeypatch):
     """offload=none: by default the pattern is estimated from the prompt's last queries, so the prompt is one step
     however small scheduler.max_num_batched_tokens is; whole_prompt_prefill=false keeps the scheduler's chunks."""
+    monkeypatch.delenv(_dispatch.ENV_BACKEND, raising=False)  # references: the kernels are tested above
     llm = LLM(str(qwen3_ckpt), overrides=CPU + ["policy=minference", "scheduler.max_num_batched_tokens=64",
                                                f"policy.whole_prompt_prefill={str(whole).lower()}"])
     assert llm.engine.scheduler.max_num_batched_tokens == (llm.engine.max_model_len if whole else 64)
