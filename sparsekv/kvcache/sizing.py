@@ -29,6 +29,12 @@ def kv_block_bytes(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
     return spec.kv_bytes_per_token * cfg.offload.block_size * dtype.itemsize
 
 
+def prefill_activation_bytes(tokens: int, spec: ModelSpec, dtype: torch.dtype) -> int:
+    """Device bytes of the activations one prefill step of `tokens` tokens holds at its peak (MLP, hidden, q/k/v)."""
+    return tokens * (4 * spec.intermediate_size + 8 * spec.hidden_size
+                     + 6 * spec.num_attention_heads * spec.head_dim) * dtype.itemsize
+
+
 def prefill_step_tokens(cfg: DictConfig, prefill_policy, max_model_len: int) -> int:
     """offload=none: prompt tokens one prefill step may compute: scheduler.max_num_batched_tokens, or at least
     max_model_len (a whole prompt) for a policy with whole_prompt_prefill (SparsePolicy)."""
@@ -64,9 +70,7 @@ def num_device_kv_blocks(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, d
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
-        activations = prefill_tokens * (
-            4 * spec.intermediate_size + 8 * spec.hidden_size + 6 * spec.num_attention_heads * spec.head_dim
-        ) * dtype.itemsize + (1 << 30)
+        activations = prefill_activation_bytes(prefill_tokens, spec, dtype) + (1 << 30)
         budget = total * offload.gpu_memory_utilization - used - activations
         return max(1, min(wanted, int(budget // block_bytes)))
     # CPU: check_kv_memory has made sure one full-length sequence fits, before the weights loaded
@@ -183,9 +187,7 @@ def gpu_cache_slots(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device
         token_bytes = spec.kv_bytes_per_token * dtype.itemsize
         buffers = (offload.num_gpu_blocks * block_bytes + (prefill_chunk_tokens(cfg, max_model_len)
                    + cfg.scheduler.max_num_seqs * offload.block_size) * token_bytes)
-        activations = cfg.scheduler.max_num_batched_tokens * (
-            4 * spec.intermediate_size + 8 * spec.hidden_size + 6 * spec.num_attention_heads * spec.head_dim
-        ) * dtype.itemsize
+        activations = prefill_activation_bytes(cfg.scheduler.max_num_batched_tokens, spec, dtype)
         gib = max(0.0, (free - buffers - activations - GPU_CACHE_MARGIN) / GIB)
     elif device.type == "cuda" and gib * GIB > free:
         held = f" and the policies' block metadata ({format_bytes(reserve)})" if reserve else ""
