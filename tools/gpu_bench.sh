@@ -17,7 +17,8 @@
 #                   (SCALING_CONTEXTS), offloaded, structured dummy weights (SCALING_POLICIES="xattn_bsa": only
 #                   that policy, still beside full)                                                       ~10 min
 #   sparse_prefill_1m minference and xattn_bsa at 1M tokens with the fp8 host tier (full attention at 1M takes
-#                   longer than a 10-minute limit: its time is the 512K row's x4 by the causal FLOPs)    ~10 min
+#                   longer than a 10-minute limit: its time is the 512K row's x4 by the causal FLOPs;
+#                   SCALING_POLICIES picks the policies, one per call)                                    ~10 min
 #   quality         the sparse prefill presets' density, error and needle hits at 32K on planted inputs       ~6 min
 #   memory          GPU peak and host RSS of offloaded runs at 32K, 128K and 512K                             ~6 min
 #   capacity        the longest context the default host pool holds (prefill alone ~6 min)                    ~10 min
@@ -230,7 +231,7 @@ section_sparse_prefill_scaling() {  # sparse prefill from 128K to 512K beside fu
 section_sparse_prefill_1m() {  # 1M tokens with the fp8 host tier (144 GiB of bf16 KV would not fit the host)
     local S=("${STRUCTURED[@]}" offload=cpu offload.host_dtype=float8_e4m3fn task.context=1048576 task.decode_steps=2)
     local policy
-    for policy in minference xattn_bsa; do
+    for policy in ${SCALING_POLICIES:-minference xattn_bsa}; do
         BENCH_TIMEOUT=560 bench sparse_prefill_scaling "$policy-1048576-fp8" "${S[@]}" policy="$policy"
     done
 }

@@ -1,9 +1,10 @@
 """CachedLoads: the GPU block cache's side of the OffloadEngine (sparsekv/kvcache/gpu_block_cache.py holds the
 cache's bookkeeping). Host blocks of a layer are looked up in the cache, misses are copied from the host into
 their cache slots, runs of consecutive cache slots are read in place, blocks the cache cannot take go through the
-ring, and offloaded blocks are written through. With the fp8 host tier every copy carries the blocks' scales too
-(host -> cache, cache -> ring, write-through) and groups come with their scales. Mixed into OffloadEngine, whose
-streams, ring and host pool it uses."""
+ring, and offloaded blocks are written through (a prefill chunk after a prefix the cache holds in one run: before
+its attention, into the slots after the run, so that prefix and chunk are one view: sequence_view). With the fp8
+host tier every copy carries the blocks' scales too (host -> cache, cache -> ring, write-through) and groups come
+with their scales. Mixed into OffloadEngine, whose streams, ring and host pool it uses."""
 from __future__ import annotations
 
 from collections import deque
@@ -101,6 +102,37 @@ class CachedLoads:
         self.cache_slots(layer, cpu_blocks[:m])
         k, v, scales, _, _ = self._group_view(cpu_blocks[:m], first, None)
         return k, v, scales, m
+
+    def sequence_view(self, layer: int, prefix_blocks: list[int], chunk_blocks: list[int], k: torch.Tensor,
+                      v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Prefill: the prefix and the chunk as one device view each, k_all, v_all [kv_len, KVH, D] (kv_len: the
+        prefix's full blocks and the chunk's k/v [n, KVH, D] rows), when the GPU block cache holds `prefix_blocks`
+        in one run of consecutive slots, in this order, and the slots right after it can take `chunk_blocks`
+        (GpuBlockCache.take_run). The chunk's rows are then copied into those slots on the compute stream (its
+        write-through, done early: _write_through skips those blocks once) and the prefix's hits are counted and
+        protected for the step. The layer's offloads wait for the copy: ring loads copying cache slots run on the
+        h2d stream, which is ordered after the offloads, not after the compute stream.
+        None, with nothing changed, otherwise (no cache, fp8 blocks in the cache, no prefix, ...)."""
+        cache = self.cache
+        if (cache is None or self.fp8 is not None or self.capture is not None or not prefix_blocks
+                or len(chunk_blocks) != -(-k.shape[0] // self.block_size) or cache.k.dtype != k.dtype):
+            return None
+        table = cache.slot_of[layer]
+        first = table.get(prefix_blocks[0])
+        if first is None or any(table.get(block) != first + i for i, block in enumerate(prefix_blocks)):
+            return None
+        start = first + len(prefix_blocks)
+        if cache.take_run(layer, chunk_blocks, start) is None:
+            return None
+        self.cache_slots(layer, prefix_blocks)  # all hits: counted, protected, write-throughs waited for
+        end, n = start + len(chunk_blocks), k.shape[0]
+        cache.k[start:end].flatten(0, 1)[:n].copy_(k)
+        cache.v[start:end].flatten(0, 1)[:n].copy_(v)
+        self._mark_written(layer)
+        self.written_early.update((layer, block) for block in chunk_blocks)
+        cache.stats["cache_written_blocks"] += len(chunk_blocks)
+        kv_len = len(prefix_blocks) * self.block_size + n
+        return cache.k[first:end].flatten(0, 1)[:kv_len], cache.v[first:end].flatten(0, 1)[:kv_len]
 
     def cached_block_groups(self, layer: int, cpu_blocks: list[int], group_size: int | None = None
                             ) -> Iterator[tuple[torch.Tensor, torch.Tensor, Scales | None, list[int], int | None]]:
@@ -204,7 +236,11 @@ class CachedLoads:
     def _write_through(self, layer: int, cpu_block: int, k: torch.Tensor, v: torch.Tensor,
                        scales: Scales | None = None) -> None:
         """An offloaded block's rows k, v [n, KVH, D] as the host stores them (fp8: with their K and V scales [KVH])
-        also go to its GPU block cache entry (readers wait for layer_offloaded)."""
+        also go to its GPU block cache entry (readers wait for layer_offloaded); a block sequence_view wrote
+        already is skipped, once."""
+        if self.written_early and (layer, cpu_block) in self.written_early:
+            self.written_early.discard((layer, cpu_block))
+            return
         slot = self.cache.write_slot(layer, cpu_block) if self.cache is not None else None
         if slot is not None:
             n = k.shape[0]

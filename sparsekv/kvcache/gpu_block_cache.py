@@ -15,7 +15,10 @@ instead of thrashing.
 Write-through: a block offloaded to the host (prefill chunk, filled decode block) is also copied on the device into
 its entry when a slot is free or evictable, so re-reads in later prefill chunks and the first decode step hit. An
 existing entry of the block is always rewritten, and a block is written before it is read, so an entry never
-outlives its host block's content (freed blocks and released host slabs included).
+outlives its host block's content (freed blocks and released host slabs included). A prefill chunk whose prefix the
+cache holds in one run of slots is written before its attention instead, into the slots right after the run
+(take_run: free ones, or those holding the same blocks), so that the prefix and the chunk are one device view
+(CachedLoads.sequence_view); its write-through then copies nothing more.
 
 Staging: a batch's device-side choices (Quest) are read against what the cache holds without the host seeing them
 (OffloadEngine.resolve_selected): a chosen block the cache holds is read in place, one it does not is copied from the
@@ -189,6 +192,33 @@ class GpuBlockCache:
         if slot is not None:
             self.stats["cache_written_blocks"] += 1
         return slot
+
+    def take_run(self, layer: int, blocks: list[int], first: int) -> list[int] | None:
+        """The consecutive slots first .. first + len(blocks) - 1 of the layer's region for `blocks`, in order, each
+        slot free or holding its block already (an entry of the block in another slot, not used this step, is
+        dropped: the block is about to be rewritten), all protected for the step; None, with nothing changed, when
+        a slot lies outside the region or holds anything else (another block, staging)."""
+        region = range(layer * self.slots_per_layer, (layer + 1) * self.slots_per_layer)
+        slots = list(range(first, first + len(blocks)))
+        if not blocks or slots[0] not in region or slots[-1] not in region:
+            return None
+        table, block_in, last_used, step = self.slot_of[layer], self.block_in, self.last_used, self.step
+        for block, slot in zip(blocks, slots):
+            elsewhere = table.get(block, slot)
+            if block_in[slot] not in (FREE, block) or (elsewhere != slot and last_used[elsewhere] >= step):
+                return None
+        for block, slot in zip(blocks, slots):
+            elsewhere = table.get(block, slot)
+            if elsewhere != slot:
+                block_in[elsewhere], last_used[elsewhere] = FREE, -1
+                self.free[layer].append(elsewhere)
+            if block_in[slot] == FREE:
+                self.free[layer].remove(slot)
+                block_in[slot] = block
+                table[block] = slot
+                self.epoch += 1
+            last_used[slot] = step
+        return slots
 
     def _take(self, layer: int, block: int, preferred: int | None) -> int | None:
         """A slot of the layer's region for `block`: `preferred` if free, else a free slot, else the least recently

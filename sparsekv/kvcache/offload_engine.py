@@ -26,8 +26,10 @@ go through cached_block_groups instead: blocks held in the cache are read in pla
 are one group), misses are loaded from the host into their cache slots, blocks the cache cannot take stream through
 the ring as before, and offloaded blocks are written through into the cache on the offload stream. A batch's
 device-side choices are resolved against the cache on the device (resolve_selected): hits read in place, misses
-gathered from the host into staging slots. With the fp8 host tier the cache holds fp8 blocks and their scales, as
-the ring does.
+gathered from the host into staging slots. A prefill chunk whose prefix the cache holds in one run of slots is
+copied into the slots after the run before its attention (on the compute stream; its write-through is then
+skipped), so a policy reads the whole sequence as one view (sequence_view). With the fp8 host tier the cache holds
+fp8 blocks and their scales, as the ring does.
 """
 from __future__ import annotations
 
@@ -74,6 +76,7 @@ class OffloadEngine(CachedLoads):
             self.transfer_stats.update(cache_hit_blocks=0, cache_miss_blocks=0, cache_overflow_blocks=0)
         # [2] int64: resolve_selected's hits and misses, counted on the device (collect_device_counts)
         self.device_counts = torch.zeros(2, dtype=torch.int64, device=device) if self.cache is not None else None
+        self.written_early: set[tuple[int, int]] = set()  # (layer, block) this step's sequence_view wrote already
         self._step_start: torch.cuda.Event | None = torch.cuda.Event() if self.streams.cuda else None
         self._slab_offsets: torch.Tensor | None = None  # [2, num_slabs] int64 on the device, for the gather
         self._slab_generation = -1  # the host pool's generation those offsets were made for
@@ -111,6 +114,7 @@ class OffloadEngine(CachedLoads):
         """A step starts: cache slots last read before now may be reloaded once the compute stream got here."""
         if self.cache is not None:
             self.cache.begin_step()
+            self.written_early.clear()  # each was offloaded in the step that wrote it
             if self._step_start is not None:
                 self._step_start.record(torch.cuda.current_stream(self.device))
 

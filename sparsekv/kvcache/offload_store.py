@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-from sparsekv.engine.context import Context
+from sparsekv.engine.context import Context, PrefillChunk
 from sparsekv.engine.sequence import Sequence
 from sparsekv.kvcache.base import KVStore, available_host_memory
 from sparsekv.kvcache.batched_decode import batched_decode_attention, selected_decode_attention
@@ -246,12 +246,15 @@ class OffloadKVStore(KVStore):
         engine.write_prefill_buffer(layer, k, v)
         out = torch.empty_like(q)
         policy, reader = self.prefill_policy, self.readers[layer]
-        for chunk in context.chunks:  # attention first: its loads need not queue behind this chunk's offload
+        # every chunk's early copy before any attention: the layer's offloads wait for the copies, not the attention
+        views = [self._sequence_kv(layer, chunk, k[chunk.start:chunk.end], v[chunk.start:chunk.end])
+                 for chunk in context.chunks]
+        for chunk, view in zip(context.chunks, views):  # attention first: its loads need not queue behind offloads
             rows = slice(chunk.start, chunk.end)
             ctx = PolicyContext(phase="prefill", layer=layer, query=q[rows], candidates=self.prefix_blocks(chunk.seq),
                                 block_size=bs, query_start=chunk.num_cached,
                                 kv_len=chunk.num_cached + chunk.num_tokens, softmax_scale=scale, chunk_keys=k[rows],
-                                ids_source=engine.device_block_ids)
+                                ids_source=engine.device_block_ids, sequence_kv=view)
             out[rows] = policy.compute_chunked_prefill(q[rows], k[rows], v[rows], ctx, reader)
         for chunk in context.chunks:  # the D2H copies overlap the rest of the layer
             seq, first = chunk.seq, chunk.num_cached // bs
@@ -265,6 +268,18 @@ class OffloadKVStore(KVStore):
             if tail and chunk.num_cached + chunk.num_tokens == len(seq):
                 engine.copy_prefill_tail_to_decode(layer, self.decode_rows[seq.seq_id][1], chunk.end - tail, tail)
         return out
+
+    def _sequence_kv(self, layer: int, chunk: PrefillChunk, k: torch.Tensor, v: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The chunk's PolicyContext.sequence_kv: its prefix and its own k/v [n, KVH, D] as one view each, when the
+        GPU block cache holds the prefix in one run and can take the chunk's blocks after it (the chunk's rows are
+        written into the cache now); else None."""
+        bs = self.block_size
+        if self.engine.cache is None or not chunk.num_cached or chunk.num_cached % bs:
+            return None
+        first, count = chunk.num_cached // bs, -(-chunk.num_tokens // bs)  # the last block may be partial
+        table = chunk.seq.block_table
+        return self.engine.sequence_view(layer, table[:first], table[first:first + count], k, v)
 
     def _decode(self, layer: int, q, k, v, scale: float, context: Context) -> torch.Tensor:
         engine = self.engine

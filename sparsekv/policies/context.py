@@ -56,6 +56,12 @@ class PolicyContext:
     kv_len: int  # keys visible to the last query, this chunk / token included
     softmax_scale: float
     chunk_keys: torch.Tensor | None = None  # prefill: the chunk's own keys [Nq, KVH, D]; decode: None
+    # prefill, with a GPU block cache that holds the prefix blocks in one run of slots and can take the chunk's
+    # blocks right after it: the prefix and this chunk's own K and V as one device view each, [kv_len, KVH, D]
+    # (the query is the last Nq positions), read in place and valid for the step. A policy may then compute exactly
+    # as offload=none does: compute_prefill(q, *ctx.sequence_kv, ctx.layer, ctx.softmax_scale). None otherwise
+    # (decode, the first chunk, no cache, fp8 host blocks, a prefix the cache does not hold in one run, ...)
+    sequence_kv: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
     # makes candidate_ids; the store passes its per-list cache so graph replays read the tensor they captured
     ids_source: Callable[[Sequence[int]], torch.Tensor] | None = field(default=None, repr=False, compare=False)
 

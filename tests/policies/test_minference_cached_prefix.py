@@ -1,8 +1,10 @@
 """MInference's offloaded prefill when the GPU block cache holds the whole prefix in one run of slots.
 
-The prefix is then attended like offload=none: one estimate over all keys and two attention calls per chunk, whatever
-the number of prefix blocks, with offload=none's pattern and result. Of a prefix the cache holds only in part, the
-leading cached run is one group of the online per-group selection (policy module docstring); the rest streams.
+With the store's view of the prefix and the chunk (PolicyContext.sequence_kv) the chunk is compute_prefill on it, one
+attention call. Without it, the prefix is still attended like offload=none: one estimate over all keys and two
+attention calls per chunk, whatever the number of prefix blocks, with offload=none's pattern and result. Of a prefix
+the cache holds only in part, the leading cached run is one group of the online per-group selection (policy module
+docstring); the rest streams.
 """
 from __future__ import annotations
 
@@ -90,6 +92,20 @@ def test_cached_prefix_equals_resident_in_two_calls(c0, overrides, attention_cal
     assert ((out - expected).norm() / expected.norm()).item() < EXACT
     assert policy.last_density == pytest.approx(resident_density, rel=1e-6)
     assert policy.last_density < 0.5
+
+
+def test_sequence_view_is_computed_as_offload_none(attention_calls):
+    c0, n, bs = 256, 64, 16
+    q, k, v = _qkv(n, c0 + n, seed=5)
+    policy = _policy()
+    expected = policy.compute_prefill(q, k, v, 0, SCALE)
+    attention_calls.update(calls=0, keys=0)
+    engine, table = _engine(k, v, c0, bs, slots=4, cache_slots=0)  # nothing cached: the view alone decides
+    ctx = PolicyContext(phase="prefill", layer=0, query=q, candidates=table, block_size=bs, query_start=c0,
+                        kv_len=c0 + n, softmax_scale=SCALE, chunk_keys=k[c0:], sequence_kv=(k, v))
+    out = policy.compute_chunked_prefill(q, k[c0:], v[c0:], ctx, RingReader(engine, 0))
+    assert attention_calls == {"calls": 1, "keys": c0 + n} and engine.transfer_stats["h2d_blocks"] == 0
+    assert torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("budget", ["full", "small"])

@@ -7,7 +7,7 @@ import torch
 
 from sparsekv import LLM, SamplingParams
 from sparsekv.graphs.cuda_graph import attach_graph_runner
-from sparsekv.kvcache.gpu_block_cache import GpuBlockCache
+from sparsekv.kvcache.gpu_block_cache import FREE, GpuBlockCache
 from tests.conftest import random_prompt
 
 CPU = ["device=cpu", "dtype=float32", "graph=eager"]
@@ -111,6 +111,45 @@ def test_staging_slots_are_set_aside_never_evicted_and_released():
     assert cache.lookup(1, [30], stats)[0][0] in staged  # back among the free slots
 
 
+def bookkeeping(cache: GpuBlockCache) -> tuple:
+    return ([dict(table) for table in cache.slot_of], list(cache.block_in), list(cache.last_used),
+            [list(free) for free in cache.free], cache.epoch, dict(cache.stats))
+
+
+def test_take_run_takes_exactly_the_slots_given():
+    cache, stats = make_cache(6), {}
+    cache.begin_step()
+    cache.lookup(1, [3, 4], stats)  # slots 6, 7
+    epoch = cache.epoch
+    assert cache.take_run(1, [5, 6], 8) == [8, 9]  # free slots right after the run
+    assert cache.slot_of[1] == {3: 6, 4: 7, 5: 8, 6: 9} and cache.epoch > epoch
+    assert not {8, 9} & set(cache.free[1]) and cache.last_used[8] == cache.last_used[9] == cache.step
+    cache.begin_step()
+    assert cache.take_run(1, [5, 6, 7], 8) == [8, 9, 10]  # two hold their blocks already, one is free
+    assert cache.last_used[8] == cache.step  # protected for this step too
+    assert cache.lookup(1, [3, 4, 5, 6, 7], stats)[0] == [6, 7, 8, 9, 10]
+    assert stats["cache_miss_blocks"] == 2  # take_run loads and counts nothing
+    cache.begin_step()
+    cache.lookup(0, [9], stats)  # slot 0
+    cache.begin_step()
+    assert cache.take_run(0, [9], 2) == [2]  # an entry elsewhere, not used this step: moved (it is rewritten)
+    assert cache.slot_of[0] == {9: 2} and cache.block_in[0] == FREE and 0 in cache.free[0]
+
+
+def test_take_run_refuses_without_side_effects():
+    cache, stats = make_cache(4), {}
+    cache.begin_step()
+    cache.lookup(0, [1, 2], stats)  # slots 0, 1
+    assert cache.reserve_staging(1, 1) == [4]
+    before = bookkeeping(cache)
+    assert cache.take_run(0, [3, 4], 1) is None  # slot 1 holds another block
+    assert cache.take_run(0, [3, 4], 3) is None  # slot 4 is layer 1's
+    assert cache.take_run(1, [3], 4) is None  # a staging slot
+    assert cache.take_run(0, [1], 2) is None  # block 1 was used this step in slot 0
+    assert cache.take_run(0, [], 2) is None
+    assert bookkeeping(cache) == before
+
+
 # ---------------------------------------------------------------- the engine with a cache
 @pytest.mark.parametrize("slots", [64, 3, 1])  # everything fits; less than one step's selection; one slot
 def test_cache_gives_the_uncached_tokens(qwen3_ckpt, uncached, slots):
@@ -196,3 +235,75 @@ def test_gpu_cache_gives_the_uncached_tokens(qwen3_ckpt, graph, policy, monkeypa
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want, slots
         assert [o.token_ids for o in llm.generate(PROMPTS[:1], GREEDY)] == want[:1], slots
         assert llm.engine.kv_store.cache_stats["cache_hit_blocks"] > 0
+
+
+# ---------------------------------------------------------------- prefill chunks as one view (sequence_kv)
+def record_sequence_kv(llm: LLM) -> list[tuple]:
+    """Every compute_chunked_prefill call of the prefill policy, copied: (layer, query_start, k, v, sequence_kv,
+    the prefix's K/V as the host holds them then)."""
+    store = llm.engine.kv_store
+    policy, calls = store.prefill_policy, []
+    compute = policy.compute_chunked_prefill
+
+    def recording(q, k, v, ctx, reader):
+        view = None if ctx.sequence_kv is None else tuple(t.clone() for t in ctx.sequence_kv)
+        host = [store.host.block(ctx.layer, block) for block in ctx.candidates]
+        prefix = tuple(torch.cat([kv[i] for kv in host]) if host else k[:0] for i in (0, 1))
+        calls.append((ctx.layer, ctx.query_start, k.clone(), v.clone(), view, prefix))
+        return compute(q, k, v, ctx, reader)
+
+    policy.compute_chunked_prefill = recording
+    return calls
+
+
+def test_prefill_chunks_see_the_sequence_so_far_as_one_view(qwen3_ckpt):
+    # 90 tokens in chunks of 32: the chunks after the first see every earlier key and their own in one view
+    _, want = generate(qwen3_ckpt, "offload.gpu_cache_gib=0", prompts=PROMPTS[:1])
+    llm = LLM(str(qwen3_ckpt), overrides=CPU + OFFLOAD + [cache_gib(64)])
+    calls = record_sequence_kv(llm)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:1], GREEDY)] == want
+    keys, values = {}, {}
+    for layer, start, k, v, view, _ in calls:
+        keys[layer] = torch.cat([keys[layer], k]) if start else k
+        values[layer] = torch.cat([values[layer], v]) if start else v
+        if start:
+            assert torch.equal(view[0], keys[layer]) and torch.equal(view[1], values[layer])
+        else:
+            assert view is None
+    assert [start for layer, start, *_ in calls if layer == 0] == [0, 32, 64]
+    store = llm.engine.kv_store
+    stats = store.cache_stats
+    assert stats["cache_miss_blocks"] == 0 and store.transfer_stats["h2d_blocks"] == 0
+    assert stats["cache_written_blocks"] == store.transfer_stats["d2h_blocks"]  # each offloaded block written once
+
+
+def test_batch_prefill_gives_each_chunk_its_own_view(qwen3_ckpt, uncached):
+    llm = LLM(str(qwen3_ckpt), overrides=CPU + OFFLOAD + [cache_gib(64)])
+    store = llm.engine.kv_store
+    calls, chunks_per_step = record_sequence_kv(llm), []
+    begin_step = store.begin_step
+
+    def counting(context):
+        if context.is_prefill:
+            chunks_per_step.append(len(context.chunks))
+        begin_step(context)
+
+    store.begin_step = counting
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == uncached[1]
+    assert max(chunks_per_step) > 1  # a step prefilled one sequence's last chunk and another's first
+    with_prefix = [call for call in calls if call[1]]
+    assert with_prefix and all(view is not None for *_, view, _ in with_prefix)
+    for _, _, k, v, view, prefix in with_prefix:
+        assert torch.equal(view[0], torch.cat([prefix[0], k])) and torch.equal(view[1], torch.cat([prefix[1], v]))
+    assert all(view is None for _, start, _, _, view, _ in calls if not start)
+    assert store.cache_stats["cache_written_blocks"] == store.transfer_stats["d2h_blocks"]
+
+
+@pytest.mark.parametrize("extra", [["offload.gpu_cache_gib=0"], [cache_gib(64), "offload.host_dtype=float8_e4m3fn"]],
+                         ids=["no-cache", "fp8-host"])
+def test_no_view_without_a_cache_or_with_fp8_blocks(qwen3_ckpt, extra):
+    llm = LLM(str(qwen3_ckpt), overrides=CPU + OFFLOAD + extra)
+    assert (llm.engine.kv_store.engine.cache is None) == (extra == ["offload.gpu_cache_gib=0"])
+    calls = record_sequence_kv(llm)
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    assert len(calls) == 3 * LAYERS and all(view is None for *_, view, _ in calls)

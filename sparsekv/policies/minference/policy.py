@@ -25,14 +25,16 @@ block, win slash budget for mass the column already keeps.
 
 offload=cpu (compute_chunked_prefill) with the prefix resident on the device
 ----------------------------------------------------------------------------
-When the GPU block cache holds every prefix block in one run of consecutive slots (reader.resident; the usual case
-when the cache can hold the prompt, since each chunk's blocks are written through to the next slots), the prefix is
-one device view and the chunk is computed as offload=none computes it: the last-q rows' exact log-sum-exp merged
-from the prefix and the chunk, the masses of both pieces under it (one [H, c0 + n] column and diagonal estimate),
-offload=none's selection, one attention call on the prefix and one on the chunk's own keys, merged. So the pattern
-and the result are offload=none's, and the work per chunk is a fixed set of kernels whatever the number of prefix
-blocks (streaming, below, makes an estimate, two top-k, two compactions, an index and an attention call per group
-of half the ring).
+When the GPU block cache holds every prefix block in one run of consecutive slots and the chunk was written into
+the slots right after it (ctx.sequence_kv; the usual case when the cache can hold the prompt), the prefix and the
+chunk are one device view and the chunk is computed exactly as offload=none computes it: compute_prefill on the
+view. When the cache holds the prefix in one run but the chunk could not follow it (reader.resident covers every
+prefix block, yet no sequence_kv: e.g. a batch prefill whose sequences' blocks interleave in the cache), the two
+pieces are combined instead: the last-q rows' exact log-sum-exp merged from the prefix and the chunk, the masses of
+both pieces under it (one [H, c0 + n] column and diagonal estimate), offload=none's selection, one attention call
+on the prefix and one on the chunk's own keys, merged. Either way the pattern and the result are offload=none's, and
+the work per chunk is a fixed set of kernels whatever the number of prefix blocks (streaming, below, makes an
+estimate, two top-k, two compactions, an index and an attention call per group of half the ring).
 
 offload=cpu (compute_chunked_prefill), one pass over the host blocks
 ---------------------------------------------------------------------
@@ -215,8 +217,12 @@ class MInferencePolicy(SparsePolicy):
     # ------------------------------------------------------------------------------------- offload=cpu
     def compute_chunked_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PolicyContext,
                                 reader: KVReader) -> torch.Tensor:
-        """q [n, H, D], k/v [n, KVH, D] of this chunk -> [n, H, D]; the prefix is read in place when the GPU block cache
-        holds it in one run, else streamed once (module docstring)."""
+        """q [n, H, D], k/v [n, KVH, D] of this chunk -> [n, H, D]: compute_prefill on ctx.sequence_kv when the store
+        gives it; else the prefix is read in place when the GPU block cache holds it in one run, else streamed once
+        (module docstring)."""
+        if ctx.sequence_kv is not None:
+            k_all, v_all = ctx.sequence_kv  # [kv_len, KVH, D]: the prefix, then this chunk
+            return self.compute_prefill(q, k_all, v_all, ctx.layer, ctx.softmax_scale)
         n, H, _ = q.shape
         if n == 0:
             return torch.empty_like(q)

@@ -19,8 +19,13 @@ only per-(row, key block) log-sum-exps, then the normalised masses), and the att
 each query block's own kept blocks by one block-sparse kernel (sparsekv.policies.xattn.block_sparse_attention; the
 selection goes to it as sorted per-query-block lists built on the device, so the plan needs no host sync).
 
-offload=cpu (compute_chunked_prefill from the base pipeline; select_blocks(ctx) over the prefix host blocks): the prefix keys
-live on the host and only the chosen blocks may cross PCIe, so the decision uses a key summary kept on the GPU.
+offload=cpu (compute_chunked_prefill). When the GPU block cache holds the prefix in one run of slots and the chunk
+was written right after it (ctx.sequence_kv: the usual case when the cache can hold the prompt), the whole sequence
+so far is one device view and the chunk is computed as offload=none computes it: compute_prefill on the view, so
+selection, result and density (block pairs) are offload=none's; so is the first chunk (no prefix: its own keys are
+the whole sequence). Otherwise the base pipeline runs: later chunks without the view (no cache, fp8 host blocks, a prefix the cache
+holds only in part) attend the prefix host blocks that select_blocks(ctx) keeps. Those prefix keys live on the host
+and only the chosen blocks may cross PCIe, so the decision uses a key summary kept on the GPU.
 Summary: for every host block and layer, the mean of each run of `summary_stride` (default: `stride`) consecutive
 keys, [block_size / summary_stride, KVH, D] in the key dtype, recorded by on_prefill_offload / on_decode_offload
 while the keys are on the GPU (a device table indexed by cpu block id, sized at initialize()). That is
@@ -38,8 +43,9 @@ densely by the pipeline and are not part of the estimate, so the threshold is ta
 (it errs toward keeping blocks). `block_size` does not apply here: the granularity is the host block.
 
 Decode is dense (supports_decode=False: the factory pairs it with `full`). `last_density` is the last
-selection's kept fraction: kept prefix blocks / prefix blocks (offload=cpu), computed (query block, key block)
-pairs / causally visible pairs (offload=none); `mean_density` is the same over every selection (base class).
+selection's kept fraction: kept prefix blocks / prefix blocks (offload=cpu, base pipeline), computed (query block,
+key block) pairs / causally visible pairs (offload=none, and offload=cpu on ctx.sequence_kv); `mean_density` is the
+same over every selection (base class).
 """
 from __future__ import annotations
 
@@ -53,7 +59,7 @@ from sparsekv.policies.xattn.block_sparse_attention import block_lists_from_mask
 from sparsekv.policies.xattn.xattn_estimate import xattn_block_mass
 from sparsekv.policies.base import SparsePolicy
 from sparsekv.policies.block_metadata import BlockMetadata
-from sparsekv.policies.context import KVLayout, PolicyContext
+from sparsekv.policies.context import KVLayout, KVReader, PolicyContext
 
 SCORE_ELEMENTS = 1 << 25  # fp32 summary scores (offload=cpu) materialised at once
 
@@ -178,6 +184,18 @@ class XAttentionPolicy(SparsePolicy):
         return out
 
     # ---------------------------------------------------------------------------------------- offload=cpu
+    def compute_chunked_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PolicyContext,
+                                reader: KVReader) -> torch.Tensor:
+        """q [n, H, D], k/v [n, KVH, D] of this chunk -> [n, H, D]: compute_prefill on ctx.sequence_kv when the
+        store gives it (or, for the first chunk, on its own keys: they are the whole sequence), else the base
+        pipeline over select_blocks (module docstring)."""
+        if ctx.sequence_kv is not None:
+            k_all, v_all = ctx.sequence_kv  # [kv_len, KVH, D]: the prefix, then this chunk
+            return self.compute_prefill(q, k_all, v_all, ctx.layer, ctx.softmax_scale)
+        if ctx.query_start == 0:
+            return self.compute_prefill(q, k, v, ctx.layer, ctx.softmax_scale)
+        return super().compute_chunked_prefill(q, k, v, ctx, reader)
+
     def _summary_shape(self, layout: KVLayout) -> tuple[int, int, int]:
         """[groups, KVH, D] of one block and layer: a full block's groups (a partial block fills fewer)."""
         return _cdiv(layout.block_size, self.summary_group), layout.num_kv_heads, layout.head_dim
