@@ -177,10 +177,11 @@ class CountLaunches:
     """Wraps a Triton kernel: counts `kernel[grid](...)` launches and passes them on."""
 
     def __init__(self, kernel):
-        self.kernel, self.calls = kernel, 0
+        self.kernel, self.calls, self.grids = kernel, 0, []
 
     def __getitem__(self, grid):
         self.calls += 1
+        self.grids.append(grid)
         return self.kernel[grid]
 
 

@@ -35,8 +35,8 @@ from sparsekv.policies.xattn.block_sparse_attention import (
 )
 from sparsekv.policies.xattn import XAttentionPolicy
 
-CANDIDATES = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3),
-              (128, 128, 8, 4), (256, 64, 8, 3)]
+CANDIDATES = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3),
+              (128, 256, 8, 2), (256, 128, 8, 2)]
 LOOPS = {"old": "mode=lists,list_stages=3", "lists": "mode=lists", "runs": "mode=runs", "auto": "mode=auto"}
 
 
@@ -96,9 +96,10 @@ def bench_estimate(q, k, policy: XAttentionPolicy, dense_ms: float, reps: int) -
         try:
             ms = timed(lambda: policy.block_mass(q, k), reps)
             err = ((policy.block_mass(q, k) - ref).norm() / ref.norm()).item()
-            print(f"xattn_block_mass {str(config):18s} {ms:7.2f} ms ({ms / dense_ms:.3f}x dense) rel diff {err:.1e}")
+            print(f"xattn_block_mass {str(config):18s} {ms:7.2f} ms ({ms / dense_ms:.3f}x dense) rel diff {err:.1e}",
+                  flush=True)
         except Exception as exc:  # a configuration the compiler rejects (shared memory, ...)
-            print(f"xattn_block_mass {str(config):18s} failed: {type(exc).__name__}: {str(exc)[:120]}")
+            print(f"xattn_block_mass {str(config):18s} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
     est.GPU_CONFIG_16BIT_SM90[128] = default
 
 

@@ -148,6 +148,20 @@ def test_block_mass_kernel_in_slices(monkeypatch):
     assert (mass - xattn_block_mass_reference(q, k, 4, 16)).abs().max().item() < F32_TOL
 
 
+def test_block_mass_kernel_splits_columns_among_programs(monkeypatch):
+    """A row tile's column tiles are split among several programs (each a flat pipelined loop over its share) when
+    the launch would otherwise have few programs; every split writes only its own key blocks."""
+    gen = torch.Generator().manual_seed(13)
+    q, k = _randn(200, 4, 16, gen=gen), _randn(1000, 2, 16, gen=gen)
+    monkeypatch.setattr(estimate_module, "PROGRAMS", 1 << 20)
+    monkeypatch.setattr(estimate_module, "MIN_SPLIT_TILES", 1)
+    launches = CountLaunches(estimate_module._block_lse_kernel)
+    monkeypatch.setattr(estimate_module, "_block_lse_kernel", launches)
+    mass = xattn_block_mass(q, k, 4, 16)
+    assert launches.calls == 1 and launches.grids[0][2] > 1
+    assert (mass - xattn_block_mass_reference(q, k, 4, 16)).abs().max().item() < F32_TOL
+
+
 def test_block_mass_unsupported_block_layout_runs_the_reference(monkeypatch):
     gen = torch.Generator().manual_seed(5)
     q, k = _randn(50, 2, 16, gen=gen), _randn(100, 1, 16, gen=gen)

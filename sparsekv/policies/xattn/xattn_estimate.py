@@ -14,11 +14,14 @@ head. Scores are fp32: the reference upcasts q and k (XAttentionPolicy.block_mas
 dtype, rounding 16-bit scores to 16 bits), the kernel accumulates 16-bit products in fp32.
 
 Triton, two kernels, one matmul pass over the scores (the classic two-pass design recomputes them):
-  1. _block_lse_kernel, one program per (head, tile of BLOCK_N strided columns, tile of BLOCK_M strided rows):
-     the [BLOCK_M, BLOCK_N] score tile as a sum of `stride` tl.dot products of [*, D] slices loaded by strided
-     pointer arithmetic (no reshaped copies of q or k), then, per row and key block of the tile, the log2-sum-exp
-     of the block's visible columns: lsb [H, rows, nkb] fp32 (BLOCK_N is a multiple of block_size / stride, so a
-     tile holds whole key blocks). Tiles above the causal diagonal or past the keys do nothing.
+  1. _block_lse_kernel, one program per (head, tile of BLOCK_M strided rows, split of the row tile's column tiles):
+     one flat loop over (column tile, offset t), so the loads stay pipelined from one column tile to the next; each
+     [BLOCK_M, BLOCK_N] score tile is a sum of `stride` tl.dot products of [*, D] slices loaded by strided pointer
+     arithmetic (no reshaped copies of q or k), and at its last offset, per row and key block of the tile, the
+     log2-sum-exp of the block's visible columns: lsb [H, rows, nkb] fp32 (BLOCK_N is a multiple of block_size /
+     stride, so a tile holds whole key blocks). Column tiles above the causal diagonal or past the keys are not
+     visited. The column tiles are split among programs only as far as a launch needs to reach PROGRAMS programs
+     (long contexts, where the lsb budget leaves few rows per slice).
   2. _mass_kernel, one program per (query block, KV head): the row log-sum-exp over its key blocks (pass 1), then
      mass = sum over the group's heads and the block's valid rows of exp2(lsb - lse) (pass 2), written to every
      key block of the row (0 where invisible).
@@ -40,16 +43,18 @@ SCORE_ELEMENTS = 1 << 25  # fp32 strided scores the reference materialises at on
 LSB_ELEMENTS = 1 << 25  # fp32 block log-sum-exps [H, rows, nkb] the kernels keep at once (128 MiB)
 MAX_CELL = 128  # strided columns per key block (block_size / stride) the kernels handle
 
-# (BLOCK_M strided rows, BLOCK_N strided columns, num_warps, num_stages) by head dim. Not timed yet (written without
-# a GPU). Shared memory is stages x (BLOCK_M + BLOCK_N) x D x 2 bytes: 144 KiB for 16-bit D=128 (fits sm_80's
-# 163 KiB). The score tile is a GEMM tile with K = stride * D, read from L2 once per tile, so wider tiles read less per
-# FLOP (BLOCK_M * BLOCK_N / (BLOCK_M + BLOCK_N) FLOP per byte): sm_90 (227 KiB) takes 128x128 in 3 stages (192 KiB;
-# compiled offline for sm_90a with Triton 3.9: 164 registers, no spills).
+# (BLOCK_M strided rows, BLOCK_N strided columns, num_warps, num_stages) by head dim; the sm_90 row chosen by
+# tools/tune_xattn.py --sections estimate (docs/decisions.md). Shared memory is stages x (BLOCK_M + BLOCK_N) x D x 2
+# bytes: 144 KiB for 16-bit D=128 (fits sm_80's 163 KiB). The score tile is a GEMM tile with K = stride * D, so wider
+# tiles read less per FLOP (BLOCK_M * BLOCK_N / (BLOCK_M + BLOCK_N) FLOP per byte): sm_90 (227 KiB) takes 128x128 in
+# 3 stages (192 KiB).
 GPU_CONFIG_16BIT = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 64, 4, 2)}
 GPU_CONFIG_16BIT_SM90 = {64: (128, 128, 8, 3), 128: (128, 128, 8, 3)}
 GPU_CONFIG_FP32 = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 1)}
 INTERPRET_CONFIG = (16, 16, 4, 1)  # small tiles keep the CPU interpreter fast
 MASS_TILE = 8192  # [group rows, key blocks] elements per step of _mass_kernel
+PROGRAMS = 1056  # programs a launch aims for (8 per SM of an H100): column tiles are split among programs to reach it
+MIN_SPLIT_TILES = 4  # column tiles a split keeps at least
 
 
 # ----------------------------------------------------------------------------------------- Triton kernels
@@ -59,45 +64,52 @@ def _block_lse_kernel(
     stride_qm, stride_qh, stride_qd,
     stride_kn, stride_kh, stride_kd,
     stride_lh, stride_lr,
-    n, S, q_start, row0, rows, nkb, qk_scale,
+    n, S, q_start, row0, rows, nkb, ncols, tiles_per_split, qk_scale,
     STRIDE: tl.constexpr, CELL: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
 ):
     head = tl.program_id(0)
-    col_tile = tl.program_id(1)
-    row_tile = tl.program_id(2)
+    row_tile = tl.program_id(1)
+    split = tl.program_id(2)
     kv_head = head // GROUP
     local = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of this slice
     rows_abs = row0 + local  # absolute strided rows
-    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] absolute strided columns
     offs_d = tl.arange(0, BLOCK_D)
     dim_ok = offs_d < D
+    offs_n = tl.arange(0, BLOCK_N)
     last_row = row0 + tl.minimum(row_tile * BLOCK_M + BLOCK_M, rows) - 1
-    # a tile wholly above the causal diagonal, or past the keys, writes nothing: its cells are never read
-    if (col_tile * BLOCK_N <= last_row) & (col_tile * BLOCK_N * STRIDE < S):
-        q_base = Q + head.to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
-        k_base = K + kv_head.to(tl.int64) * stride_kh + offs_d[None, :] * stride_kd
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for t in range(STRIDE):
-            # q_r[i] = concat_t q[i*stride + stride-1-t], k_r[j] = concat_t k[j*stride + t]; missing tokens are 0
-            q_rows = rows_abs * STRIDE + (STRIDE - 1 - t) - q_start  # [BLOCK_M] rows of q
-            q_ok = (q_rows >= 0) & (q_rows < n)
-            qt = tl.load(q_base + q_rows[:, None].to(tl.int64) * stride_qm,
-                         mask=q_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-            k_rows = cols * STRIDE + t  # [BLOCK_N] rows of k
-            kt = tl.load(k_base + k_rows[:, None].to(tl.int64) * stride_kn,
-                         mask=(k_rows < S)[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            acc = exact_dot(qt, tl.trans(kt), acc)
-        s = tl.where(cols[None, :] <= rows_abs[:, None], acc * qk_scale, float("-inf"))  # log2 units, causal
-        m = tl.max(s, 1)  # [BLOCK_M]
-        m = tl.where(m == float("-inf"), 0.0, m)
-        p = tl.exp2(s - m[:, None])
-        cell_sum = tl.sum(tl.reshape(p, [BLOCK_M, BLOCK_N // CELL, CELL]), axis=2)  # [BLOCK_M, BLOCK_N // CELL]
-        seen = cell_sum > 0.0
-        lsb = tl.where(seen, m[:, None] + tl.log2(tl.where(seen, cell_sum, 1.0)), float("-inf"))  # [BLOCK_M, cells]
-        kb = col_tile * (BLOCK_N // CELL) + tl.arange(0, BLOCK_N // CELL)
-        ptrs = LSB + head.to(tl.int64) * stride_lh + local[:, None].to(tl.int64) * stride_lr + kb[None, :]
-        tl.store(ptrs, lsb, mask=(local < rows)[:, None] & (kb < nkb)[None, :])
+    # this program's column tiles: its split's share of those at or below the causal diagonal and holding keys
+    tile_end = tl.minimum(tl.minimum(last_row // BLOCK_N + 1, tl.cdiv(ncols, BLOCK_N)), (split + 1) * tiles_per_split)
+    tile0 = split * tiles_per_split
+    q_base = Q + head.to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
+    k_base = K + kv_head.to(tl.int64) * stride_kh + offs_d[None, :] * stride_kd
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # one flat loop over (column tile, offset t): the loads stay pipelined across column tiles, and each tile's
+    # epilogue runs at its last offset
+    for it in range(0, tl.maximum(tile_end - tile0, 0) * STRIDE):
+        t = it % STRIDE
+        cols = (tile0 + it // STRIDE) * BLOCK_N + offs_n  # [BLOCK_N] absolute strided columns
+        # q_r[i] = concat_t q[i*stride + stride-1-t], k_r[j] = concat_t k[j*stride + t]; missing tokens are 0
+        q_rows = rows_abs * STRIDE + (STRIDE - 1 - t) - q_start  # [BLOCK_M] rows of q
+        q_ok = (q_rows >= 0) & (q_rows < n)
+        qt = tl.load(q_base + q_rows[:, None].to(tl.int64) * stride_qm,
+                     mask=q_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        k_rows = cols * STRIDE + t  # [BLOCK_N] rows of k
+        kt = tl.load(k_base + k_rows[:, None].to(tl.int64) * stride_kn,
+                     mask=(k_rows < S)[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = exact_dot(qt, tl.trans(kt), acc)
+        if t == STRIDE - 1:
+            s = tl.where(cols[None, :] <= rows_abs[:, None], acc * qk_scale, float("-inf"))  # log2 units, causal
+            m = tl.max(s, 1)  # [BLOCK_M]
+            m = tl.where(m == float("-inf"), 0.0, m)
+            p = tl.exp2(s - m[:, None])
+            cell_sum = tl.sum(tl.reshape(p, [BLOCK_M, BLOCK_N // CELL, CELL]), axis=2)  # [BLOCK_M, BLOCK_N // CELL]
+            seen = cell_sum > 0.0
+            lsb = tl.where(seen, m[:, None] + tl.log2(tl.where(seen, cell_sum, 1.0)), float("-inf"))
+            kb = (tile0 + it // STRIDE) * (BLOCK_N // CELL) + tl.arange(0, BLOCK_N // CELL)
+            ptrs = LSB + head.to(tl.int64) * stride_lh + local[:, None].to(tl.int64) * stride_lr + kb[None, :]
+            tl.store(ptrs, lsb, mask=(local < rows)[:, None] & (kb < nkb)[None, :])
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
 
 @jit
@@ -259,9 +271,12 @@ def _block_mass_triton(q: torch.Tensor, k: torch.Tensor, stride: int, block_size
         rows = min(slice_rows, total_rows - s0)
         row0 = qb0 * cell + s0  # absolute strided row of the slice's first row
         col_tiles = cdiv(min(ncols, row0 + rows), block_n)
-        _block_lse_kernel[(heads, col_tiles, cdiv(rows, block_m))](
+        row_tiles = cdiv(rows, block_m)
+        splits = max(1, min(col_tiles // MIN_SPLIT_TILES, cdiv(PROGRAMS, heads * row_tiles)))
+        per_split = cdiv(col_tiles, splits)
+        _block_lse_kernel[(heads, row_tiles, cdiv(col_tiles, per_split))](
             q, k, lsb, *q.stride(), *k.stride(), lsb.stride(0), lsb.stride(1),
-            n, seq, q_start, row0, rows, nkb, dim ** -0.5 / stride * LOG2E,
+            n, seq, q_start, row0, rows, nkb, ncols, per_split, dim ** -0.5 / stride * LOG2E,
             STRIDE=stride, CELL=cell, GROUP=heads // kv_heads,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_power_of_2(dim)), D=dim,
             num_warps=warps, num_stages=stages,
