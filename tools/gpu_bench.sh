@@ -41,10 +41,10 @@
 #                   and length, offload none and cpu (RULER_OFFLOADS): full, quest at 1K / 2K / 4K tokens with the
 #                   default 2 dense layers and with every layer selecting, streaming_llm (the plugin in plugins/) at
 #                   2K tokens, minference (64-offset bands) and minference-diagonals (single diagonals), xattn_bsa
-#                   (stride 8 and 16), xattn_bsa_090, at none MInference at 250 / 1,500, 1,000 / 6,096 and 2,000 / 8,192 columns /
-#                   diagonals and XAttention at thresholds 0.5, 0.7 and 0.8 (around the defaults: 500 / 3,000 and 0.6)
-#                   and at 0.7 with stride 16,
-#                   and at cpu Quest at 2K / 4K tokens with 256-token host blocks; then
+#                   (stride 8 and 16), xattn_bsa_090, at none MInference at 250 / 1,500, 1,000 / 6,096 and
+#                   2,000 / 8,192 columns / diagonals and XAttention at thresholds 0.5, 0.7 and 0.8 (around the
+#                   defaults: 500 / 3,000 and 0.6) and at 0.7 with stride 16, and at cpu Quest at 2K / 4K tokens
+#                   with 256-token host blocks; then
 #                   task=report over them; 18 runs at none (40-100 s each, about 16 min on an H100), 14 at cpu
 #                   (60-100 s, 17 min): two GPUs per mode side by side, or RULER_ROWS split over more calls
 #                   (RULER_TIMEOUT: 180 s per run)                                                          ~32 min
