@@ -108,8 +108,8 @@ def build_kv_store(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device:
                                 cfg.scheduler.max_num_batched_tokens, prefill_policy.name)
         store = PagedKVStore(spec.num_hidden_layers, num_blocks, cfg.offload.block_size, spec.num_key_value_heads,
                              spec.head_dim, dtype, device, prefill_policy, max_model_len,
-                             decode_policy=decode_policy, check_selections=check_selections)
-        store.prefill_token_budget = prefill_tokens
+                             decode_policy=decode_policy, check_selections=check_selections,
+                             prefill_token_budget=prefill_tokens)
         return store
     offload = cfg.offload
     chunk = prefill_chunk_tokens(cfg, max_model_len)
@@ -166,7 +166,11 @@ def checked_config(cfg: DictConfig) -> tuple:
     tp_size = check_parallel_config(cfg, spec, cls, device)
     max_model_len = check_scheduler_config(cfg, spec, device)
     check_offload_config(cfg)
-    check_kv_memory(cfg, rank_spec(spec, tp_size), dtype, device, max_model_len)
+    shard = rank_spec(spec, tp_size)
+    check_kv_memory(cfg, shard, dtype, device, max_model_len)
+    policy.check_layout(KVLayout(num_layers=shard.num_hidden_layers, num_kv_heads=shard.num_key_value_heads,
+                                 head_dim=shard.head_dim, block_size=cfg.offload.block_size, max_blocks=0,
+                                 dtype=dtype, device=device))
     graph_cfg = cfg.get("graph")
     check_graph_config(graph_cfg)
     decode_policy = policy if policy.supports_decode else registry().policies["full"]

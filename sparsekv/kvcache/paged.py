@@ -23,8 +23,9 @@ class PagedKVStore(KVStore):
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, prefill_policy, max_model_len: int | None = None,
-                 decode_policy=None, check_selections: bool = False):
+                 decode_policy=None, check_selections: bool = False, prefill_token_budget: int | None = None):
         self.block_size = block_size
+        self.prefill_token_budget = prefill_token_budget  # a whole_prompt_prefill policy's step (sizing.py)
         self.num_kv_heads = num_kv_heads
         # With max_model_len, the paged kernel's split plan for decode is fixed by it and by the batch size rounded
         # up to a power of two, not by the step's context lengths: eager steps and CUDA-graph replays (which pad

@@ -54,6 +54,11 @@ class SparsePolicy:
     def initialize(self, layout: KVLayout) -> None:
         """Allocate per-layer metadata once the KV layout is known."""
 
+    def check_layout(self, layout: KVLayout) -> None:
+        """Raise ValueError, naming the setting and the fix, for a KV layout this policy cannot run. The engine calls
+        it before the weights load, with max_blocks and expected_blocks 0 (not known yet), so bad settings fail
+        before any work; initialize() gets the full layout later (default: no check)."""
+
     def device_bytes_per_block(self, layout: KVLayout) -> int:
         """Device bytes the metadata of one host block takes, all layers (default 0: none). offload=cpu reserves
         this for every block the scheduler's sequences can hold before it gives the rest of the device memory to

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
 from hydra.errors import MissingConfigException
 
 import sparsekv.factory
@@ -419,6 +420,17 @@ def test_engine_level_errors_come_before_the_weights(no_weights):
 
     with pytest.raises(ValueError, match="top_p"):
         run(compose_config(CPU + ["sampling.top_p=0"]))
+
+
+def test_a_policy_layout_error_comes_before_the_weights(pristine, no_weights, monkeypatch):
+    """SparsePolicy.check_layout runs before the weights load: MInference's last_q against the device's estimate
+    tile (a device that fits 32 rows, faked here) fails with the setting and its bound."""
+    from sparsekv.policies.minference import vertical_slash_estimate
+
+    monkeypatch.setattr(vertical_slash_estimate, "max_estimate_rows", lambda *a: 32)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a small GPU")
+    with pytest.raises(ValueError, match=r"policy.last_q=64: .* a small GPU fits at most 32 .* use policy.last_q <= 32"):
+        LLM(overrides=CPU + [f"model.path={pristine}", "policy=minference", "policy.last_q=64"])
 
 
 def test_integral_sampling_values_are_normalized():

@@ -150,8 +150,11 @@ class MInferencePolicy(SparsePolicy):
                     or math.isnan(budget):
                 raise ValueError(f"policy.adaptive_budget={budget!r}: must be a fraction in (0, 1] or null")
 
-    def initialize(self, layout: KVLayout) -> None:
+    def check_layout(self, layout: KVLayout) -> None:
         check_estimate_rows(self.last_q, layout.head_dim, layout.dtype, layout.device, "policy.last_q")
+
+    def initialize(self, layout: KVLayout) -> None:
+        self.check_layout(layout)
 
     def budgets(self, num_keys: int) -> tuple[int, int]:
         """(columns, diagonals) kept per head when the chunk sees num_keys keys; forced ones included."""
