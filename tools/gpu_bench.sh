@@ -12,7 +12,8 @@
 #   quest           Quest decode at 128K (every layer selecting; the default 2 dense layers) beside full      ~3 min
 #   prefill         32K and 128K prefill resident and offloaded (128K: cache off and on), HF beside    ~5 min
 #   sparse_prefill  128K resident prefill on structured weights: full, minference (whole prompts, 8K chunks,
-#                   300 / 2,048), xattn_bsa (stride 8 and 16; 0.7 at stride 16), the xattn_bsa_090 preset    ~6 min
+#                   300 / 2,048), xattn_bsa (8K chunks and whole prompts; stride 8 and 16; 0.7 at stride 16),
+#                   the xattn_bsa_090 preset                                                                ~7 min
 #   sparse_prefill_scaling  minference and xattn_bsa (default settings) beside full attention at 128K, 256K and 512K
 #                   (SCALING_CONTEXTS), offloaded, structured dummy weights (SCALING_POLICIES="xattn_bsa": only
 #                   that policy, still beside full)                                                       ~10 min
@@ -214,6 +215,8 @@ section_sparse_prefill() {  # 128K, GPU-resident, weights with planted attention
     VS=sparse_prefill/full bench sparse_prefill minference-v300-s2048 "${S[@]}" policy=minference \
         policy.vertical_size=300 policy.slash_size=2048
     VS=sparse_prefill/full bench sparse_prefill xattn_bsa "${S[@]}" policy=xattn_bsa
+    VS=sparse_prefill/full bench sparse_prefill xattn_bsa-whole "${S[@]}" policy=xattn_bsa \
+        policy.whole_prompt_prefill=true
     VS=sparse_prefill/full bench sparse_prefill xattn_bsa-stride16 "${S[@]}" policy=xattn_bsa policy.stride=16
     VS=sparse_prefill/full bench sparse_prefill xattn_bsa_070-stride16 "${S[@]}" policy=xattn_bsa policy.stride=16 \
         policy.threshold=0.7
