@@ -146,6 +146,15 @@ def build_policy(policy_cfg: DictConfig):
     return policy
 
 
+def check_policy_layout(policy, layout) -> None:
+    """SparsePolicy.check_layout before the weights load; its ValueError becomes one PolicyConfigError naming the
+    policy and, for a plugin, its package."""
+    try:
+        policy.check_layout(layout)
+    except ValueError as exc:
+        raise PolicyConfigError(f"{policy_origin(policy.name)}: {exc}") from exc
+
+
 def policy_origin(name: str) -> str:
     """'policy=NAME', and for a plugin's policy its plugin and package: how errors about a policy name it."""
     from sparsekv.plugins import registry

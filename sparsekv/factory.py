@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from sparsekv.config import Device, DType, LoadFormat, OffloadMode
 from sparsekv.config_check import build_policy  # noqa: F401 - re-exported: factory.build_policy
+from sparsekv.config_check import check_policy_layout
 from sparsekv.distributed.engine import DistributedEngine, TensorParallelSampler
 from sparsekv.distributed.launch import check_launch, driver_ranks, under_torchrun
 from sparsekv.distributed.sharding import check_tensor_parallel, rank_spec
@@ -168,9 +169,9 @@ def checked_config(cfg: DictConfig) -> tuple:
     check_offload_config(cfg)
     shard = rank_spec(spec, tp_size)
     check_kv_memory(cfg, shard, dtype, device, max_model_len)
-    policy.check_layout(KVLayout(num_layers=shard.num_hidden_layers, num_kv_heads=shard.num_key_value_heads,
-                                 head_dim=shard.head_dim, block_size=cfg.offload.block_size, max_blocks=0,
-                                 dtype=dtype, device=device))
+    check_policy_layout(policy, KVLayout(num_layers=shard.num_hidden_layers, num_kv_heads=shard.num_key_value_heads,
+                                         head_dim=shard.head_dim, block_size=cfg.offload.block_size, max_blocks=0,
+                                         dtype=dtype, device=device))
     graph_cfg = cfg.get("graph")
     check_graph_config(graph_cfg)
     decode_policy = policy if policy.supports_decode else registry().policies["full"]

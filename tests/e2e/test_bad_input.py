@@ -429,7 +429,8 @@ def test_a_policy_layout_error_comes_before_the_weights(pristine, no_weights, mo
 
     monkeypatch.setattr(vertical_slash_estimate, "max_estimate_rows", lambda *a: 32)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a small GPU")
-    with pytest.raises(ValueError, match=r"policy.last_q=64: .* a small GPU fits at most 32 .* use policy.last_q <= 32"):
+    with pytest.raises(ValueError, match=r"^policy=minference: policy.last_q=64: .* a small GPU fits at most 32 .* "
+                                         r"use policy.last_q <= 32"):
         LLM(overrides=CPU + [f"model.path={pristine}", "policy=minference", "policy.last_q=64"])
 
 
