@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -13,6 +14,10 @@ from sparsekv.config import OFFLOAD_SCHEMAS, Config, ConfigError, parse_gpu_cach
 from sparsekv.errors import PolicyConfigError
 from sparsekv.sampling_params import SamplingParams
 from sparsekv.tasks.config import TASK_SCHEMAS
+
+if TYPE_CHECKING:
+    from sparsekv.policies.base import SparsePolicy
+    from sparsekv.policies.context import KVLayout
 
 GROUPS = {"offload": OFFLOAD_SCHEMAS, "task": TASK_SCHEMAS}
 
@@ -146,7 +151,7 @@ def build_policy(policy_cfg: DictConfig):
     return policy
 
 
-def check_policy_layout(policy, layout) -> None:
+def check_policy_layout(policy: SparsePolicy, layout: KVLayout) -> None:
     """SparsePolicy.check_layout before the weights load; its ValueError becomes one PolicyConfigError naming the
     policy and, for a plugin, its package."""
     try:

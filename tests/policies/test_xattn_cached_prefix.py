@@ -40,8 +40,8 @@ def test_offloaded_prefill_with_the_sequence_cached_is_offload_none(qwen3_ckpt):
 
 
 def test_resident_whole_prompt_prefill_selects_as_chunks_do(qwen3_ckpt):
-    """offload=none with policy.whole_prompt_prefill=true: one prefill step for the prompt, the same tokens and
-    density as 32-token chunks (each query block's estimate covers every key it sees either way)."""
+    """offload=none with policy.whole_prompt_prefill=true: one prefill step for the prompt and the same tokens as
+    32-token chunks (each query block's estimate covers every key it sees either way)."""
     prompt = random_prompt(140, seed=21)
     runs = {}
     for whole in (False, True):
