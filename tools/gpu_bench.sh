@@ -12,8 +12,7 @@
 #   quest           Quest decode at 128K (every layer selecting; the default 2 dense layers) beside full      ~3 min
 #   prefill         32K and 128K prefill resident and offloaded (128K: cache off and on), HF beside    ~5 min
 #   sparse_prefill  128K resident prefill on structured weights: full, minference (whole prompts, 8K chunks,
-#                   300 / 2,048), xattn_bsa (8K chunks and whole prompts; stride 8 and 16; 0.7 at stride 16),
-#                   the xattn_bsa_090 preset                                                                ~7 min
+#                   300 / 2,048), xattn_bsa (stride 8 and 16), the xattn_bsa_090 preset                    ~6 min
 #   sparse_prefill_scaling  minference and xattn_bsa (default settings) beside full attention at 128K, 256K and 512K
 #                   (SCALING_CONTEXTS), offloaded, structured dummy weights (SCALING_POLICIES="xattn_bsa": only
 #                   that policy, still beside full)                                                       ~10 min
@@ -44,12 +43,12 @@
 #                   2K tokens, minference (64-offset bands) and minference-diagonals (single diagonals), xattn_bsa
 #                   (stride 8 and 16), xattn_bsa_090, at none MInference at 250 / 1,500, 1,000 / 6,096 and
 #                   2,000 / 8,192 columns / diagonals and XAttention at thresholds 0.5, 0.7 and 0.8 (around the
-#                   defaults: 500 / 3,000 and 0.6) and at 0.7 with stride 16, and at cpu Quest at 2K / 4K tokens
+#                   defaults: 500 / 3,000 and 0.6), and at cpu Quest at 2K / 4K tokens
 #                   with 256-token host blocks; then
 #                   task=report over them; 18 runs at none (40-100 s each, about 16 min on an H100), 14 at cpu
-#                   (60-100 s, 17 min): two GPUs per mode side by side, or RULER_ROWS split over more calls
+#                   (60-100 s, 17 min): two GPUs per mode side by side, or ONLY_ROWS split over more calls
 #                   (RULER_TIMEOUT: 180 s per run)                                                          ~32 min
-#                   (RULER_ROWS="streaming_llm-2048 minference ..." runs only the rows of those labels)
+#                   (ONLY_ROWS="streaming_llm-2048-none minference-cpu ...": rows are named label-offload)
 #   tp              TP=1 beside TP=N for N in TP_SIZES (default "1 2"; "1 2 4" on 4 GPUs) per model of TP_MODELS
 #                   (default "qwen3_8b llama3_8b", dummy weights), rows of TP_ROWS (default "decode offload
 #                   prefill"): resident decode at 4K, offloaded full decode at 128K (no GPU block cache: every step
@@ -60,7 +59,8 @@
 #
 # Each run goes to $OUT/records/<section>/<row>/: the task's record (bench.json or quality.json), run.json (the
 # exact command, the date, the row it is compared with) and run.log. A failing run is logged and the script goes on.
-# Settings: DECODE_STEPS (default 64 for `decode`, 16 elsewhere), BENCH_TIMEOUT (default 150 s per run),
+# Settings: ONLY_ROWS ("full xattn_bsa-whole ...": only the runs of those row names), DECODE_STEPS (default 64 for
+# `decode`, 16 elsewhere), BENCH_TIMEOUT (default 150 s per run),
 # TEST_TIMEOUT (default 560 s), BENCH_MODEL_ARGS (default "model=qwen3_4b model.load_format=dummy";
 # "model=tiny device=cpu" gives a dry run of the script without a GPU; it also replaces llama3_8b in `hierarchy*`).
 # HIER_CONTEXT (131072), HIER_LONG_CONTEXT (524288), HIER_BATCH_CONTEXT (122880) and HIER_WIDE_CONTEXT (32768) set
@@ -96,6 +96,7 @@ status() {  # status NAME RC SECONDS
 
 run_task() {  # run_task SECTION ROW TASK [overrides...]; VS=section/row names the row it is compared with
     local section="$1" row="$2" task="$3"; shift 3
+    [ -n "${ONLY_ROWS:-}" ] && [[ " $ONLY_ROWS " != *" $row "* ]] && return 0  # ONLY_ROWS="full xattn_bsa ..."
     local dir="$RECORDS/$section/$row" start=$SECONDS rc
     mkdir -p "$dir"
     local cmd=(python3 -m sparsekv "task=$task" "$@")
@@ -215,11 +216,7 @@ section_sparse_prefill() {  # 128K, GPU-resident, weights with planted attention
     VS=sparse_prefill/full bench sparse_prefill minference-v300-s2048 "${S[@]}" policy=minference \
         policy.vertical_size=300 policy.slash_size=2048
     VS=sparse_prefill/full bench sparse_prefill xattn_bsa "${S[@]}" policy=xattn_bsa
-    VS=sparse_prefill/full bench sparse_prefill xattn_bsa-whole "${S[@]}" policy=xattn_bsa \
-        policy.whole_prompt_prefill=true
     VS=sparse_prefill/full bench sparse_prefill xattn_bsa-stride16 "${S[@]}" policy=xattn_bsa policy.stride=16
-    VS=sparse_prefill/full bench sparse_prefill xattn_bsa_070-stride16 "${S[@]}" policy=xattn_bsa policy.stride=16 \
-        policy.threshold=0.7
     VS=sparse_prefill/full bench sparse_prefill xattn_bsa_090 "${S[@]}" policy=xattn_bsa_090
 }
 
@@ -380,8 +377,7 @@ section_ruler_policies() {  # the policies judged on the probe: accuracy per tas
                      "minference-v2000-s8192|policy=minference policy.vertical_size=2000 policy.slash_size=8192"
                      "xattn_bsa_050|policy=xattn_bsa policy.threshold=0.5"
                      "xattn_bsa_070|policy=xattn_bsa policy.threshold=0.7"
-                     "xattn_bsa_080|policy=xattn_bsa policy.threshold=0.8"
-                     "xattn_bsa_070-stride16|policy=xattn_bsa policy.threshold=0.7 policy.stride=16")
+                     "xattn_bsa_080|policy=xattn_bsa policy.threshold=0.8")
     # offload=cpu selects among host blocks of 1,024 tokens, where a 2,048-token budget is the sink and the newest
     # block alone; these rows give Quest the resident store's 256-token blocks
     local CPU_ROWS=("quest-2048-block256|policy=quest policy.token_budget=2048 offload.block_size=256"
@@ -391,8 +387,6 @@ section_ruler_policies() {  # the policies judged on the probe: accuracy per tas
         [ "$off" = cpu ] && rows+=("${CPU_ROWS[@]}")
         [ "$off" = none ] && rows+=("${NONE_ROWS[@]}")
         for row in "${rows[@]}"; do
-            # RULER_ROWS="minference xattn_bsa ...": only the rows with these labels
-            [ -n "${RULER_ROWS:-}" ] && [[ " $RULER_ROWS " != *" ${row%%|*} "* ]] && continue
             read -ra args <<< "${row#*|}"
             PYTHONPATH="$site:$PYTHONPATH" EXTRA=task.progress=false BENCH_TIMEOUT="${RULER_TIMEOUT:-180}" \
                 run_task ruler_policies "${row%%|*}-$off" ruler model=probe offload="$off" "${args[@]}" \

@@ -1,6 +1,6 @@
 """Train the probe checkpoint: a small Qwen3 that answers the RULER generators' tasks from 1K to 32K tokens.
 
-    python3 tools/train_probe.py --recipe --out /tmp/probe  # the committed checkpoint's run: one GPU, about 9 minutes
+    python3 tools/train_probe.py --recipe --out /tmp/probe  # the committed checkpoint's stages: 8 minutes of one H100
     python3 tools/train_probe.py --out /tmp/base --seed 0 --stop-step 1120  # its first stage alone, about 5 minutes
     python3 tools/train_probe.py --out /tmp/next --init-from /tmp/base ...  # continue a checkpoint
 
@@ -14,7 +14,9 @@ from any length reached. The tasks are the suite's and kv_adjacent (key matching
 probe_data.kv_adjacent_sample). The defaults are the committed checkpoint's first stage (docs/probe.md). The plan's time
 by the cost model of docs/probe.md is printed before training. DataLoader workers build the samples. Training seeds
 are >= TRAIN_SEED_BASE (10**9); evaluation (task=ruler, and the sanity check at the end here) uses seeds below it.
-The steps, lengths, tasks and sample seeds are a pure function of --seed and the arguments. --init-from continues
+The steps, lengths, tasks and sample seeds are a pure function of --seed and the arguments, and so are the weights,
+bit for bit on the same GPU model and software: deterministic kernels only (torch.use_deterministic_algorithms),
+on CUDA with the decoder layers compiled; training.json records weights_sha256. --init-from continues
 a checkpoint (same tokenizer, its shape) and nests its training.json under init_from_record. --time-limit-min caps
 the whole run (training stops early, saves, then evaluates). Saved: config.json (bfloat16), safetensors shards of at
 most 15 MB, the tokenizer, training.json. docs/probe.md has the design and the time estimate.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -34,6 +37,7 @@ from typing import Callable
 TOOLS = Path(__file__).resolve().parent
 sys.path[:0] = [str(TOOLS.parent), str(TOOLS)]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS repeats its sums only with this, set before CUDA
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -255,6 +259,37 @@ def train(args: argparse.Namespace, model, loader, device: torch.device, attenti
     return {"steps_done": step + 1, "stopped_early": False}
 
 
+@contextlib.contextmanager
+def deterministic_kernels():
+    """Every kernel of the training is one that sums in a fixed order (on CUDA: flash attention, not cuDNN's, whose
+    backward is not), so a seed gives the same weights bit for bit on the same GPU model and software; an op without
+    such a kernel stops the run naming itself."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def compile_layers(model) -> None:
+    """Compile the decoder layers and the final norm for any batch and length (dynamic shapes): their norms, rotary
+    and MLP gating fuse into few kernels (eager, a micro-batch is mostly small elementwise ops), with Inductor's
+    kernel configurations chosen without timing them, so they are the same in every run."""
+    torch._inductor.config.deterministic = True
+    for module in (*model.model.layers, model.model.norm):
+        module.compile(dynamic=True)
+
+
+def weights_digest(model) -> str:
+    """SHA-256 of the weights as saved (names, dtypes, shapes, bytes): equal digests mean bitwise-equal runs."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def save(model, tokenizer, out: Path, record: dict) -> None:
     if out.is_dir():
         for path in out.iterdir():
@@ -298,6 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     reserve = EVAL_RESERVE_S if args.eval_samples else SAVE_RESERVE_S
     deadline = hard_stop - min(reserve, args.time_limit_min * 60 * 0.2)
     model = build_model(args, tokenizer).to(device)
+    if device.type == "cuda":
+        compile_layers(model)
     for stage in args.stages[1:]:  # the whole run's options and the shape the first stage built or loaded
         for field in (*RUN_FIELDS, *SHAPE_FIELDS):
             setattr(stage, field, getattr(args, field))
@@ -316,10 +353,11 @@ def main(argv: list[str] | None = None) -> None:
         stage_t0 = time.time()
         print(f"{f'stage {number} of {len(args.stages)}: ' if len(args.stages) > 1 else ''}plan: "
               f"{plan_summary(plan, stage.micro_tokens)}", flush=True)
-        if attention is None:
-            attention = fast_attention(model, stage, device, plans, deadline - time.time())
         loader = make_loader(plan, stage.workers, pin=device.type == "cuda", tail_weight=stage.tail_weight)
-        progress = train(stage, model, loader, device, attention, deadline, t0)
+        with deterministic_kernels():  # the preflight too: it finds the kernels training gets
+            if attention is None:
+                attention = fast_attention(model, stage, device, plans, deadline - time.time())
+            progress = train(stage, model, loader, device, attention, deadline, t0)
         last = number == len(args.stages) or progress["stopped_early"]
         with torch.no_grad():  # as saved: bfloat16 (a next stage continues from these values, as after a reload)
             for param in model.parameters():  # parameters only: the rotary inv_freq buffer stays float32
@@ -334,10 +372,13 @@ def main(argv: list[str] | None = None) -> None:
             if number < len(args.stages):
                 print(f"stages {number + 1}-{len(args.stages)} not run: --time-limit-min reached", flush=True)
             break
+    record["weights_sha256"] = weights_digest(model)
+    print(f"weights sha256 {record['weights_sha256']}", flush=True)
     save(model, tokenizer, out, record)  # before the evaluation, which only adds its scores
     if args.eval_samples:
         try:
-            results = evaluate(args, model, tokenizer, device, hard_stop)
+            with torch.compiler.set_stance("force_eager"):  # generation's shapes and cache: no recompiles
+                results = evaluate(args, model, tokenizer, device, hard_stop)
             record["eval"] = {task: {str(n): score for n, score in row.items()} for task, row in results.items()}
             record["eval_seeds"] = list(range(args.eval_samples))
             (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")

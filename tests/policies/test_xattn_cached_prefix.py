@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from sparsekv import LLM, SamplingParams
-from sparsekv.policies.xattn import XAttentionPolicy
 from tests.conftest import random_prompt
 
 # chunks of 32 tokens both ways; the first (no prefix) is dense both ways: two xattn blocks of 16
@@ -37,29 +36,3 @@ def test_offloaded_prefill_with_the_sequence_cached_is_offload_none(qwen3_ckpt):
             assert tokens == expected
             assert policy.last_density == pytest.approx(resident.engine.policy.last_density, rel=1e-6)
             assert policy.last_density < 1.0
-
-
-def test_resident_whole_prompt_prefill_selects_as_chunks_do(qwen3_ckpt):
-    """offload=none with policy.whole_prompt_prefill=true: one prefill step for the prompt and the same tokens as
-    32-token chunks (each query block's estimate covers every key it sees either way)."""
-    prompt = random_prompt(140, seed=21)
-    runs = {}
-    for whole in (False, True):
-        llm = LLM(str(qwen3_ckpt), overrides=COMMON + ["offload=none", "scheduler.max_num_batched_tokens=32",
-                                                       f"policy.whole_prompt_prefill={str(whole).lower()}"])
-        assert llm.engine.scheduler.max_num_batched_tokens == (llm.engine.max_model_len if whole else 32)
-        policy, steps = llm.engine.policy, []
-        compute = policy.compute_prefill
-
-        def counted(q, *args, **kwargs):
-            steps.append(q.shape[0])
-            return compute(q, *args, **kwargs)
-
-        policy.compute_prefill = counted
-        tokens = llm.generate([prompt], GREEDY)[0].token_ids
-        runs[whole] = tokens, policy.last_density, steps
-    assert runs[True][2][0] == 140 and runs[False][2][0] == 32
-    assert runs[True][0] == runs[False][0]
-    assert runs[True][1] < 1.0
-    with pytest.raises(ValueError, match="policy.whole_prompt_prefill='yes'"):
-        XAttentionPolicy(whole_prompt_prefill="yes")

@@ -300,6 +300,22 @@ def test_bad_output_or_length_fails_before_training_and_keeps_the_files(train_pr
         train_probe.main(["--out", str(tmp_path / "x"), *TOY, "--min-len", "40"])
 
 
+def test_a_run_records_the_digest_of_its_saved_weights_and_its_seed_repeats_it(train_probe, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    def run(name: str, seed: str) -> str:
+        train_probe.main(["--out", str(tmp_path / name), "--steps", "2", "--workers", "0", *TOY, "--eval-samples", "0",
+                          "--seed", seed])
+        assert not torch.are_deterministic_algorithms_enabled()  # the mode ends with the run
+        return json.loads((tmp_path / name / "training.json").read_text())["weights_sha256"]
+
+    first, again, other = run("a", "3"), run("b", "3"), run("c", "4")
+    assert first == again != other
+    saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "a"), dtype=torch.bfloat16)
+    assert train_probe.weights_digest(saved) == first
+
+
 def test_init_from_continues_a_checkpoint_and_records_its_lineage(train_probe, tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     train_probe.main(["--out", str(first), "--steps", "1", "--workers", "0", *TOY, "--eval-samples", "0"])

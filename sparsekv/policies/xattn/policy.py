@@ -112,10 +112,6 @@ class XAttentionPolicy(SparsePolicy):
     block_size: int = 128  # offload=none: tokens per query/key block (a multiple of stride)
     vote_fraction: float = 0.5  # a block is kept when at least this fraction of the KV heads keep it
     summary_stride: Optional[int] = None  # offload=cpu: keys averaged per summary vector (null: stride)
-    # offload=none: prefill each prompt in one step (SparsePolicy.whole_prompt_prefill). The selection is the same
-    # as in chunks (each query block's mass is over every key it sees either way); one step per prompt instead of
-    # one per scheduler.max_num_batched_tokens chunk, for more activation memory
-    whole_prompt_prefill: bool = False
 
     supports_prefill: ClassVar[bool] = True
     supports_decode: ClassVar[bool] = False
@@ -131,8 +127,6 @@ class XAttentionPolicy(SparsePolicy):
             raise ValueError(f"policy.summary_stride={self.summary_stride!r}: must be an integer >= 1 or null")
         if self.block_size % self.stride:
             raise ValueError(f"policy.block_size={self.block_size} must be a multiple of policy.stride={self.stride}")
-        if not isinstance(self.whole_prompt_prefill, bool):
-            raise ValueError(f"policy.whole_prompt_prefill={self.whole_prompt_prefill!r}: must be true or false")
         for name in ("threshold", "vote_fraction"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
