@@ -92,16 +92,24 @@ class CachedLoads:
         order, read in place: (k, v [m * block_size, KVH, D], their scales or None, m), its hits counted and protected
         for the step and the compute stream ordered after the layer's write-throughs; None when the cache does not
         hold the first block (nothing looked up, loaded or counted)."""
-        table = self.cache.slot_of[layer] if self.cache is not None else {}
-        first = table.get(cpu_blocks[0]) if cpu_blocks else None
+        first, m = self._leading_run(layer, cpu_blocks)
         if first is None:
             return None
-        m = 1
-        while m < len(cpu_blocks) and table.get(cpu_blocks[m]) == first + m:
-            m += 1
         self.cache_slots(layer, cpu_blocks[:m])
         k, v, scales, _, _ = self._group_view(cpu_blocks[:m], first, None)
         return k, v, scales, m
+
+    def _leading_run(self, layer: int, cpu_blocks: list[int]) -> tuple[int | None, int]:
+        """(first slot, m): the longest leading run of `cpu_blocks` the GPU block cache holds in consecutive slots,
+        in this order, looked up without counting; (None, 0) when it does not hold the first block."""
+        table = self.cache.slot_of[layer] if self.cache is not None else {}
+        first = table.get(cpu_blocks[0]) if cpu_blocks else None
+        if first is None:
+            return None, 0
+        m = 1
+        while m < len(cpu_blocks) and table.get(cpu_blocks[m]) == first + m:
+            m += 1
+        return first, m
 
     def sequence_view(self, layer: int, prefix_blocks: list[int], chunk_blocks: list[int], k: torch.Tensor,
                       v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -117,9 +125,8 @@ class CachedLoads:
         if (cache is None or self.fp8 is not None or self.capture is not None or not prefix_blocks
                 or len(chunk_blocks) != -(-k.shape[0] // self.block_size) or cache.k.dtype != k.dtype):
             return None
-        table = cache.slot_of[layer]
-        first = table.get(prefix_blocks[0])
-        if first is None or any(table.get(block) != first + i for i, block in enumerate(prefix_blocks)):
+        first, m = self._leading_run(layer, prefix_blocks)
+        if first is None or m < len(prefix_blocks):
             return None
         start = first + len(prefix_blocks)
         if cache.take_run(layer, chunk_blocks, start) is None:
