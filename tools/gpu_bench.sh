@@ -10,7 +10,7 @@
 #   decode          GPU-resident graphed decode at 4K, batch 1 / 8 / 32                                      ~1.5 min
 #   offload         offloaded full decode at 8K (whole-step graph and segmented), 32K and 128K with HF beside ~5 min
 #   quest           Quest decode at 128K (every layer selecting; the default 2 dense layers) beside full      ~3 min
-#   prefill         32K and 128K prefill resident and offloaded (128K: cache off and on), HF beside    ~5 min
+#   prefill         32K and 128K prefill resident and offloaded (GPU block cache off and on), HF beside ~6 min
 #   sparse_prefill  128K resident prefill on structured weights: full, minference (whole prompts, 8K chunks,
 #                   300 / 2,048), xattn_bsa (stride 8 and 16), the xattn_bsa_090 preset                    ~6 min
 #   sparse_prefill_scaling  minference and xattn_bsa (default settings) beside full attention at 128K, 256K and 512K
@@ -199,6 +199,8 @@ section_prefill() {  # full-attention prefill; HF transformers beside the 32K ro
     bench prefill none-32k-1chunk-hf "${MODEL[@]}" offload=none task.context=32768 \
         scheduler.max_num_batched_tokens=32768 task.decode_steps=4 task.baseline=true
     bench prefill cpu-32k-hf "${MODEL[@]}" "${UNCACHED[@]}" task.context=32768 task.decode_steps=4 task.baseline=true
+    VS=prefill/none-32k-1chunk-hf bench prefill cpu-32k-cache "${MODEL[@]}" offload=cpu task.context=32768 \
+        task.decode_steps=4
     bench prefill none-128k-hf "${MODEL[@]}" offload=none task.context=131072 task.decode_steps=4 task.baseline=true
     # offloaded with every chunk's earlier blocks streamed over PCIe (cache off), and with the default cache
     VS=prefill/none-128k-hf bench prefill cpu-128k "${MODEL[@]}" "${UNCACHED[@]}" task.context=131072 \

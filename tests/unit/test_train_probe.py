@@ -316,6 +316,21 @@ def test_a_run_records_the_digest_of_its_saved_weights_and_its_seed_repeats_it(t
     assert train_probe.weights_digest(saved) == first
 
 
+@pytest.mark.gpu
+def test_cuda_training_compiles_its_layers_and_repeats_its_weights_bit_for_bit(train_probe, tmp_path, capsys):
+    """On CUDA: deterministic kernels and compiled layers, lengths 256-2K (several batch shapes, one of them B=1);
+    two runs of one seed, in one process, give the same digest."""
+    digests = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        train_probe.main(["--out", str(out), *TOY, "--device", "cuda", "--max-len", "2048", "--micro-tokens",
+                          "2048", "--steps", "6", "--short-frac", "0", "--ramp", "0.5", "--workers", "0",
+                          "--eval-samples", "0"])
+        digests.append(json.loads((out / "training.json").read_text())["weights_sha256"])
+    assert "preflight: a micro-batch takes" in capsys.readouterr().out
+    assert digests[0] == digests[1]
+
+
 def test_init_from_continues_a_checkpoint_and_records_its_lineage(train_probe, tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     train_probe.main(["--out", str(first), "--steps", "1", "--workers", "0", *TOY, "--eval-samples", "0"])
