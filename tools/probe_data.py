@@ -14,10 +14,10 @@ from sparsekv.tasks.ruler.generators import RulerSample, answer_text, make_sampl
 
 TRAIN_SEED_BASE = 10 ** 9  # training sample seeds are >= this; evaluation (task=ruler) uses seeds below it
 QUESTION_WORDS = ["What", "Question"]  # the first word of every task's question (never in a haystack)
-# Seconds of a 32K-token micro-batch at context L: MICRO_FIXED_S + MICRO_PER_LEN_S * L (docs/probe.md), the
-# preflight's 0.046 s at 1024 and 0.078 s at 32768 on an H200 host with 14 data workers
-MICRO_PER_LEN_S = (0.078 - 0.046) / (32768 - 1024)
-MICRO_FIXED_S = 0.046 - 1024 * MICRO_PER_LEN_S
+# Seconds of a 32K-token micro-batch at context L: MICRO_FIXED_S + MICRO_PER_LEN_S * L (docs/probe.md), the mean of
+# two preflights of the recipe on one H100 (compiled, deterministic): 0.0375 s at 512 and 0.112 s at 32768
+MICRO_PER_LEN_S = (0.112 - 0.0375) / (32768 - 512)
+MICRO_FIXED_S = 0.0375 - 512 * MICRO_PER_LEN_S
 # the committed checkpoint's mix; --task-weights overrides it. kv_adjacent is a training task, not the suite's
 TASK_WEIGHTS = {"niah_single": 1.0, "niah_multikey": 2.0, "niah_multivalue": 1.5, "niah_multiquery": 1.5,
                 "variable_tracking": 2.0, "common_words": 0.75, "kv_adjacent": 3.0}
@@ -117,7 +117,7 @@ def training_sample(task: str, tokenizer, length: int, seed: int) -> RulerSample
 def plan_seconds(plan: list[tuple[int, list]], micro_tokens: int = 32768) -> float:
     """Training time of a plan for the default model by the cost model of docs/probe.md: a micro-batch of 32K
     tokens at context L takes MICRO_FIXED_S + MICRO_PER_LEN_S * L (linear layers, overheads and data, then
-    attention), measured by the preflight on an H200 host with 14 data workers."""
+    attention), measured by the preflight on a one-GPU H100 host with 14 data workers."""
     scale = micro_tokens / 32768
     return sum(scale * (MICRO_FIXED_S + MICRO_PER_LEN_S * length) for length, _ in plan)
 
@@ -126,7 +126,7 @@ def plan_summary(plan: list[tuple[int, list]], micro_tokens: int = 32768) -> str
     samples = sum(len(s) for _, s in plan)
     long_share = sum(1 for length, _ in plan if length > 8192) / max(1, len(plan))
     return (f"{len(plan)} micro-batches, {samples:,} samples, {long_share:.0%} of micro-batches above 8K, "
-            f"about {plan_seconds(plan, micro_tokens):.0f} s of training on one H200 (cost model)")
+            f"about {plan_seconds(plan, micro_tokens):.0f} s of training on one H100 (cost model)")
 
 
 class MicroBatches(torch.utils.data.Dataset):
