@@ -33,9 +33,15 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = None
 
 HAS_TRITON = triton is not None
-# Kernel modules decorate with this; annotations stay strings (``from __future__ import
-# annotations``), which Triton accepts, so kernel definitions need no triton at import.
-jit = triton.jit if HAS_TRITON else (lambda fn: fn)
+
+
+def jit(fn=None, **options):
+    """triton.jit (``@jit`` or ``@jit(do_not_specialize=[...])``), or the plain function without Triton. Kernel
+    annotations stay strings (``from __future__ import annotations``), which Triton accepts, so kernel definitions
+    need no triton at import."""
+    if not HAS_TRITON:
+        return fn if fn is not None else (lambda function: function)
+    return triton.jit(fn, **options) if fn is not None else triton.jit(**options)
 
 BACKENDS = ("torch", "triton", "flash_attn", "sdpa", "cudnn")
 ENV_BACKEND = "SPARSEKV_ATTN_BACKEND"

@@ -162,6 +162,32 @@ def test_block_mass_kernel_splits_columns_among_programs(monkeypatch):
     assert (mass - xattn_block_mass_reference(q, k, 4, 16)).abs().max().item() < F32_TOL
 
 
+def _compiled_variants(kernel) -> int:
+    """Specializations of a Triton kernel compiled (or loaded from the disk cache) in this process."""
+    caches = getattr(kernel, "device_caches", None)
+    if not caches or not all(isinstance(entry[0], dict) for entry in caches.values()):
+        pytest.skip("this Triton release keeps no per-device kernel cache")
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+@pytest.mark.gpu
+def test_block_mass_kernels_compile_once_for_the_chunks_of_a_prompt(monkeypatch):
+    """Chunks differ in their lengths, offsets and tiles per split (here 2, 4 and 1; Triton would specialise 1 and
+    multiples of 16): one compiled estimate kernel and one mass kernel serve them all, so no chunk compiles in the
+    middle of a prefill."""
+    gen = torch.Generator().manual_seed(17)
+    q_all, k = _randn(4096, 8, 128, gen=gen, dtype=torch.bfloat16), _randn(4096, 2, 128, gen=gen, dtype=torch.bfloat16)
+    kernels = (estimate_module._block_lse_kernel, estimate_module._mass_kernel)
+    xattn_block_mass(q_all[1024:2048], k[:2048], 8, 128)  # compiles (or loads) both
+    before = [_compiled_variants(kernel) for kernel in kernels]
+    xattn_block_mass(q_all[3096:4096], k, 8, 128)  # 1,000 queries after 3,096 keys
+    monkeypatch.setattr(estimate_module, "PROGRAMS", 1 << 20)
+    monkeypatch.setattr(estimate_module, "MIN_SPLIT_TILES", 1)  # one column tile per program
+    mass = xattn_block_mass(q_all[2048:], k, 8, 128)
+    assert [_compiled_variants(kernel) for kernel in kernels] == before
+    assert torch.isfinite(mass).any()
+
+
 def test_block_mass_unsupported_block_layout_runs_the_reference(monkeypatch):
     gen = torch.Generator().manual_seed(5)
     q, k = _randn(50, 2, 16, gen=gen), _randn(100, 1, 16, gen=gen)

@@ -58,7 +58,13 @@ MIN_SPLIT_TILES = 4  # column tiles a split keeps at least
 
 
 # ----------------------------------------------------------------------------------------- Triton kernels
-@jit
+# Triton compiles a variant per integer argument equal to 1 or divisible by 16; lengths and counts only bound loops
+# and masks here (pointer alignment comes from the strides), so one compiled kernel serves every chunk of a prompt
+# rather than a new one mid-prefill (a chunk whose tiles_per_split turns 16).
+SHAPE_ARGS = ["n", "S", "q_start", "row0", "rows", "nkb", "ncols", "tiles_per_split"]
+
+
+@jit(do_not_specialize=SHAPE_ARGS)
 def _block_lse_kernel(
     Q, K, LSB,
     stride_qm, stride_qh, stride_qd,
@@ -112,7 +118,7 @@ def _block_lse_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
 
-@jit
+@jit(do_not_specialize=["S", "q_start", "row0", "qb_first", "qb_out0", "nkb"])
 def _mass_kernel(
     LSB, MASS,
     stride_lh, stride_lr, stride_mh, stride_mq,
