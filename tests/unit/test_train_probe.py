@@ -372,8 +372,17 @@ def test_committed_checkpoint_is_one_run_of_three_stages(train_probe):
     assert first["args"]["then"] and not any(r["args"]["init_from"] for r in lineage)  # --then stages, one run
     for record in lineage[:-1]:  # the later stages keep the first stage's shape
         assert all(record["args"][k] == first["args"][k] for k in ("hidden", "layers", "heads", "kv_heads"))
-    # the stages' training time on the 4 x H200 host that trained it (docs/probe.md), of 531 s in all
-    assert sum(r["train_seconds"] for r in lineage) == pytest.approx(524.2, abs=0.1)
+    # the stages' training time on the H100 that trained it, its compile cache warm (docs/probe.md)
+    assert sum(r["train_seconds"] for r in lineage) == pytest.approx(429.4, abs=0.1)
+
+
+def test_committed_weights_are_the_ones_their_record_names(train_probe):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    record = committed_lineage()[0]
+    model = AutoModelForCausalLM.from_pretrained(TOOLS.parent / "sparsekv" / "checkpoints" / "probe", dtype=torch.bfloat16)
+    assert train_probe.weights_digest(model) == record["weights_sha256"]
 
 
 def test_then_stages_continue_the_weights_in_one_run(train_probe, tmp_path):
