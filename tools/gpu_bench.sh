@@ -12,7 +12,8 @@
 #   quest           Quest decode at 128K (every layer selecting; the default 2 dense layers) beside full      ~3 min
 #   prefill         32K and 128K prefill resident and offloaded (GPU block cache off and on), HF beside ~6 min
 #   sparse_prefill  128K resident prefill on structured weights: full, minference (whole prompts, 8K chunks,
-#                   300 / 2,048), xattn_bsa (stride 8 and 16), the xattn_bsa_090 preset                    ~6 min
+#                   the previous default 500 / 3,000), xattn_bsa (the default 0.7 and 0.6), the xattn_bsa_090 preset
+#                                                                                                            ~6 min
 #   sparse_prefill_scaling  minference and xattn_bsa (default settings) beside full attention at 128K, 256K and 512K
 #                   (SCALING_CONTEXTS), offloaded, structured dummy weights (SCALING_POLICIES="xattn_bsa": only
 #                   that policy, still beside full)                                                       ~10 min
@@ -40,12 +41,11 @@
 #   ruler_policies  model=probe, task=ruler at 4K / 16K / 32K (RULER_LENGTHS), RULER_SAMPLES (10) prompts per task
 #                   and length, offload none and cpu (RULER_OFFLOADS): full, quest at 1K / 2K / 4K tokens with the
 #                   default 2 dense layers and with every layer selecting, streaming_llm (the plugin in plugins/) at
-#                   2K tokens, minference (64-offset bands) and minference-diagonals (single diagonals), xattn_bsa
-#                   (stride 8 and 16), xattn_bsa_090, at none MInference at 250 / 1,500, 1,000 / 6,096 and
-#                   2,000 / 8,192 columns / diagonals and XAttention at thresholds 0.5, 0.7 and 0.8 (around the
-#                   defaults: 500 / 3,000 and 0.6), and at cpu Quest at 2K / 4K tokens
-#                   with 256-token host blocks; then
-#                   task=report over them; 18 runs at none (40-100 s each, about 16 min on an H100), 14 at cpu
+#                   2K tokens, minference (64-offset bands) and minference-diagonals (single diagonals), xattn_bsa,
+#                   xattn_bsa_090, at none MInference at 125 / 750, 500 / 3,000 and 1,000 / 6,096 columns /
+#                   diagonals and XAttention at thresholds 0.6 and 0.8 (around the defaults: 250 / 1,500 and 0.7),
+#                   and at cpu Quest at 2K / 4K tokens with 256-token host blocks; then
+#                   task=report over them; 17 runs at none (40-100 s each, about 15 min on an H100), 14 at cpu
 #                   (60-100 s, 17 min): two GPUs per mode side by side, or ONLY_ROWS split over more calls
 #                   (RULER_TIMEOUT: 180 s per run)                                                          ~32 min
 #                   (ONLY_ROWS="streaming_llm-2048-none minference-cpu ...": rows are named label-offload)
@@ -215,10 +215,10 @@ section_sparse_prefill() {  # 128K, GPU-resident, weights with planted attention
     VS=sparse_prefill/full bench sparse_prefill minference "${S[@]}" policy=minference
     VS=sparse_prefill/full bench sparse_prefill minference-chunked "${S[@]}" policy=minference \
         policy.whole_prompt_prefill=false
-    VS=sparse_prefill/full bench sparse_prefill minference-v300-s2048 "${S[@]}" policy=minference \
-        policy.vertical_size=300 policy.slash_size=2048
+    VS=sparse_prefill/full bench sparse_prefill minference-v500-s3000 "${S[@]}" policy=minference \
+        policy.vertical_size=500 policy.slash_size=3000
     VS=sparse_prefill/full bench sparse_prefill xattn_bsa "${S[@]}" policy=xattn_bsa
-    VS=sparse_prefill/full bench sparse_prefill xattn_bsa-stride16 "${S[@]}" policy=xattn_bsa policy.stride=16
+    VS=sparse_prefill/full bench sparse_prefill xattn_bsa_060 "${S[@]}" policy=xattn_bsa policy.threshold=0.6
     VS=sparse_prefill/full bench sparse_prefill xattn_bsa_090 "${S[@]}" policy=xattn_bsa_090
 }
 
@@ -371,14 +371,12 @@ section_ruler_policies() {  # the policies judged on the probe: accuracy per tas
     done
     ROWS+=("streaming_llm-2048|policy=streaming_llm policy.sink_blocks=1 policy.recent_blocks=7"
            "minference|policy=minference" "minference-diagonals|policy=minference policy.slash_granularity=1"
-           "xattn_bsa|policy=xattn_bsa" "xattn_bsa-stride16|policy=xattn_bsa policy.stride=16"
-           "xattn_bsa_090|policy=xattn_bsa_090")
+           "xattn_bsa|policy=xattn_bsa" "xattn_bsa_090|policy=xattn_bsa_090")
     # the budgets around the prefill policies' defaults, resident only (their defaults are set from these rows)
-    local NONE_ROWS=("minference-v250-s1500|policy=minference policy.vertical_size=250 policy.slash_size=1500"
+    local NONE_ROWS=("minference-v125-s750|policy=minference policy.vertical_size=125 policy.slash_size=750"
+                     "minference-v500-s3000|policy=minference policy.vertical_size=500 policy.slash_size=3000"
                      "minference-v1000-s6096|policy=minference policy.vertical_size=1000 policy.slash_size=6096"
-                     "minference-v2000-s8192|policy=minference policy.vertical_size=2000 policy.slash_size=8192"
-                     "xattn_bsa_050|policy=xattn_bsa policy.threshold=0.5"
-                     "xattn_bsa_070|policy=xattn_bsa policy.threshold=0.7"
+                     "xattn_bsa_060|policy=xattn_bsa policy.threshold=0.6"
                      "xattn_bsa_080|policy=xattn_bsa policy.threshold=0.8")
     # offload=cpu selects among host blocks of 1,024 tokens, where a 2,048-token budget is the sink and the newest
     # block alone; these rows give Quest the resident store's 256-token blocks

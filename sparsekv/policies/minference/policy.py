@@ -100,10 +100,10 @@ class MInferencePolicy(SparsePolicy):
     """Vertical-slash sparse prefill (MInference). Changes computation only, loads every block."""
     name: str = "minference"
     last_q: int = 64  # queries at the end of the chunk that estimate the pattern
-    # the smallest budgets within 2 points of full at 32K on the probe's earlier checkpoint; on the committed one no
-    # measured budget up to 1,000 / 6,096 is (docs/benchmarks.md, "Policies judged on the probe")
-    vertical_size: int = 500  # key columns kept per head
-    slash_size: int = 3000  # diagonals kept per head
+    # the smallest budgets within 2 points of full at 32K on the probe (docs/benchmarks.md, "Policies judged on the
+    # probe": 82.5 against 83.3)
+    vertical_size: int = 250  # key columns kept per head
+    slash_size: int = 1500  # diagonals kept per head
     adaptive_budget: Optional[float] = None  # if set: both budgets = this fraction of the keys the chunk sees
     sink_tokens: int = 30  # always-kept columns at the start of the sequence
     recent_diagonals: int = 100  # always-kept diagonals next to the main one (offsets 0..recent-1)
@@ -115,8 +115,9 @@ class MInferencePolicy(SparsePolicy):
     # a point of full attention on the probe at 32K and prefill 128K in two thirds of the time (docs/decisions.md)
     slash_granularity: int = SLASH_BAND
     # offload=none: prefill each prompt in one step, so the last_q queries are the prompt's last ones (the question)
-    # rather than each 8K chunk's; at 32K on the probe 82.5 against 78.3 with chunks, full 83.3, and 128K prefill
-    # 14% faster (docs/benchmarks.md). false: scheduler.max_num_batched_tokens chunks (less activation memory)
+    # rather than each 8K chunk's; at 32K on the probe's earlier checkpoint 82.5 against 78.3 with chunks, full 83.3,
+    # and 128K prefill 14% faster (docs/benchmarks.md). false: scheduler.max_num_batched_tokens chunks (less
+    # activation memory)
     whole_prompt_prefill: bool = True
 
     supports_prefill: ClassVar[bool] = True

@@ -46,7 +46,7 @@ from sparsekv.policies.quest.row_select import quest_select_rows
 from sparsekv.policies.base import SparsePolicy
 from sparsekv.policies.scorer import top_blocks
 
-DEFAULT_TOKEN_BUDGET = 4096
+DEFAULT_TOKEN_BUDGET = 2048
 DEFAULT_MIN_BLOCKS = 4  # the default budget keeps the sink, the newest block and at least 2 chosen ones
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def _check_int(name: str, value, minimum: int, optional: bool = False) -> None:
 class QuestPolicy(SparsePolicy):
     """Query-aware block selection for decode from per-block key min/max (Quest)."""
     name: str = "quest"
-    token_budget: Optional[int] = None  # tokens of blocks loaded per step (both null: 4096, at least 4 blocks)
+    token_budget: Optional[int] = None  # tokens of blocks loaded per step (both null: 2048, at least 4 blocks)
     topk_blocks: Optional[int] = None  # blocks loaded per step (token_budget wins when both are set)
     threshold_blocks: int = 0  # select only when the sequence has more full blocks than this
     dense_layers: int = 2  # the first layers load every block

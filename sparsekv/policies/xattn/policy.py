@@ -106,8 +106,8 @@ class XAttentionPolicy(SparsePolicy):
     """XAttention antidiagonal block selection for prefill (block-sparse attention)."""
     name: str = "xattn_bsa"
     # the smallest threshold of the probe's RULER matrix within 2 points of full at 32K (docs/benchmarks.md: it loses
-    # 8.3 points at 4K, where xattn_bsa_090 loses none)
-    threshold: float = 0.6  # cumulative attention mass kept per query block, in (0, 1]
+    # 2.9 points at 4K, where xattn_bsa_090 loses none)
+    threshold: float = 0.7  # cumulative attention mass kept per query block, in (0, 1]
     stride: int = 8  # antidiagonal stride of the scoring
     block_size: int = 128  # offload=none: tokens per query/key block (a multiple of stride)
     vote_fraction: float = 0.5  # a block is kept when at least this fraction of the KV heads keep it
