@@ -7,6 +7,7 @@ mishandles bf16 tl.dot, so CPU tests use fp32; bf16 at realistic size is the GPU
 """
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -608,8 +609,12 @@ def test_estimate_rows_limited_by_shared_memory_with_a_clear_error(monkeypatch):
 # ------------------------------------------------------------------------------------------------ GPU only
 @pytest.mark.gpu
 def test_gpu_last_q_past_shared_memory_is_refused_before_any_work(qwen3_ckpt):
-    with pytest.raises(ValueError, match="policy.last_q=512"):
-        LLM(str(qwen3_ckpt), overrides=["device=cuda", "dtype=bfloat16", "policy=minference", "policy.last_q=512"])
+    head_dim = json.loads((qwen3_ckpt / "config.json").read_text())["head_dim"]
+    most = estimate.max_estimate_rows(head_dim, torch.bfloat16, torch.device("cuda"))
+    LLM(str(qwen3_ckpt), overrides=["device=cuda", "dtype=bfloat16", "policy=minference", f"policy.last_q={most}"])
+    with pytest.raises(ValueError, match=f"policy.last_q={2 * most}: .* at most {most} .*use policy.last_q <= {most}"):
+        LLM(str(qwen3_ckpt), overrides=["device=cuda", "dtype=bfloat16", "policy=minference",
+                                        f"policy.last_q={2 * most}"])
 
 
 @pytest.mark.gpu
