@@ -51,6 +51,35 @@ def test_tp2_greedy_tokens_equal_tp1(checkpoints, one_thread, arch, offload, pol
         assert llm.engine.kv_store.transfer_stats["h2d_blocks"] < full_loads
 
 
+# sparse prefill with budgets well under the prompts: MInference chooses per head, so a rank's heads choose what they
+# choose on one GPU; XAttention's vote spans the KV heads a rank holds (here one), so its blocks are the rank's own
+SPARSE_PREFILL = {
+    "minference": ["policy=minference", "policy.vertical_size=8", "policy.slash_size=16", "policy.sink_tokens=4",
+                   "policy.recent_diagonals=4", "policy.slash_granularity=1", "policy.last_q=16"],
+    "xattn_bsa": ["policy=xattn_bsa", "policy.threshold=0.5", "policy.stride=4", "policy.block_size=16"],
+}
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_tp2_minference_chooses_per_head_as_one_gpu_does(qwen3_ckpt, one_thread, offload):
+    overrides = [*OFFLOAD[offload], *SPARSE_PREFILL["minference"]]
+    expected = tokens(build(qwen3_ckpt, 1, *overrides))
+    llm = build(qwen3_ckpt, 2, *overrides)
+    assert tokens(llm) == expected
+    assert llm.engine.kv_store.prefill_policy.mean_density < 0.9  # a real selection
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_tp2_xattn_selects_by_its_ranks_heads(qwen3_ckpt, one_thread, offload):
+    overrides = [*OFFLOAD[offload], *SPARSE_PREFILL["xattn_bsa"]]
+    llm = build(qwen3_ckpt, 2, *overrides)
+    out = tokens(llm)
+    assert [len(t) for t in out] == [GREEDY.max_tokens] * len(PROMPTS)
+    assert llm.engine.kv_store.prefill_policy.mean_density < 1.0  # rank 0's heads chose among the blocks
+    covering = [item for item in overrides if not item.startswith("policy.threshold")] + ["policy.threshold=1.0"]
+    assert tokens(build(qwen3_ckpt, 2, *covering)) == tokens(build(qwen3_ckpt, 1, *OFFLOAD[offload]))
+
+
 def test_tp2_seeded_sampling_follows_rank0(qwen3_ckpt, one_thread):
     """Sampled rows are rank 0's tokens on every rank: a worker that sampled on its own would attend to other
     tokens and the shared hidden states would drift from the single-GPU run."""
