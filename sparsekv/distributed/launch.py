@@ -4,7 +4,9 @@ Two ways in, one shape afterwards: rank 0 drives, ranks 1..N-1 are workers waiti
   spawn     (the CLI and the Python API): the caller's process is rank 0 and starts N - 1 worker processes
             (`python -m sparsekv.distributed.worker`, fresh interpreters); they join a process group on 127.0.0.1.
             The workers outlive one engine: the next engine of the same size and device type (a sweep's next job,
-            a test's next LLM) reuses them; they exit with the caller (atexit, or on their own when it dies).
+            a test's next LLM) reuses them, unless the import path or the plugin settings changed since they started
+            (a plugin they could not import): then new ones start. They exit with the caller (atexit, or on their
+            own when it dies).
   torchrun  (RANK / WORLD_SIZE / LOCAL_RANK set, WORLD_SIZE = tensor_parallel_size): every process runs the same
             command; rank 0 goes on as the driver, the others turn into workers inside build_engine and exit when
             rank 0 does.
@@ -33,6 +35,7 @@ from typing import Any, Callable
 import torch
 
 from sparsekv.distributed.state import TensorParallel
+from sparsekv.plugins import ALLOW_LIST_ENV, DISABLE_AUTOLOAD_ENV
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +115,7 @@ class Ranks:
     engine_id: int = 0
     closed: bool = False
     engines: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # rank 0's live DistributedEngines
+    launch: dict[str, str | None] = field(default_factory=dict)  # spawned workers: what they can import (launch_env)
 
     def send(self, name: str, *args: Any) -> None:
         import torch.distributed as dist
@@ -229,13 +233,24 @@ def _watch(process, rank: int, ranks_ref: list) -> None:
     os._exit(1)
 
 
+def launch_env() -> dict[str, str | None]:
+    """What decides the modules and plugins a spawned worker can load: this process's import path and plugin
+    settings, as they are now."""
+    return {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p), DISABLE_AUTOLOAD_ENV:
+            os.environ.get(DISABLE_AUTOLOAD_ENV), ALLOW_LIST_ENV: os.environ.get(ALLOW_LIST_ENV)}
+
+
 def driver_ranks(size: int, device_type: str) -> Ranks:
-    """Rank 0's group of `size` ranks on `device_type`: the running one when it matches, else a new one (spawned
+    """Rank 0's group of `size` ranks on `device_type`: the running one when it matches (and, for spawned
+    workers, when the import path and plugin settings are the ones they started with), else a new one (spawned
     workers, or torchrun's processes)."""
     global _RANKS
     if _RANKS is not None and not _RANKS.closed:
         if _RANKS.tp.size == size and _RANKS.device_type == device_type:
-            return _RANKS
+            if not _RANKS.processes or _RANKS.launch == launch_env():
+                return _RANKS
+            log.info("tensor parallelism: the import path or plugin settings changed since the workers started; "
+                     "starting new ones")
         if under_torchrun():
             raise ValueError(f"parallel.tensor_parallel_size={size} on {device_type}: under torchrun every engine "
                              f"of the process uses the {_RANKS.tp.size} ranks on {_RANKS.device_type} it started with")
@@ -253,7 +268,8 @@ def _spawn(size: int, device_type: str) -> Ranks:
     """Workers are `python -m sparsekv.distributed.worker` processes with this process's sys.path: unlike
     multiprocessing's spawn they do not import the caller's __main__, so a script needs no main guard."""
     init_method = f"tcp://127.0.0.1:{_free_port()}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    launch = launch_env()
+    env = {**os.environ, "PYTHONPATH": launch["PYTHONPATH"]}  # the plugin settings are os.environ's own
     ref: list[Ranks | None] = [None]
     processes = []
     for rank in range(1, size):
@@ -265,5 +281,5 @@ def _spawn(size: int, device_type: str) -> Ranks:
                          daemon=True).start()
     log.info("tensor parallelism: started %d worker process(es) for %d ranks on %s", size - 1, size, device_type)
     tp, commands = init_group(0, size, 0, device_type, init_method)
-    ref[0] = Ranks(tp, device_type, commands, processes)
+    ref[0] = Ranks(tp, device_type, commands, processes, launch=launch)
     return ref[0]

@@ -8,6 +8,7 @@ import torch
 
 from sparsekv import LLM, SamplingParams
 from tests.conftest import random_prompt
+from tests.policies.test_streaming_plugin import install_streaming_plugin, plugin_site_on_path
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [random_prompt(120, seed=0), random_prompt(70, seed=1)]  # one batch: 7 and 4 full 16-token blocks
@@ -78,6 +79,17 @@ def test_tp2_xattn_selects_by_its_ranks_heads(qwen3_ckpt, one_thread, offload):
     assert llm.engine.kv_store.prefill_policy.mean_density < 1.0  # rank 0's heads chose among the blocks
     covering = [item for item in overrides if not item.startswith("policy.threshold")] + ["policy.threshold=1.0"]
     assert tokens(build(qwen3_ckpt, 2, *covering)) == tokens(build(qwen3_ckpt, 1, *OFFLOAD[offload]))
+
+
+def test_tp2_runs_a_plugin_policy_installed_after_its_workers_started(qwen3_ckpt, one_thread, tmp_path):
+    """Workers kept from an earlier engine cannot import a plugin put on the path since: new ones start."""
+    overrides = [*OFFLOAD["cpu"], "policy=streaming_llm", "policy.block_size=16", "policy.recent_blocks=2"]
+    tokens(build(qwen3_ckpt, 2, *OFFLOAD["cpu"]))  # workers started without the plugin
+    with plugin_site_on_path(install_streaming_plugin(tmp_path)):
+        expected = tokens(build(qwen3_ckpt, 1, *overrides))
+        llm = build(qwen3_ckpt, 2, *overrides)
+        assert tokens(llm) == expected
+        assert llm.engine.kv_store.decode_policy.name == "streaming_llm"
 
 
 def test_tp2_seeded_sampling_follows_rank0(qwen3_ckpt, one_thread):
