@@ -92,6 +92,22 @@ def test_tp2_runs_a_plugin_policy_installed_after_its_workers_started(qwen3_ckpt
         assert llm.engine.kv_store.decode_policy.name == "streaming_llm"
 
 
+def test_tp2_ruler_records_its_size_and_scores_as_one_rank(one_thread, tmp_path):
+    from sparsekv.llm import compose_config
+    from sparsekv.tasks import get_task
+
+    def ruler(size: int) -> dict:
+        return get_task("ruler")(compose_config([
+            "task=ruler", "model=probe", "device=cpu", "dtype=float32", f"parallel.tensor_parallel_size={size}",
+            "task.lengths=[1024]", "task.samples=2", "task.batch_size=2", "task.tasks=[niah_multikey]",
+            "task.warmup=false", "task.progress=false", f"output_dir={tmp_path / str(size)}"]))
+
+    one, two = ruler(1), ruler(2)
+    assert (one["tensor_parallel_size"], two["tensor_parallel_size"]) == (1, 2)
+    answers = [o["output"] for o in two["outputs"]]
+    assert len(answers) == 2 and answers == [o["output"] for o in one["outputs"]]
+
+
 def test_tp2_seeded_sampling_follows_rank0(qwen3_ckpt, one_thread):
     """Sampled rows are rank 0's tokens on every rank: a worker that sampled on its own would attend to other
     tokens and the shared hidden states would drift from the single-GPU run."""
