@@ -207,6 +207,17 @@ section_prefill() {  # full-attention prefill; HF transformers beside the 32K ro
         task.decode_steps=4
     VS=prefill/none-128k-hf bench prefill cpu-128k-cache "${MODEL[@]}" offload=cpu task.context=131072 \
         task.decode_steps=4
+    # the same chunk size resident and offloaded (cache off): what streaming the earlier blocks costs, chunk for chunk
+    VS=prefill/none-32k-1chunk-hf bench prefill cpu-32k-1chunk "${MODEL[@]}" "${UNCACHED[@]}" task.context=32768 \
+        offload.prefill_chunk_size=32768 scheduler.max_num_batched_tokens=32768 task.decode_steps=4
+    local chunk
+    for chunk in 16384 32768; do
+        bench prefill "none-128k-chunk$chunk" "${MODEL[@]}" offload=none task.context=131072 \
+            scheduler.max_num_batched_tokens=$chunk task.decode_steps=4
+        VS="prefill/none-128k-chunk$chunk" bench prefill "cpu-128k-chunk$chunk" "${MODEL[@]}" "${UNCACHED[@]}" \
+            task.context=131072 offload.prefill_chunk_size=$chunk scheduler.max_num_batched_tokens=$chunk \
+            task.decode_steps=4
+    done
 }
 
 section_sparse_prefill() {  # 128K, GPU-resident, weights with planted attention structure; each preset against full
@@ -235,10 +246,14 @@ section_sparse_prefill_scaling() {  # sparse prefill from 128K to 512K beside fu
 }
 
 section_sparse_prefill_1m() {  # 1M tokens with the fp8 host tier (144 GiB of bf16 KV would not fit the host)
+    # full attention reads its fp8 prefix for every chunk and ran past 17 minutes on an H200 without finishing: on a
+    # machine with a per-command limit, run its row detached on a GPU of its own (ONLY_ROWS)
     local S=("${STRUCTURED[@]}" offload=cpu offload.host_dtype=float8_e4m3fn task.context=1048576 task.decode_steps=2)
     local policy
+    BENCH_TIMEOUT=3600 bench sparse_prefill_scaling full-1048576-fp8 "${S[@]}" policy=full
     for policy in ${SCALING_POLICIES:-minference xattn_bsa}; do
-        BENCH_TIMEOUT=560 bench sparse_prefill_scaling "$policy-1048576-fp8" "${S[@]}" policy="$policy"
+        VS=sparse_prefill_scaling/full-1048576-fp8 BENCH_TIMEOUT=560 bench sparse_prefill_scaling \
+            "$policy-1048576-fp8" "${S[@]}" policy="$policy"
     done
 }
 

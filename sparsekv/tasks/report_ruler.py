@@ -102,8 +102,14 @@ def sweep_lines(rows: list[dict[str, Any]]) -> list[tuple[str, str | None, list[
     if not differing:
         return [("", None, rows)]
     values = {k: {json.dumps(_args(r).get(k), sort_keys=True) for r in rows} for k in differing}
-    swept = max(differing, key=lambda k: (len(values[k]), -differing.index(k)))
-    fixed = [k for k in differing if k != swept and not _moves_with(rows, swept, k)]
+
+    def fixed_by(swept: str) -> list[str]:
+        return [k for k in differing if k != swept and not _moves_with(rows, swept, k)]
+
+    # the most values; on a tie, the setting that leaves the fewest lines (two budgets at two points each beside a
+    # variant at one of them: the budgets, not the variant, are the sweep)
+    swept = max(differing, key=lambda k: (len(values[k]), -len(fixed_by(k)), -differing.index(k)))
+    fixed = fixed_by(swept)
     lines: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         args = _args(row)

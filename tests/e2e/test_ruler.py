@@ -233,3 +233,7 @@ def test_budget_sweeps_split_by_the_other_settings():
     minference.append(row("minference", 0.1, vertical_size=500, slash_size=3000, slash_granularity=1))
     assert [(fixed, swept, len(group)) for fixed, swept, group in sweep_lines(minference)] == [
         ("slash_granularity=1", "slash_size", 1), ("slash_granularity=64", "slash_size", 4)]
+    # two budgets and the single-diagonal variant at one of them: every setting has two values; the budgets sweep
+    two = [minference[0], minference[1], minference[-1]]
+    assert [(fixed, swept, len(group)) for fixed, swept, group in sweep_lines(two)] == [
+        ("slash_granularity=1", "slash_size", 1), ("slash_granularity=64", "slash_size", 2)]

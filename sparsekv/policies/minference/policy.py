@@ -100,8 +100,8 @@ class MInferencePolicy(SparsePolicy):
     """Vertical-slash sparse prefill (MInference). Changes computation only, loads every block."""
     name: str = "minference"
     last_q: int = 64  # queries at the end of the chunk that estimate the pattern
-    # the smallest budgets within 2 points of full at 32K on the probe (docs/benchmarks.md, "Policies judged on the
-    # probe": 82.5 against 83.3)
+    # the smallest budgets within 2 points of full at 32K on the probe, resident (docs/benchmarks.md, "Policies judged
+    # on the probe": 82.5 against 83.3); offloaded, each chunk's own pattern, 80.8 (500 / 3,000: 81.7)
     vertical_size: int = 250  # key columns kept per head
     slash_size: int = 1500  # diagonals kept per head
     adaptive_budget: Optional[float] = None  # if set: both budgets = this fraction of the keys the chunk sees
