@@ -10,16 +10,17 @@
 #   decode          GPU-resident graphed decode at 4K, batch 1 / 8 / 32                                      ~1.5 min
 #   offload         offloaded full decode at 8K (whole-step graph and segmented), 32K and 128K with HF beside ~5 min
 #   quest           Quest decode at 128K (every layer selecting; the default 2 dense layers) beside full      ~3 min
-#   prefill         32K and 128K prefill resident and offloaded (GPU block cache off and on), HF beside ~6 min
+#   prefill         32K and 128K prefill resident and offloaded (GPU block cache off and on), HF beside, and
+#                   resident against offloaded (cache off) at the same chunk size (32K; 128K in 16K and 32K)  ~9 min
 #   sparse_prefill  128K resident prefill on structured weights: full, minference (whole prompts, 8K chunks,
-#                   the previous default 500 / 3,000), xattn_bsa (the default 0.7 and 0.6), the xattn_bsa_090 preset
+#                   500 / 3,000), xattn_bsa (the default 0.7 and 0.6), the xattn_bsa_090 preset
 #                                                                                                            ~6 min
 #   sparse_prefill_scaling  minference and xattn_bsa (default settings) beside full attention at 128K, 256K and 512K
 #                   (SCALING_CONTEXTS), offloaded, structured dummy weights (SCALING_POLICIES="xattn_bsa": only
 #                   that policy, still beside full)                                                       ~10 min
-#   sparse_prefill_1m minference and xattn_bsa at 1M tokens with the fp8 host tier (full attention at 1M takes
-#                   longer than a 10-minute limit: its time is the 512K row's x4 by the causal FLOPs;
-#                   SCALING_POLICIES picks the policies, one per call)                                    ~10 min
+#   sparse_prefill_1m full attention, minference and xattn_bsa at 1M tokens with the fp8 host tier (full ran
+#                   past 17 min on an H200 without finishing: give its row a GPU of its own, ONLY_ROWS, detached;
+#                   SCALING_POLICIES picks the policies)                                 policies ~8 min, full > 17 min
 #   quality         the sparse prefill presets' density, error and needle hits at 32K on planted inputs       ~6 min
 #   memory          GPU peak and host RSS of offloaded runs at 32K, 128K and 512K                             ~6 min
 #   capacity        the longest context the default host pool holds (prefill alone ~6 min)                    ~10 min
