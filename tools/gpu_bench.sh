@@ -43,12 +43,12 @@
 #                   and length, offload none and cpu (RULER_OFFLOADS): full, quest at 1K / 2K / 4K tokens with the
 #                   default 2 dense layers and with every layer selecting, streaming_llm (the plugin in plugins/) at
 #                   2K tokens, minference (64-offset bands) and minference-diagonals (single diagonals), xattn_bsa,
-#                   xattn_bsa_090, at none MInference at 125 / 750, 500 / 3,000 and 1,000 / 6,096 columns /
-#                   diagonals and XAttention at thresholds 0.6 and 0.8 (around the defaults: 250 / 1,500 and 0.7),
-#                   and at cpu Quest at 2K / 4K tokens with 256-token host blocks; then
-#                   task=report over them; 17 runs at none (40-100 s each, about 15 min on an H100), 14 at cpu
-#                   (60-100 s, 17 min): two GPUs per mode side by side, or ONLY_ROWS split over more calls
-#                   (RULER_TIMEOUT: 180 s per run)                                                          ~32 min
+#                   xattn_bsa_090; at none MInference at 125 / 750, 500 / 3,000 and 1,000 / 6,096 columns /
+#                   diagonals and XAttention at thresholds 0.6 and 0.8 (around the defaults: 250 / 1,500 and 0.7);
+#                   at cpu Quest at 6 / 7 / 8 host blocks and at 2K / 4K tokens with 256-token blocks, MInference at
+#                   125 / 750 and with the same budgets in every chunk; then task=report over them; 17 runs at none
+#                   (40-110 s each on a shared H200), 20 at cpu (60-120 s): lanes of 3-4 cores sharing a GPU, or
+#                   ONLY_ROWS split over more calls (RULER_TIMEOUT: 180 s per run)        ~50 min one run at a time
 #                   (ONLY_ROWS="streaming_llm-2048-none minference-cpu ...": rows are named label-offload)
 #   tp              TP=1 beside TP=N for N in TP_SIZES (default "1 2"; "1 2 4" on 4 GPUs) per model of TP_MODELS
 #                   (default "qwen3_8b llama3_8b", dummy weights), rows of TP_ROWS (default "decode offload
@@ -395,9 +395,17 @@ section_ruler_policies() {  # the policies judged on the probe: accuracy per tas
                      "xattn_bsa_060|policy=xattn_bsa policy.threshold=0.6"
                      "xattn_bsa_080|policy=xattn_bsa policy.threshold=0.8")
     # offload=cpu selects among host blocks of 1,024 tokens, where a 2,048-token budget is the sink and the newest
-    # block alone; these rows give Quest the resident store's 256-token blocks
-    local CPU_ROWS=("quest-2048-block256|policy=quest policy.token_budget=2048 offload.block_size=256"
-                    "quest-4096-block256|policy=quest policy.token_budget=4096 offload.block_size=256")
+    # block alone: Quest at 6, 7 and 8 blocks (its default keeps at least 8), and with the resident store's 256-token
+    # blocks; MInference at half its default budgets, and with the same budgets in every chunk
+    # (early_chunk_budget_scale=1; its default doubles them in the chunks before the prompt's last)
+    local CPU_ROWS=("quest-6144|policy=quest policy.token_budget=6144"
+                    "quest-7168|policy=quest policy.token_budget=7168"
+                    "quest-8192|policy=quest policy.token_budget=8192"
+                    "minference-v125-s750|policy=minference policy.vertical_size=125 policy.slash_size=750"
+                    "quest-2048-block256|policy=quest policy.token_budget=2048 offload.block_size=256"
+                    "quest-4096-block256|policy=quest policy.token_budget=4096 offload.block_size=256"
+                    "minference-scale1|policy=minference policy.early_chunk_budget_scale=1"
+                    "minference-v500-s3000-scale1|policy=minference policy.vertical_size=500 policy.slash_size=3000 policy.early_chunk_budget_scale=1")
     for off in ${RULER_OFFLOADS:-none cpu}; do
         local rows=("${ROWS[@]}")
         [ "$off" = cpu ] && rows+=("${CPU_ROWS[@]}")

@@ -254,7 +254,8 @@ class OffloadKVStore(KVStore):
             ctx = PolicyContext(phase="prefill", layer=layer, query=q[rows], candidates=self.prefix_blocks(chunk.seq),
                                 block_size=bs, query_start=chunk.num_cached,
                                 kv_len=chunk.num_cached + chunk.num_tokens, softmax_scale=scale, chunk_keys=k[rows],
-                                ids_source=engine.device_block_ids, sequence_kv=view)
+                                prompt_len=chunk.seq.num_prompt_tokens, ids_source=engine.device_block_ids,
+                                sequence_kv=view)
             out[rows] = policy.compute_chunked_prefill(q[rows], k[rows], v[rows], ctx, reader)
         for chunk in context.chunks:  # the D2H copies overlap the rest of the layer
             seq, first = chunk.seq, chunk.num_cached // bs

@@ -56,6 +56,7 @@ class PolicyContext:
     kv_len: int  # keys visible to the last query, this chunk / token included
     softmax_scale: float
     chunk_keys: torch.Tensor | None = None  # prefill: the chunk's own keys [Nq, KVH, D]; decode: None
+    prompt_len: int | None = None  # prefill: the sequence's prompt tokens (None: not known)
     # prefill, with a GPU block cache that holds the prefix blocks in one run of slots and can take the chunk's
     # blocks right after it: the prefix and this chunk's own K and V as one device view each, [kv_len, KVH, D]
     # (the query is the last Nq positions), read in place and valid for the step. A policy may then compute exactly
@@ -75,6 +76,11 @@ class PolicyContext:
     @property
     def is_prefill(self) -> bool:
         return self.phase == "prefill"
+
+    @property
+    def ends_prompt(self) -> bool:
+        """Prefill: this chunk's last query is the prompt's last token (its question), known from prompt_len."""
+        return self.prompt_len is not None and self.query_start + self.query.shape[0] >= self.prompt_len
 
 
 @dataclass(frozen=True)

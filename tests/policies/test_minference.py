@@ -315,11 +315,49 @@ def test_hyperparameter_validation_names_the_field():
                          ("recent_diagonals", 1.5), ("adaptive_budget", 0.0), ("adaptive_budget", 1.5),
                          ("last_q", True), ("slash_excludes_vertical", 1), ("whole_prompt_prefill", "yes"),
                          ("slash_granularity", 32),
-                         ("slash_granularity", 64.0), ("slash_granularity", True)]:
+                         ("slash_granularity", 64.0), ("slash_granularity", True),
+                         ("early_chunk_budget_scale", 0.5), ("early_chunk_budget_scale", True),
+                         ("early_chunk_budget_scale", float("inf")), ("early_chunk_budget_scale", "2")]:
         with pytest.raises(ValueError, match=field):
             MInferencePolicy(**{field: value})
     assert MInferencePolicy(adaptive_budget=0.1).budgets(1000) == (100, 100)
     assert MInferencePolicy(vertical_size=5, slash_size=7, sink_tokens=30).budgets(20) == (20, 20)
+
+
+def test_chunks_before_the_prompts_last_keep_scaled_budgets():
+    assert MInferencePolicy().budgets(10 ** 5) == (250, 1500)
+    assert MInferencePolicy().budgets(10 ** 5, ends_prompt=False) == (500, 3000)
+    assert MInferencePolicy(early_chunk_budget_scale=1.5).budgets(10 ** 5, ends_prompt=False) == (375, 2250)
+    assert MInferencePolicy(early_chunk_budget_scale=1).budgets(10 ** 5, ends_prompt=False) == (250, 1500)
+    assert MInferencePolicy(adaptive_budget=0.1).budgets(1000, ends_prompt=False) == (200, 200)
+    assert MInferencePolicy().budgets(2000, ends_prompt=False) == (500, 2000)  # at most the keys
+
+
+@pytest.mark.parametrize("offload", ["cpu", "none"])
+def test_only_the_prompts_last_chunk_keeps_the_base_budgets(qwen3_ckpt, offload, monkeypatch):
+    """Offloaded prefill in chunks, and resident prefill with whole_prompt_prefill=false: the pattern of a chunk
+    whose last rows are inside the context is chosen with the scaled budgets; the chunk that ends the prompt (and
+    every whole-prompt step) with the base ones."""
+    monkeypatch.delenv(_dispatch.ENV_BACKEND, raising=False)
+    chunks = ["scheduler.max_num_batched_tokens=64"] + (
+        ["offload.block_size=16", "offload.prefill_chunk_size=64"] if offload == "cpu" else
+        ["policy.whole_prompt_prefill=false"])
+    llm = LLM(str(qwen3_ckpt), overrides=CPU + [f"offload={offload}", "policy=minference", "policy.vertical_size=4",
+                                               "policy.slash_size=8", "policy.sink_tokens=1",
+                                               "policy.recent_diagonals=1", "policy.last_q=8",
+                                               "policy.slash_granularity=1", *chunks])
+    policy = llm.engine.kv_store.prefill_policy
+    seen: list[tuple[int, bool]] = []
+    original = policy.budgets
+    monkeypatch.setattr(policy, "budgets", lambda keys, ends_prompt=True: seen.append((keys, ends_prompt))
+                        or original(keys, ends_prompt))
+    llm.generate([random_prompt(150, seed=3)], GREEDY)
+    per_chunk = sorted(set(seen))
+    if offload == "cpu":
+        assert per_chunk == [(64, False), (128, False), (150, True)]
+        assert original(64, False) == (8, 16) and original(150, True) == (4, 8)
+    else:  # the resident store does not say which chunk ends the prompt: every chunk keeps the scaled budgets
+        assert per_chunk == [(64, False), (128, False), (150, False)]
 
 
 def test_hyperparameter_validation_through_the_config(qwen3_ckpt):
@@ -390,7 +428,8 @@ def test_compute_prefill_full_budget_is_dense(shortcut, granularity, monkeypatch
 
 
 def _chunked_prefill(policy, q, k, v, c0: int, bs: int, scale: float, slots: int = 4):
-    """Run compute_chunked_prefill for the chunk at positions c0.. with the prefix in a real host pool."""
+    """Run compute_chunked_prefill for the chunk at positions c0.. with the prefix in a real host pool; the chunk
+    ends its prompt, as the offloaded store says through prompt_len."""
     S, kvh, d = k.shape
     nblk = c0 // bs
     host = HostPool(1, nblk + 1, bs, kvh, d, k.dtype, pin_memory=False)
@@ -403,7 +442,7 @@ def _chunked_prefill(policy, q, k, v, c0: int, bs: int, scale: float, slots: int
     engine.transfer_stats["h2d_blocks"] = 0
     n = q.shape[0]
     ctx = PolicyContext(phase="prefill", layer=0, query=q.to(DEV), candidates=table, block_size=bs, query_start=c0,
-                        kv_len=c0 + n, softmax_scale=scale, chunk_keys=k[c0:].to(DEV))
+                        kv_len=c0 + n, softmax_scale=scale, chunk_keys=k[c0:].to(DEV), prompt_len=c0 + n)
     out = policy.compute_chunked_prefill(q.to(DEV), k[c0:].to(DEV), v[c0:].to(DEV), ctx, RingReader(engine, 0))
     assert engine.transfer_stats["h2d_blocks"] == nblk  # one pass: every prefix block loaded once
     return out.cpu()

@@ -47,9 +47,10 @@ def _engine(k, v, c0: int, bs: int, slots: int, cache_slots: int) -> tuple[Offlo
 
 
 def _offloaded(policy, q, k, v, c0: int, bs: int, slots: int = 4, cache_slots: int = 0) -> torch.Tensor:
+    """The chunk at c0.. through compute_chunked_prefill; it ends its prompt, as compute_prefill's whole prompt does."""
     engine, table = _engine(k, v, c0, bs, slots, cache_slots)
     ctx = PolicyContext(phase="prefill", layer=0, query=q, candidates=table, block_size=bs, query_start=c0,
-                        kv_len=c0 + q.shape[0], softmax_scale=SCALE, chunk_keys=k[c0:])
+                        kv_len=c0 + q.shape[0], softmax_scale=SCALE, chunk_keys=k[c0:], prompt_len=c0 + q.shape[0])
     return policy.compute_chunked_prefill(q, k[c0:], v[c0:], ctx, RingReader(engine, 0))
 
 
@@ -102,7 +103,8 @@ def test_sequence_view_is_computed_as_offload_none(attention_calls):
     attention_calls.update(calls=0, keys=0)
     engine, table = _engine(k, v, c0, bs, slots=4, cache_slots=0)  # nothing cached: the view alone decides
     ctx = PolicyContext(phase="prefill", layer=0, query=q, candidates=table, block_size=bs, query_start=c0,
-                        kv_len=c0 + n, softmax_scale=SCALE, chunk_keys=k[c0:], sequence_kv=(k, v))
+                        kv_len=c0 + n, softmax_scale=SCALE, chunk_keys=k[c0:], sequence_kv=(k, v),
+                        prompt_len=c0 + n)
     out = policy.compute_chunked_prefill(q, k[c0:], v[c0:], ctx, RingReader(engine, 0))
     assert attention_calls == {"calls": 1, "keys": c0 + n} and engine.transfer_stats["h2d_blocks"] == 0
     assert torch.equal(out, expected)
@@ -155,7 +157,8 @@ def test_reader_resident_is_the_leading_cached_run_read_in_place():
 
 def test_engine_with_a_gpu_block_cache_decodes_as_offload_none(qwen3_ckpt, monkeypatch):
     # small budgets, chunks of 32 tokens both ways: with the cache holding the prefix, every offloaded chunk makes
-    # offload=none's selection and result, so the greedy tokens and the density are offload=none's
+    # offload=none's selection and result, so the greedy tokens and the density are offload=none's. The resident
+    # store does not say which chunk ends the prompt, so every chunk keeps one budget both ways (scale 1)
     from sparsekv import LLM, SamplingParams
     from sparsekv.kernels import _dispatch
     from tests.conftest import random_prompt
@@ -163,7 +166,7 @@ def test_engine_with_a_gpu_block_cache_decodes_as_offload_none(qwen3_ckpt, monke
     monkeypatch.delenv(_dispatch.ENV_BACKEND, raising=False)  # references: the kernels are tested above
     common = ["device=cpu", "dtype=float32", "offload.block_size=16", "policy=minference", "policy.last_q=8",
               "policy.vertical_size=8", "policy.slash_size=8", "policy.sink_tokens=4", "policy.recent_diagonals=4",
-              "policy.slash_granularity=1"]
+              "policy.slash_granularity=1", "policy.early_chunk_budget_scale=1"]
     prompt, greedy = random_prompt(90, seed=13), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     resident = LLM(str(qwen3_ckpt), overrides=common + ["offload=none", "scheduler.max_num_batched_tokens=32",
                                                         "policy.whole_prompt_prefill=false"])  # the same chunks

@@ -459,8 +459,8 @@ def test_presets_compose_onto_their_policy(preset, cls, values, extra):
 def test_quest_budget_rules():
     assert QuestPolicy().budget_blocks(256) == 8  # neither set: 2048 tokens
     assert QuestPolicy().budget_blocks(128) == 16
-    assert QuestPolicy().budget_blocks(1024) == 4  # ... and at least 4 blocks, so it still chooses 2
-    assert QuestPolicy().budget_blocks(2048) == 4  # ... and at least 4 blocks, so it still chooses 2
+    assert QuestPolicy().budget_blocks(1024) == 7  # ... and at least 7 blocks, so it still chooses 5
+    assert QuestPolicy().budget_blocks(2048) == 7
     assert QuestPolicy(topk_blocks=8).budget_blocks(1024) == 8
     assert QuestPolicy(token_budget=2048, topk_blocks=8).budget_blocks(1024) == 2  # token_budget wins
     assert QuestPolicy(token_budget=100).budget_blocks(16) == 6

@@ -17,8 +17,8 @@ offload=none (compute_prefill): all keys are on the device, so the selection is 
 the last-q scores over every key they may see, column sums and diagonal sums, top-k of each, computed by the fused
 kernels of sparsekv.policies.minference.vertical_slash_estimate (the scores are never materialised). With
 `whole_prompt_prefill` (the default) the engine prefills each prompt in one step, so the last-q rows are the
-prompt's own last ones, as MInference estimates them; in chunks each chunk's pattern would come from its own last
-rows, inside the context. With
+prompt's own last ones, as MInference estimates them; in chunks each chunk's pattern comes from its own last
+rows, inside the context, and a chunk before the prompt's last keeps early_chunk_budget_scale times the budgets. With
 `slash_excludes_vertical` the diagonal sums leave out the selected columns: a column read by the last-q rows
 otherwise adds its mass to the last_q diagonals it crosses, and those diagonals, each costing a key tile per query
 block, win slash budget for mass the column already keeps.
@@ -100,11 +100,16 @@ class MInferencePolicy(SparsePolicy):
     """Vertical-slash sparse prefill (MInference). Changes computation only, loads every block."""
     name: str = "minference"
     last_q: int = 64  # queries at the end of the chunk that estimate the pattern
-    # the smallest budgets within 2 points of full at 32K on the probe, resident (docs/benchmarks.md, "Policies judged
-    # on the probe": 82.5 against 83.3); offloaded, each chunk's own pattern, 80.8 (500 / 3,000: 81.7)
+    # the smallest budgets within 2 points of full at 32K on the probe where the last_q rows are the prompt's own
+    # last ones (docs/benchmarks.md, "Policies judged on the probe")
     vertical_size: int = 250  # key columns kept per head
     slash_size: int = 1500  # diagonals kept per head
     adaptive_budget: Optional[float] = None  # if set: both budgets = this fraction of the keys the chunk sees
+    # a prefill chunk that does not end its prompt (offloaded prefill; whole_prompt_prefill=false) estimates its
+    # pattern from rows inside the context, which miss more of what the question will need: its budgets are this
+    # multiple of the two above (the prompt's last chunk keeps them). 1: one budget for every chunk. Offloaded on the
+    # probe at 32K, 2 keeps the rule where 1 loses 2.5 points (docs/benchmarks.md)
+    early_chunk_budget_scale: float = 2.0
     sink_tokens: int = 30  # always-kept columns at the start of the sequence
     recent_diagonals: int = 100  # always-kept diagonals next to the main one (offsets 0..recent-1)
     # offload=none: rank the diagonals by the mass the selected columns leave (a strong column otherwise also lifts
@@ -145,6 +150,10 @@ class MInferencePolicy(SparsePolicy):
         for flag in ("slash_excludes_vertical", "whole_prompt_prefill"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"policy.{flag}={getattr(self, flag)!r}: must be true or false")
+        scale = self.early_chunk_budget_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 1.0 <= scale < _INF:
+            raise ValueError(f"policy.early_chunk_budget_scale={scale!r}: must be a number >= 1 (1: the same budgets "
+                             "for every prefill chunk)")
         budget = self.adaptive_budget
         if budget is not None:
             if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0.0 < budget <= 1.0 \
@@ -157,12 +166,15 @@ class MInferencePolicy(SparsePolicy):
     def initialize(self, layout: KVLayout) -> None:
         self.check_layout(layout)
 
-    def budgets(self, num_keys: int) -> tuple[int, int]:
-        """(columns, diagonals) kept per head when the chunk sees num_keys keys; forced ones included."""
+    def budgets(self, num_keys: int, ends_prompt: bool = True) -> tuple[int, int]:
+        """(columns, diagonals) kept per head when the chunk sees num_keys keys; forced ones included. A chunk that
+        does not end its prompt keeps early_chunk_budget_scale times more."""
         if self.adaptive_budget is not None:
             vertical = slash = math.ceil(self.adaptive_budget * num_keys)
         else:
             vertical, slash = self.vertical_size, self.slash_size
+        if not ends_prompt:
+            vertical, slash = (math.ceil(budget * self.early_chunk_budget_scale) for budget in (vertical, slash))
         vertical = min(max(vertical, min(self.sink_tokens, num_keys)), num_keys)
         slash = min(max(slash, min(self.recent_diagonals, num_keys)), num_keys)
         return vertical, slash
@@ -170,22 +182,28 @@ class MInferencePolicy(SparsePolicy):
     # ------------------------------------------------------------------------------------ offload=none
     def compute_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                         softmax_scale: float) -> torch.Tensor:
-        """q [n, H, D] are the last n positions of k/v [S, KVH, D] -> [n, H, D]."""
+        """q [n, H, D] are the last n positions of k/v [S, KVH, D] -> [n, H, D]. With whole_prompt_prefill each call
+        ends its prompt; without, the resident store does not say which chunk does, so every chunk keeps the early
+        chunks' budgets."""
+        return self._prefill(q, k, v, layer_id, softmax_scale, ends_prompt=self.whole_prompt_prefill)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, softmax_scale: float,
+                 ends_prompt: bool) -> torch.Tensor:
         n, H, _ = q.shape
         S = k.shape[0]
         if n == 0:
             return torch.empty_like(q)
-        if self.dense_when_all_kept and self.budgets(S) == (S, S):
+        if self.dense_when_all_kept and self.budgets(S, ends_prompt) == (S, S):
             visible = H * visible_pair_count(n, S, S - n)
             self.record_density(visible, visible)
             return super().compute_prefill(q, k, v, layer_id, softmax_scale)
-        vertical_idx, slash_offsets = self.estimate_pattern(q, k, softmax_scale)
+        vertical_idx, slash_offsets = self.estimate_pattern(q, k, softmax_scale, ends_prompt)
         pairs = torch.zeros(1, dtype=torch.int64, device=q.device)  # computed pairs, counted by the kernel
         out, _ = vertical_slash_attention(q, k, v, vertical_idx, slash_offsets, softmax_scale, S - n, pairs)
         self.record_density(pairs, H * visible_pair_count(n, S, S - n))
         return out
 
-    def estimate_pattern(self, q: torch.Tensor, k: torch.Tensor, softmax_scale: float
+    def estimate_pattern(self, q: torch.Tensor, k: torch.Tensor, softmax_scale: float, ends_prompt: bool = True
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """MInference's estimate: q [n, H, D] are the last n of the S keys k [S, KVH, D].
 
@@ -199,7 +217,7 @@ class MInferencePolicy(SparsePolicy):
         def diag_without(cols: torch.Tensor) -> torch.Tensor:
             return vertical_slash_masses(q[-L:], k, softmax_scale, exclude_columns=cols)[1]
 
-        return self.select_pattern(col, diag, *self.budgets(k.shape[0]), diag_without)
+        return self.select_pattern(col, diag, *self.budgets(k.shape[0], ends_prompt), diag_without)
 
     def select_pattern(self, col: torch.Tensor, diag: torch.Tensor, V: int, NS: int,
                        diag_without: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +244,7 @@ class MInferencePolicy(SparsePolicy):
         (module docstring)."""
         if ctx.sequence_kv is not None:
             k_all, v_all = ctx.sequence_kv  # [kv_len, KVH, D]: the prefix, then this chunk
-            return self.compute_prefill(q, k_all, v_all, ctx.layer, ctx.softmax_scale)
+            return self._prefill(q, k_all, v_all, ctx.layer, ctx.softmax_scale, ctx.ends_prompt)
         n, H, _ = q.shape
         if n == 0:
             return torch.empty_like(q)
@@ -234,14 +252,14 @@ class MInferencePolicy(SparsePolicy):
         bs, softmax_scale = reader.block_size, ctx.softmax_scale
         c0 = len(blocks) * bs  # prefix tokens: the chunk's queries sit at c0 .. c0+n-1
         T = c0 + n
-        V, NS = self.budgets(T)
+        V, NS = self.budgets(T, ctx.ends_prompt)
         if self.dense_when_all_kept and (V, NS) == (T, T):
             visible = H * (n * c0 + visible_pair_count(n, n, 0))
             self.record_density(visible, visible)
             return super().compute_chunked_prefill(q, k, v, ctx, reader)
         cached = reader.resident(blocks) if blocks else None  # the oldest blocks, when the cache holds them
         if cached is not None and len(cached.ids) == len(blocks):
-            return self._prefill_after_resident_prefix(q, k, v, cached.k, cached.v, softmax_scale)
+            return self._prefill_after_resident_prefix(q, k, v, cached.k, cached.v, softmax_scale, (V, NS))
         num_cached = 0 if cached is None else len(cached.ids)
         L = min(self.last_q, n)
         r0 = c0 + n - L  # absolute position of the first last-q row
@@ -305,7 +323,8 @@ class MInferencePolicy(SparsePolicy):
         return own_out
 
     def _prefill_after_resident_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pre: torch.Tensor,
-                                       v_pre: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+                                       v_pre: torch.Tensor, softmax_scale: float, budgets: tuple[int, int]
+                                       ) -> torch.Tensor:
         """compute_prefill's estimate and attention with the keys in two device pieces, the prefix k_pre/v_pre
         [c0, KVH, D] and the chunk's own k/v [n, KVH, D]: the masses of each piece under the rows' exact
         log-sum-exp (merged from both pieces) make the pattern of all c0 + n keys at once, two attention calls and a
@@ -325,7 +344,7 @@ class MInferencePolicy(SparsePolicy):
             diag[:, :n] += diag_own
             return torch.cat([col_pre, col_own], dim=1), diag
 
-        vertical_idx, slash_offsets = self.select_pattern(*masses(), *self.budgets(c0 + n), lambda c: masses(c)[1])
+        vertical_idx, slash_offsets = self.select_pattern(*masses(), *budgets, lambda c: masses(c)[1])
         pairs = torch.zeros(1, dtype=torch.int64, device=q.device)  # computed pairs, counted by the kernels
         out, lse_pre = vertical_slash_attention(q, k_pre, v_pre, vertical_idx, slash_offsets, softmax_scale, c0, pairs)
         own_columns = torch.where(vertical_idx >= c0, vertical_idx - c0, SENTINEL).sort(dim=1).values

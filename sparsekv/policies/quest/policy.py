@@ -16,10 +16,11 @@ over the group), and since the ring loads whole blocks for every head, the KV he
 score per block.
 
 Selection. Keep the `topk_blocks` best blocks, or token_budget // block_size blocks when `token_budget` is set
-(token_budget wins when both are). With neither set: DEFAULT_TOKEN_BUDGET tokens, the smallest budget within 2
-points of full on the probe's RULER matrix (docs/benchmarks.md), but at least DEFAULT_MIN_BLOCKS blocks, so that
-Quest still chooses among 1,024-token host blocks. The first block (attention sink) and the newest full block are
-always kept, so at least 2 blocks load whatever the budget. Layers below `dense_layers` and sequences with at most
+(token_budget wins when both are). With neither set: DEFAULT_TOKEN_BUDGET tokens, but at least DEFAULT_MIN_BLOCKS
+blocks: on the probe's RULER matrix (docs/benchmarks.md) the smallest budget within 2 points of full at 32K is 2,048
+tokens with 256-token blocks (8 blocks; 4 lose 25 points) and 7 blocks of the 1,024-token host blocks offloaded (6
+lose 3 points). The first block (attention sink) and the newest full block are always kept, so at least 2 blocks
+load whatever the budget. Layers below `dense_layers` and sequences with at most
 `threshold_blocks` full blocks load everything. In decode the choice stays on the device (select_blocks returns a
 device tensor): the chosen blocks are gathered from pinned host memory by a kernel, so no layer waits for the host. In decode, scores and choice are one kernel launch (quest_select
 in sparsekv/policies/quest/quest_score.py); score_blocks and sparsekv.policies.scorer.top_blocks are its reference.
@@ -47,7 +48,7 @@ from sparsekv.policies.base import SparsePolicy
 from sparsekv.policies.scorer import top_blocks
 
 DEFAULT_TOKEN_BUDGET = 2048
-DEFAULT_MIN_BLOCKS = 4  # the default budget keeps the sink, the newest block and at least 2 chosen ones
+DEFAULT_MIN_BLOCKS = 7  # the default budget keeps the sink, the newest block and at least 5 chosen ones
 log = logging.getLogger(__name__)
 
 
@@ -63,7 +64,7 @@ def _check_int(name: str, value, minimum: int, optional: bool = False) -> None:
 class QuestPolicy(SparsePolicy):
     """Query-aware block selection for decode from per-block key min/max (Quest)."""
     name: str = "quest"
-    token_budget: Optional[int] = None  # tokens of blocks loaded per step (both null: 2048, at least 4 blocks)
+    token_budget: Optional[int] = None  # tokens of blocks loaded per step (both null: 2048, at least 7 blocks)
     topk_blocks: Optional[int] = None  # blocks loaded per step (token_budget wins when both are set)
     threshold_blocks: int = 0  # select only when the sequence has more full blocks than this
     dense_layers: int = 2  # the first layers load every block
@@ -96,7 +97,8 @@ class QuestPolicy(SparsePolicy):
                       else f"policy.topk_blocks={self.topk_blocks}")
             log.warning(f"quest: {budget} with blocks of {layout.block_size} tokens keeps only the sink and the newest "
                         "block, so Quest chooses nothing (a StreamingLLM window); give it at least 3 blocks "
-                        f"(token_budget >= {3 * layout.block_size}) or smaller blocks (offload.block_size)")
+                        f"(token_budget >= {3 * layout.block_size}) or smaller blocks (offload.block_size), or leave "
+                        f"token_budget and topk_blocks unset (at least {DEFAULT_MIN_BLOCKS} blocks)")
         shape = (layout.num_kv_heads, layout.head_dim)
         self._kmax, self._kmin = (BlockMetadata(layout.num_layers, shape, layout.dtype, layout.device,
                                                 layout.max_blocks, rows=layout.expected_blocks) for _ in range(2))
