@@ -395,7 +395,7 @@ section_ruler_policies() {  # the policies judged on the probe: accuracy per tas
                      "xattn_bsa_060|policy=xattn_bsa policy.threshold=0.6"
                      "xattn_bsa_080|policy=xattn_bsa policy.threshold=0.8")
     # offload=cpu selects among host blocks of 1,024 tokens, where a 2,048-token budget is the sink and the newest
-    # block alone: Quest at 6, 7 and 8 blocks (its default keeps at least 8), and with the resident store's 256-token
+    # block alone: Quest at 6, 7 and 8 blocks (its default keeps at least 7), and with the resident store's 256-token
     # blocks; MInference at half its default budgets, and with the same budgets in every chunk
     # (early_chunk_budget_scale=1; its default doubles them in the chunks before the prompt's last)
     local CPU_ROWS=("quest-6144|policy=quest policy.token_budget=6144"
