@@ -184,6 +184,9 @@ class CountLaunches:
         self.grids.append(grid)
         return self.kernel[grid]
 
+    def warmup(self, *args, **kwargs):  # compiles without launching: not counted
+        return self.kernel.warmup(*args, **kwargs)
+
 
 def host_sync_sites(fn) -> list[str]:
     """Synchronizing CUDA calls made by fn (torch's sync debug mode), as file:line."""

@@ -36,7 +36,7 @@ from sparsekv.policies.xattn.block_sparse_attention import (
 from sparsekv.policies.xattn import XAttentionPolicy
 
 CANDIDATES = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3),
-              (128, 256, 8, 2), (256, 128, 8, 2)]
+              (64, 128, 4, 4), (128, 256, 8, 2), (256, 128, 8, 2)]
 LOOPS = {"old": "mode=lists,list_stages=3", "lists": "mode=lists", "runs": "mode=runs", "auto": "mode=auto"}
 
 

@@ -13,7 +13,7 @@ try:  # host-side TMA descriptors (Triton >= 3.3)
 except ImportError:  # pragma: no cover - old or absent triton
     TensorDescriptor = None
 
-__all__ = ["TensorDescriptor", "tma_view_ok", "use_tma"]
+__all__ = ["TensorDescriptor", "tma_device_ok", "tma_view_ok", "use_tma"]
 
 
 def tma_view_ok(t: torch.Tensor) -> bool:
@@ -24,9 +24,14 @@ def tma_view_ok(t: torch.Tensor) -> bool:
             and t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0 and (t.shape[2] * es) % 16 == 0)
 
 
+def tma_device_ok(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can take host-side TMA descriptors: triton.tools.tensor_descriptor and sm_90+
+    (or the interpreter)."""
+    return TensorDescriptor is not None and (
+        INTERPRET or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9))
+
+
 def use_tma(q, k, v, o) -> bool:
-    """Whether the dense kernels can move q/k/v/o through TMA descriptors: triton.tools.tensor_descriptor, sm_90+
-    (or the interpreter) and TMA-compatible layouts."""
-    dev_ok = INTERPRET or (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9)
-    return (TensorDescriptor is not None and dev_ok and o.dtype == q.dtype
-            and all(tma_view_ok(t) for t in (q, k, v, o)))
+    """Whether the dense kernels can move q/k/v/o through TMA descriptors: :func:`tma_device_ok` and
+    TMA-compatible layouts."""
+    return tma_device_ok(q.device) and o.dtype == q.dtype and all(tma_view_ok(t) for t in (q, k, v, o))

@@ -132,6 +132,29 @@ def test_block_mass_kernel_is_the_antidiagonal_definition():
     assert torch.allclose(mass, expected, atol=F32_TOL)
 
 
+@pytest.mark.parametrize("seq,n,expect_tma", [
+    (256, 128, True),   # a chunk on block boundaries, whole strides: TMA descriptors of the strided views
+    (256, 256, True),   # the whole prompt
+    (250, 122, False),  # a prompt ending off the stride grid: pointer loads
+    (256, 120, False),  # a chunk starting inside a block: pointer loads
+])
+def test_block_mass_strided_tma_views_match_pointer_loads(seq, n, expect_tma, monkeypatch):
+    """Where the layout allows, the estimate reads q and k through TMA descriptors of their [S / stride, stride *
+    row] views; elsewhere through pointers. Both compute the reference's mass."""
+    if not estimate_module.tma_device_ok(DEV):
+        pytest.skip("no TMA descriptors on this device")
+    gen = torch.Generator().manual_seed(seq + n)
+    q, k = _randn(n, 4, 16, gen=gen), _randn(seq, 2, 16, gen=gen)
+    taken = []
+    real = estimate_module.use_strided_tma
+    monkeypatch.setattr(estimate_module, "use_strided_tma", lambda *a: taken.append(real(*a)) or taken[-1])
+    mass = xattn_block_mass(q, k, 4, 32)
+    assert taken == [expect_tma]
+    assert (mass - xattn_block_mass_reference(q, k, 4, 32)).abs().max().item() < F32_TOL
+    monkeypatch.setattr(estimate_module, "use_strided_tma", lambda *a: False)
+    assert (mass - xattn_block_mass(q, k, 4, 32)).abs().max().item() < F32_TOL
+
+
 def test_block_mass_kernel_in_slices(monkeypatch):
     """Long chunks run in slices of whole query blocks (the [H, rows, nkb] scratch stays bounded)."""
     gen = torch.Generator().manual_seed(9)

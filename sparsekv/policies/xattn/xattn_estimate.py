@@ -16,8 +16,10 @@ dtype, rounding 16-bit scores to 16 bits), the kernel accumulates 16-bit product
 Triton, two kernels, one matmul pass over the scores (the classic two-pass design recomputes them):
   1. _block_lse_kernel, one program per (head, tile of BLOCK_M strided rows, split of the row tile's column tiles):
      one flat loop over (column tile, offset t), so the loads stay pipelined from one column tile to the next; each
-     [BLOCK_M, BLOCK_N] score tile is a sum of `stride` tl.dot products of [*, D] slices loaded by strided pointer
-     arithmetic (no reshaped copies of q or k), and at its last offset, per row and key block of the tile, the
+     [BLOCK_M, BLOCK_N] score tile is a sum of `stride` tl.dot products of [*, D] slices (no reshaped copies of q
+     or k): on sm_90 through TMA descriptors of q and k viewed as [tokens / stride, stride * row] (view row i holds
+     tokens i * stride ... i * stride + stride - 1, so offset t is a column offset), where the chunk starts on a
+     block boundary and holds whole strides; elsewhere by strided pointer arithmetic. At its last offset, per row and key block of the tile, the
      log2-sum-exp of the block's visible columns: lsb [H, rows, nkb] fp32 (BLOCK_N is a multiple of block_size /
      stride, so a tile holds whole key blocks). Column tiles above the causal diagonal or past the keys are not
      visited. The column tiles are split among programs only as far as a launch needs to reach PROGRAMS programs
@@ -35,6 +37,7 @@ from __future__ import annotations
 import torch
 from sparsekv.kernels._dispatch import (HAS_TRITON, alloc_output, cdiv, exact_dot, jit, next_power_of_2, tl,
                                        triton_interpret, use_triton)
+from sparsekv.kernels.tma import TensorDescriptor, tma_device_ok, tma_view_ok
 
 __all__ = ["xattn_block_mass", "xattn_block_mass_reference"]
 
@@ -44,7 +47,10 @@ LSB_ELEMENTS = 1 << 25  # fp32 block log-sum-exps [H, rows, nkb] the kernels kee
 MAX_CELL = 128  # strided columns per key block (block_size / stride) the kernels handle
 
 # (BLOCK_M strided rows, BLOCK_N strided columns, num_warps, num_stages) by head dim; the sm_90 row chosen by
-# tools/tune_xattn.py --sections estimate (docs/decisions.md). Shared memory is stages x (BLOCK_M + BLOCK_N) x D x 2
+# tools/tune_xattn.py --sections estimate (docs/decisions.md). With the TMA views (NVIDIA H200, Triton 3.6,
+# 2026-11-29; an 8K-query chunk at the end of 128K / 512K keys, H=32 KVH=8 D=128 bf16, stride 8): (128, 128, 8, 3)
+# 2.21 / 10.08 ms, (128, 128, 4, 3) 2.44 / 9.72, (64, 128, 4, 4) 2.41 / 10.25, (128, 256, 8, 2) 2.74 / 10.61; pointer
+# loads at (128, 128, 8, 3) 2.88 / 12.94. Shared memory is stages x (BLOCK_M + BLOCK_N) x D x 2
 # bytes: 144 KiB for 16-bit D=128 (fits sm_80's 163 KiB). The score tile is a GEMM tile with K = stride * D, so wider
 # tiles read less per FLOP (BLOCK_M * BLOCK_N / (BLOCK_M + BLOCK_N) FLOP per byte): sm_90 (227 KiB) takes 128x128 in
 # 3 stages (192 KiB).
@@ -55,13 +61,14 @@ INTERPRET_CONFIG = (16, 16, 4, 1)  # small tiles keep the CPU interpreter fast
 MASS_TILE = 8192  # [group rows, key blocks] elements per step of _mass_kernel
 PROGRAMS = 1056  # programs a launch aims for (8 per SM of an H100): column tiles are split among programs to reach it
 MIN_SPLIT_TILES = 4  # column tiles a split keeps at least
+_POINTER_VARIANTS_COMPILED: set[tuple] = set()  # estimate kernels compiled ahead for the pointer-load path
 
 
 # ----------------------------------------------------------------------------------------- Triton kernels
 # Triton compiles a variant per integer argument equal to 1 or divisible by 16; lengths and counts only bound loops
 # and masks here (pointer alignment comes from the strides), so one compiled kernel serves every chunk of a prompt
 # rather than a new one mid-prefill (a chunk whose tiles_per_split turns 16).
-SHAPE_ARGS = ["n", "S", "q_start", "row0", "rows", "nkb", "ncols", "tiles_per_split"]
+SHAPE_ARGS = ["n", "S", "q_start", "row0", "rows", "nkb", "ncols", "tiles_per_split", "q_view_row0"]
 
 
 @jit(do_not_specialize=SHAPE_ARGS)
@@ -70,10 +77,15 @@ def _block_lse_kernel(
     stride_qm, stride_qh, stride_qd,
     stride_kn, stride_kh, stride_kd,
     stride_lh, stride_lr,
-    n, S, q_start, row0, rows, nkb, ncols, tiles_per_split, qk_scale,
+    n, S, q_start, row0, rows, nkb, ncols, tiles_per_split, q_view_row0, qk_scale,
     STRIDE: tl.constexpr, CELL: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
+    # USE_TMA: Q and K are TMA descriptors of the strided views [n / STRIDE, STRIDE * stride_qm] and
+    # [S / STRIDE, STRIDE * stride_kn] (one view row holds STRIDE consecutive tokens, so strided row i at offset t
+    # is view row i, column t * stride + head * D); q_view_row0 is the slice's first row in q's view. Rows past a
+    # view's end read as zero, as the masked loads give.
     head = tl.program_id(0)
     row_tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -87,8 +99,9 @@ def _block_lse_kernel(
     # this program's column tiles: its split's share of those at or below the causal diagonal and holding keys
     tile_end = tl.minimum(tl.minimum(last_row // BLOCK_N + 1, tl.cdiv(ncols, BLOCK_N)), (split + 1) * tiles_per_split)
     tile0 = split * tiles_per_split
-    q_base = Q + head.to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
-    k_base = K + kv_head.to(tl.int64) * stride_kh + offs_d[None, :] * stride_kd
+    if not USE_TMA:
+        q_base = Q + head.to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
+        k_base = K + kv_head.to(tl.int64) * stride_kh + offs_d[None, :] * stride_kd
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # one flat loop over (column tile, offset t): the loads stay pipelined across column tiles, and each tile's
     # epilogue runs at its last offset
@@ -96,13 +109,18 @@ def _block_lse_kernel(
         t = it % STRIDE
         cols = (tile0 + it // STRIDE) * BLOCK_N + offs_n  # [BLOCK_N] absolute strided columns
         # q_r[i] = concat_t q[i*stride + stride-1-t], k_r[j] = concat_t k[j*stride + t]; missing tokens are 0
-        q_rows = rows_abs * STRIDE + (STRIDE - 1 - t) - q_start  # [BLOCK_M] rows of q
-        q_ok = (q_rows >= 0) & (q_rows < n)
-        qt = tl.load(q_base + q_rows[:, None].to(tl.int64) * stride_qm,
-                     mask=q_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-        k_rows = cols * STRIDE + t  # [BLOCK_N] rows of k
-        kt = tl.load(k_base + k_rows[:, None].to(tl.int64) * stride_kn,
-                     mask=(k_rows < S)[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if USE_TMA:
+            qt = Q.load([q_view_row0 + row_tile * BLOCK_M,
+                         (STRIDE - 1 - t) * stride_qm + head * D])  # [BLOCK_M, D]
+            kt = K.load([(tile0 + it // STRIDE) * BLOCK_N, t * stride_kn + kv_head * D])  # [BLOCK_N, D]
+        else:
+            q_rows = rows_abs * STRIDE + (STRIDE - 1 - t) - q_start  # [BLOCK_M] rows of q
+            q_ok = (q_rows >= 0) & (q_rows < n)
+            qt = tl.load(q_base + q_rows[:, None].to(tl.int64) * stride_qm,
+                         mask=q_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+            k_rows = cols * STRIDE + t  # [BLOCK_N] rows of k
+            kt = tl.load(k_base + k_rows[:, None].to(tl.int64) * stride_kn,
+                         mask=(k_rows < S)[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         acc = exact_dot(qt, tl.trans(kt), acc)
         if t == STRIDE - 1:
             s = tl.where(cols[None, :] <= rows_abs[:, None], acc * qk_scale, float("-inf"))  # log2 units, causal
@@ -237,6 +255,22 @@ def xattn_block_mass_reference(q: torch.Tensor, k: torch.Tensor, stride: int, bl
 
 
 # ------------------------------------------------------------------------------------------- launcher
+def use_strided_tma(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int) -> bool:
+    """Whether the estimate can read q and k through TMA descriptors of their strided views: a TMA device, a
+    power-of-two head dim, [S, heads * D] layouts, whole strides of tokens (n and S multiples of stride) and a
+    chunk that starts on a block boundary (so no slice row lies before q's first token)."""
+    n, seq, dim = q.shape[0], k.shape[0], q.shape[2]
+    return (tma_device_ok(q.device) and dim >= 16 and dim & (dim - 1) == 0 and n >= stride
+            and n % stride == 0 and (seq - n) % block_size == 0 and tma_view_ok(q) and tma_view_ok(k))
+
+
+def strided_view_descriptor(t: torch.Tensor, stride: int, rows: int):
+    """TMA descriptor of t [S, heads, D] as [S / stride, stride * t.stride(0)]: view row i holds tokens
+    i * stride ... i * stride + stride - 1; boxes of [rows, D]."""
+    width = stride * t.stride(0)
+    return TensorDescriptor(t, [t.shape[0] // stride, width], [width, 1], [rows, t.shape[2]])
+
+
 def _config(q: torch.Tensor, cell: int) -> tuple[int, int, int, int] | None:
     """Tile config for the kernels, or None where they do not apply (the reference runs)."""
     dim = q.shape[2]
@@ -265,6 +299,9 @@ def _block_mass_triton(q: torch.Tensor, k: torch.Tensor, stride: int, block_size
     nkb, qb0, nqb = _layout(n, seq, block_size)
     ncols = cdiv(seq, stride)  # strided columns holding a key
     mass = alloc_output((kv_heads, nqb, nkb), torch.float32, q.device)  # [KVH, nqb, nkb]
+    tma = use_strided_tma(q, k, stride, block_size)
+    qa, ka = (strided_view_descriptor(q, stride, block_m), strided_view_descriptor(k, stride, block_n)) if tma \
+        else (q, k)
     # slices of whole query blocks (and whole row tiles) so that lsb stays within LSB_ELEMENTS
     unit = max(block_m, cell)
     total_rows = nqb * cell
@@ -280,13 +317,20 @@ def _block_mass_triton(q: torch.Tensor, k: torch.Tensor, stride: int, block_size
         row_tiles = cdiv(rows, block_m)
         splits = max(1, min(col_tiles // MIN_SPLIT_TILES, cdiv(PROGRAMS, heads * row_tiles)))
         per_split = cdiv(col_tiles, splits)
-        _block_lse_kernel[(heads, row_tiles, cdiv(col_tiles, per_split))](
-            q, k, lsb, *q.stride(), *k.stride(), lsb.stride(0), lsb.stride(1),
-            n, seq, q_start, row0, rows, nkb, ncols, per_split, dim ** -0.5 / stride * LOG2E,
-            STRIDE=stride, CELL=cell, GROUP=heads // kv_heads,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_power_of_2(dim)), D=dim,
-            num_warps=warps, num_stages=stages,
-        )
+        grid = (heads, row_tiles, cdiv(col_tiles, per_split))
+
+        args = (lsb, *q.stride(), *k.stride(), lsb.stride(0), lsb.stride(1),
+                n, seq, q_start, row0, rows, nkb, ncols, per_split, row0 - q_start // stride,
+                dim ** -0.5 / stride * LOG2E)
+        constants = dict(STRIDE=stride, CELL=cell, GROUP=heads // kv_heads, BLOCK_M=block_m, BLOCK_N=block_n,
+                         BLOCK_D=max(16, next_power_of_2(dim)), D=dim, num_warps=warps, num_stages=stages)
+        _block_lse_kernel[grid](qa, ka, *args, USE_TMA=tma, **constants)
+        variant = (q.device, q.dtype, dim, stride, cell, heads // kv_heads, config)
+        if tma and variant not in _POINTER_VARIANTS_COMPILED and not triton_interpret():
+            # a chunk that ends a prompt off the stride grid reads through pointers: compile that variant now, not
+            # in the middle of a prefill
+            _block_lse_kernel.warmup(q, k, *args, USE_TMA=False, grid=grid, **constants)
+            _POINTER_VARIANTS_COMPILED.add(variant)
         _mass_kernel[(rows // cell, kv_heads)](
             lsb, mass, lsb.stride(0), lsb.stride(1), mass.stride(0), mass.stride(1),
             seq, q_start, row0, qb0 + s0 // cell, qb0, nkb,
