@@ -219,6 +219,10 @@ section_prefill() {  # full-attention prefill; HF transformers beside the 32K ro
             task.context=131072 offload.prefill_chunk_size=$chunk scheduler.max_num_batched_tokens=$chunk \
             task.decode_steps=4
     done
+    # a ring of 32 slots: the cache-off prefix streams in groups of 16 blocks (16K keys) instead of 4
+    VS="prefill/none-128k-chunk16384" bench prefill "cpu-128k-chunk16384-ring32" "${MODEL[@]}" "${UNCACHED[@]}" \
+        task.context=131072 offload.prefill_chunk_size=16384 scheduler.max_num_batched_tokens=16384 \
+        offload.num_gpu_blocks=32 task.decode_steps=4
 }
 
 section_sparse_prefill() {  # 128K, GPU-resident, weights with planted attention structure; each preset against full
