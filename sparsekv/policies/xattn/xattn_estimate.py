@@ -23,8 +23,8 @@ Triton, two kernels, one matmul pass over the scores (the classic two-pass desig
      the first TMA call, so a prompt's ragged last chunk does not compile mid-prefill). At its last offset, per row
      and key block of the tile, the log2-sum-exp of the block's visible columns: lsb [H, rows, nkb] fp32 (BLOCK_N
      is a multiple of block_size / stride, so a tile holds whole key blocks). Column tiles above the causal
-     diagonal or past the keys are not visited. The column tiles are split among programs only as far as a launch needs to reach PROGRAMS programs
-     (long contexts, where the lsb budget leaves few rows per slice).
+     diagonal or past the keys are not visited. The column tiles are split among programs only as far as a launch
+     needs to reach PROGRAMS programs (long contexts, where the lsb budget leaves few rows per slice).
   2. _mass_kernel, one program per (query block, KV head): the row log-sum-exp over its key blocks (pass 1), then
      mass = sum over the group's heads and the block's valid rows of exp2(lsb - lse) (pass 2), written to every
      key block of the row (0 where invisible).
