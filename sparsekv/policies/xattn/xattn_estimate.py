@@ -84,9 +84,9 @@ def _block_lse_kernel(
     USE_TMA: tl.constexpr,
 ):
     # USE_TMA: Q and K are TMA descriptors of the strided views [n / STRIDE, STRIDE * stride_qm] and
-    # [S / STRIDE, STRIDE * stride_kn] (one view row holds STRIDE consecutive tokens, so strided row i at offset t
-    # is view row i, column t * stride + head * D); q_view_row0 is the slice's first row in q's view. Rows past a
-    # view's end read as zero, as the masked loads give.
+    # [S / STRIDE, STRIDE * stride_kn] (one view row holds STRIDE consecutive tokens, so k's strided column j at
+    # offset t is view row j, column t * stride_kn + kv_head * D; q's rows take offset STRIDE - 1 - t); q_view_row0
+    # is the slice's first row in q's view. Rows past a view's end read as zero, as the masked loads give.
     head = tl.program_id(0)
     row_tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -319,7 +319,6 @@ def _block_mass_triton(q: torch.Tensor, k: torch.Tensor, stride: int, block_size
         splits = max(1, min(col_tiles // MIN_SPLIT_TILES, cdiv(PROGRAMS, heads * row_tiles)))
         per_split = cdiv(col_tiles, splits)
         grid = (heads, row_tiles, cdiv(col_tiles, per_split))
-
         args = (lsb, *q.stride(), *k.stride(), lsb.stride(0), lsb.stride(1),
                 n, seq, q_start, row0, rows, nkb, ncols, per_split, row0 - q_start // stride,
                 dim ** -0.5 / stride * LOG2E)
