@@ -16,15 +16,16 @@ import gzip
 import json
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("trace")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--top", type=int, default=20)
-    args = parser.parse_args()
-    with gzip.open(args.trace, "rt") if args.trace.endswith(".gz") else open(args.trace) as f:
+GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def timeline(trace_path: str, categories: tuple[str, ...] = GPU_EVENTS
+             ) -> tuple[list[dict], collections.Counter, float, float]:
+    """A Chrome trace's GPU events of `categories` -> (the events, exposed us per kernel name, idle us, timeline
+    span in us)."""
+    with gzip.open(trace_path, "rt") if trace_path.endswith(".gz") else open(trace_path) as f:
         events = json.load(f)["traceEvents"]
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in categories]
     edges = []
     for i, e in enumerate(kernels):
         edges.append((float(e["ts"]), 1, i))
@@ -48,6 +49,16 @@ def main() -> None:
         else:
             running.discard(i)
     total = (edges[-1][0] - edges[0][0]) if edges else 0.0
+    return kernels, exposed, idle, total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--top", type=int, default=20)
+    args = parser.parse_args()
+    kernels, exposed, idle, total = timeline(args.trace)
     count = collections.Counter(e["name"] for e in kernels)
     dur = collections.Counter()
     for e in kernels:

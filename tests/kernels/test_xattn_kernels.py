@@ -374,8 +374,8 @@ def test_policy_keeping_every_block_is_dense_attention(monkeypatch):
     out = XAttentionPolicy(threshold=1.0, stride=4, block_size=bs).compute_prefill(q, k, v, 0, 0.25)
     assert _rel_err(out, dense) < F32_TOL  # threshold 1.0: the dense shortcut
     policy = XAttentionPolicy(threshold=0.5, stride=4, block_size=bs)
-    monkeypatch.setattr(policy, "select_prefill_blocks",
-                        lambda q, k: XAttentionPolicy(threshold=1.0, block_size=bs).select_prefill_blocks(q, k))
+    monkeypatch.setattr(policy, "select_prefill_runs",
+                        lambda q, k: XAttentionPolicy(threshold=1.0, block_size=bs).select_prefill_runs(q, k))
     out = policy.compute_prefill(q, k, v, 0, 0.25)  # every visible block through the block-sparse kernel
     assert _rel_err(out, dense) < F32_TOL and policy.last_density == pytest.approx(1.0)
 
@@ -416,3 +416,27 @@ def test_gpu_compute_prefill_does_not_sync():
     policy.compute_prefill(q, k, v, 0, 128 ** -0.5)  # compile first
     assert host_sync_sites(lambda: policy.compute_prefill(q, k, v, 0, 128 ** -0.5)) == []
     assert 0.0 < policy.last_density <= 1.0
+
+
+@pytest.mark.gpu
+def test_gpu_compute_prefill_launches_a_handful_of_kernels(monkeypatch):
+    """Estimate, mass, threshold, runs, the kept count and the attention: the selection is two kernels, not the
+    ~60 small torch ops whose gaps left the GPU idle once per layer and chunk."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from sparsekv.kernels import _dispatch
+
+    gen = torch.Generator().manual_seed(3)
+    seq, n = 16384, 4096
+    q = _randn(n, 32, 128, gen=gen, dtype=torch.bfloat16)
+    k, v = _randn(seq, 8, 128, gen=gen, dtype=torch.bfloat16), _randn(seq, 8, 128, gen=gen, dtype=torch.bfloat16)
+    monkeypatch.setattr(_dispatch, "POISON_OUTPUTS", False)  # no NaN fills of the outputs: only the kernels
+    policy = XAttentionPolicy(threshold=0.7)
+    policy.compute_prefill(q, k, v, 0, 128 ** -0.5)  # compile first
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        policy.compute_prefill(q, k, v, 0, 128 ** -0.5)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    assert 4 <= len(kernels) <= 8, [name[:40] for name in kernels]

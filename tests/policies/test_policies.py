@@ -26,7 +26,8 @@ from sparsekv.llm import compose_config
 from sparsekv.policies.context import KVLayout, PolicyContext
 from sparsekv.policies.quest import QuestPolicy
 from sparsekv.policies.scorer import top_blocks
-from sparsekv.policies.xattn.policy import XAttentionPolicy, threshold_keep
+from sparsekv.policies.xattn.block_select import threshold_keep
+from sparsekv.policies.xattn.policy import XAttentionPolicy
 from tests.conftest import host_sync_sites, make_checkpoint, random_prompt
 from tests.policies.test_streaming_plugin import install_streaming_plugin, plugin_site_on_path
 

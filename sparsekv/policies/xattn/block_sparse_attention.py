@@ -56,10 +56,10 @@ from sparsekv.kernels.attention import (
 )
 from sparsekv.kernels.attention_checks import check_qkv
 from sparsekv.kernels.tma import TensorDescriptor
-from .block_lists import block_lists_from_mask, block_mask_from_lists, block_runs
+from .block_lists import BlockRuns, block_lists_from_mask, block_mask_from_lists, block_runs
 
 __all__ = ["LoopConfig", "block_lists_from_mask", "block_sparse_attention", "block_sparse_attention_reference",
-           "loop_config"]
+           "block_sparse_attention_runs", "loop_config"]
 
 LOG2E = 1.4426950408889634
 
@@ -300,12 +300,11 @@ def _config(q: torch.Tensor, block_size: int) -> tuple[int, int, int, int] | Non
     return block_m, block_n, warps, stages
 
 
-def _block_sparse_triton(q, k, v, block_idx, block_count, block_size, scale, q_start, config, loop: LoopConfig):
+def _block_sparse_triton(q, k, v, runs: BlockRuns, block_size, scale, q_start, config, loop: LoopConfig):
     n, H, D = q.shape
     S, KVH, _ = k.shape
     block_m, block_n, warps, stages = config
     qb0, nqb = _layout(n, S, block_size, q_start)
-    runs = block_runs(block_idx, block_count, qb0)  # device ops: no host sync
     o = alloc_output((n, H, D), q.dtype, q.device)  # [n, H, D]
     lse = alloc_output((H, n), torch.float32, q.device)  # [H, n]
     flags = effective_attn_variants(q, k, v, o, scale, VARIANTS)
@@ -336,12 +335,24 @@ def block_sparse_attention(
     walks the blocks (default: LOOP, whose mode "auto" picks runs or lists from the selection on the device).
     """
     q_start = _check_inputs(q, k, v, block_idx, block_count, block_size, q_start)
+    runs = block_runs(block_idx, block_count, q_start // block_size)  # device ops: no host sync
+    return block_sparse_attention_runs(q, k, v, runs, block_size, softmax_scale, q_start, loop)
+
+
+def block_sparse_attention_runs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: BlockRuns, block_size: int,
+    softmax_scale: float | None = None, q_start: int | None = None, loop: LoopConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_sparse_attention with the selection already as the kernel reads it: `runs`, block_lists.block_runs'
+    of the lists (block_select.select_block_runs builds it from the masses in two launches). A query block attends
+    to the first n_full + diag entries of its list: the blocks before it and its own."""
+    q_start = _check_inputs(q, k, v, runs.idx, runs.n_full, block_size, q_start)
     n, _, D = q.shape
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     if n == 0 or k.shape[0] == 0 or D == 0:
         return _empty_result(q)
     config = _config(q, block_size) if HAS_TRITON and use_triton(q.device) else None
     if config is None:
-        return block_sparse_attention_reference(q, k, v, block_idx, block_count, block_size, scale, q_start)
-    return _block_sparse_triton(q, k, v, block_idx, block_count, block_size, scale, q_start, config,
-                                loop if loop is not None else LOOP)
+        return block_sparse_attention_reference(q, k, v, runs.idx, runs.n_full + runs.diag, block_size, scale,
+                                                q_start)
+    return _block_sparse_triton(q, k, v, runs, block_size, scale, q_start, config, loop if loop is not None else LOOP)

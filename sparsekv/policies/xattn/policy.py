@@ -15,9 +15,10 @@ and the diagonal block are always kept.
 
 offload=none (compute_prefill; the keys are all on the device): the scoring runs on the real keys at
 `block_size` granularity (sparsekv.policies.xattn.xattn_estimate: one fused matmul pass over the strided scores that keeps
-only per-(row, key block) log-sum-exps, then the normalised masses), and the attention is computed exactly over
-each query block's own kept blocks by one block-sparse kernel (sparsekv.policies.xattn.block_sparse_attention; the
-selection goes to it as sorted per-query-block lists built on the device, so the plan needs no host sync).
+only per-(row, key block) log-sum-exps, then the normalised masses), the threshold, the vote and the runs of kept
+blocks the attention kernel walks in two more launches (sparsekv.policies.xattn.block_select), and the attention is
+computed exactly over each query block's own kept blocks by one block-sparse kernel
+(sparsekv.policies.xattn.block_sparse_attention): no host sync.
 
 offload=cpu (compute_chunked_prefill). When the GPU block cache holds the prefix in one run of slots and the chunk
 was written right after it (ctx.sequence_kv: the usual case when the cache can hold the prompt), the whole sequence
@@ -55,7 +56,9 @@ from typing import ClassVar, Optional
 
 import torch
 
-from sparsekv.policies.xattn.block_sparse_attention import block_lists_from_mask, block_sparse_attention
+from sparsekv.policies.xattn.block_lists import BlockRuns, block_mask_from_lists
+from sparsekv.policies.xattn.block_select import select_block_runs, threshold_keep
+from sparsekv.policies.xattn.block_sparse_attention import block_sparse_attention_runs
 from sparsekv.policies.xattn.xattn_estimate import xattn_block_mass
 from sparsekv.policies.base import SparsePolicy
 from sparsekv.policies.block_metadata import BlockMetadata
@@ -66,26 +69,6 @@ SCORE_ELEMENTS = 1 << 25  # fp32 summary scores (offload=cpu) materialised at on
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def threshold_keep(mass: torch.Tensor, threshold: float, visible: torch.Tensor | None = None,
-                   kept: torch.Tensor | None = None) -> torch.Tensor:
-    """mass [..., R, C] >= 0 -> bool [..., R, C]: per row, the columns in descending mass until the kept mass reaches
-    `threshold` of the row's total (the column that crosses it included); only `visible` [R, C] columns count.
-    `kept` [..., R]: mass the row keeps anyway (outside these columns), counted in the kept mass and the total."""
-    if visible is not None:
-        mass = mass.masked_fill(~visible, 0.0)
-    if threshold >= 1.0:
-        keep = torch.ones_like(mass, dtype=torch.bool)
-    else:
-        ordered, order = mass.sort(dim=-1, descending=True)
-        before = ordered.cumsum(dim=-1) - ordered  # mass kept before each column joins
-        total = mass.sum(dim=-1, keepdim=True)
-        if kept is not None:
-            before, total = before + kept[..., None], total + kept[..., None]
-        keep_sorted = before < threshold * total
-        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
-    return keep & visible if visible is not None else keep
 
 
 def _group_means(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -136,10 +119,13 @@ class XAttentionPolicy(SparsePolicy):
         self._groups: BlockMetadata | None = None  # [L, blocks] valid summary groups per block
 
     # ---------------------------------------------------------------------------------------- shared
+    def _votes_needed(self, kv_heads: int) -> int:
+        """KV heads that must keep a block for it to be kept: at least vote_fraction of them, at least one."""
+        return max(1, math.ceil(self.vote_fraction * kv_heads - 1e-9))
+
     def _vote(self, keep: torch.Tensor) -> torch.Tensor:
         """keep [KVH, ...] bool -> [...]: kept by at least vote_fraction of the KV heads."""
-        need = max(1, math.ceil(self.vote_fraction * keep.shape[0] - 1e-9))
-        return keep.sum(dim=0) >= need
+        return keep.sum(dim=0) >= self._votes_needed(keep.shape[0])
 
     # ---------------------------------------------------------------------------------------- offload=none
     def block_mass(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -152,19 +138,21 @@ class XAttentionPolicy(SparsePolicy):
         """
         return xattn_block_mass(q, k, self.stride, self.block_size)
 
+    def select_prefill_runs(self, q: torch.Tensor, k: torch.Tensor) -> tuple[BlockRuns, torch.Tensor]:
+        """offload=none selection as the block-sparse kernel reads it: (the runs of every query block's kept key
+        blocks, count [nqb] of kept blocks), for q [n, H, D] the last n positions of k [S, KVH, D]
+        (block_select.select_block_runs: two launches after the estimate, no host sync)."""
+        seq, kv_heads = k.shape[:2]
+        qb0, nkb = (seq - q.shape[0]) // self.block_size, _cdiv(seq, self.block_size)
+        mass = self.block_mass(q, k) if self.threshold < 1.0 else \
+            torch.zeros(kv_heads, nkb - qb0, nkb, device=q.device)  # every visible block: no estimate needed
+        return select_block_runs(mass, qb0, self.threshold, self._votes_needed(kv_heads))
+
     def select_prefill_blocks(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """offload=none selection: (keep [nqb, nkb] bool on the device, index of the first query block)."""
-        seq, bs = k.shape[0], self.block_size
-        nkb = _cdiv(seq, bs)
-        qb0 = (seq - q.shape[0]) // bs
-        qb = torch.arange(qb0, nkb, device=q.device)[:, None]  # absolute query block per row
-        kb = torch.arange(nkb, device=q.device)[None, :]
-        visible = kb <= qb
-        forced = visible & ((kb == 0) | (kb == qb))
-        if self.threshold >= 1.0:
-            return visible, qb0
-        keep = threshold_keep(self.block_mass(q, k), self.threshold, visible)  # [KVH, nqb, nkb]
-        return (self._vote(keep) & visible) | forced, qb0
+        """The same selection as a mask: (keep [nqb, nkb] bool on the device, index of the first query block)."""
+        runs, count = self.select_prefill_runs(q, k)
+        return block_mask_from_lists(runs.idx, count, _cdiv(k.shape[0], self.block_size)), \
+            (k.shape[0] - q.shape[0]) // self.block_size
 
     def compute_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                         softmax_scale: float) -> torch.Tensor:
@@ -177,10 +165,9 @@ class XAttentionPolicy(SparsePolicy):
         if nkb <= 2 or self.threshold >= 1.0:  # every visible block is the sink or a diagonal / all kept
             self.record_density(visible, visible)
             return super().compute_prefill(q, k, v, layer_id, softmax_scale)
-        keep, _ = self.select_prefill_blocks(q, k)  # [nqb, nkb]
-        block_idx, block_count = block_lists_from_mask(keep)
-        self.record_density(block_count.sum(), visible)  # a device count: read (and synced) only when reported
-        out, _ = block_sparse_attention(q, k, v, block_idx, block_count, bs, softmax_scale, seq - n)
+        runs, count = self.select_prefill_runs(q, k)
+        self.record_density(count.sum(), visible)  # a device count: read (and synced) only when reported
+        out, _ = block_sparse_attention_runs(q, k, v, runs, bs, softmax_scale, seq - n)
         return out
 
     # ---------------------------------------------------------------------------------------- offload=cpu
