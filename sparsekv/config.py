@@ -120,6 +120,10 @@ class HostOffloadConfig:
     # tokens per prefill chunk, a multiple of block_size; null: scheduler.max_num_batched_tokens rounded down to one
     prefill_chunk_size: Optional[int] = bounded(8192, ge=1)
     host_pool_gib: Optional[float] = bounded(None, gt=0)  # host KV limit; null: 90% of MemAvailable less 4 GiB
+    # tokens of host KV pinned when the engine is built and kept pinned while idle (KVStore.reserve). 0: slabs are
+    # pinned as requests grow and released when the store goes idle, so every long request after an idle spell pins
+    # its KV again inside its prefill (pinning runs at a few GB/s)
+    reserve_tokens: int = bounded(0, ge=0)
     prefill_mode: PrefillMode = PrefillMode.chunked  # layerwise: the whole prompt per layer, then offload
     host_dtype: HostDType = HostDType.auto  # KV in host memory (and over PCIe): the model dtype or fp8 + scales
     # GPU block cache of host blocks, held as the host holds them (fp8 + scales with host_dtype fp8;

@@ -137,6 +137,10 @@ def build_kv_store(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device:
                            cache_slots_per_layer=cache_slots, expected_blocks=layout.expected_blocks)
     if cache_slots:
         log.info("GPU block cache: %d blocks per layer (%s)", cache_slots, format_bytes(store.engine.cache.bytes))
+    if offload.reserve_tokens:
+        seconds = store.reserve(offload.reserve_tokens)
+        log.info("host KV for %d tokens pinned in %.1f s, kept while idle (offload.reserve_tokens)",
+                 offload.reserve_tokens, seconds)
     return store
 
 

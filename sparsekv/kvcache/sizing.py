@@ -13,7 +13,7 @@ from sparsekv.config_check import policy_origin
 from sparsekv.errors import PolicyConfigError
 from sparsekv.kvcache.base import available_host_memory, format_bytes
 from sparsekv.kvcache.host_quant import host_block_bytes, resolve_host_dtype
-from sparsekv.kvcache.offload_store import HOST_HEADROOM
+from sparsekv.kvcache.offload_store import HOST_HEADROOM, host_pool_blocks
 from sparsekv.models.spec import ModelSpec
 from sparsekv.policies.context import KVLayout
 
@@ -100,6 +100,11 @@ def check_kv_memory(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device
             raise ValueError(f"the automatic host KV pool (90% of available host memory less "
                              f"{format_bytes(HOST_HEADROOM)}) is empty with {format_bytes(available)} available; "
                              "free host memory or set offload.host_pool_gib")
+        ranks = int(cfg.parallel.tensor_parallel_size) if cfg.get("parallel") is not None else 1
+        pool_tokens = host_pool_blocks(offload.host_pool_gib, block_bytes) // ranks * offload.block_size
+        if offload.reserve_tokens > pool_tokens:
+            raise ValueError(f"offload.reserve_tokens={offload.reserve_tokens} exceeds the host KV pool's "
+                             f"{pool_tokens} tokens; lower it or raise offload.host_pool_gib")
         return
     if device.type == "cuda":
         limit, where = torch.cuda.mem_get_info(device)[1] * offload.gpu_memory_utilization, "device memory"

@@ -99,3 +99,11 @@ def policy_warnings(policy, layers: Sequence[int], block_size: int, context: int
 def print_warnings(warnings: list[str]) -> None:
     for warning in warnings:
         print(f"warning: {warning}")
+
+
+def reserve_largest_batch(engine, batches: Sequence[Sequence[int]], block_size: int) -> float:
+    """Pin the host KV of the largest batch (each batch: its sequences' token counts, prompt and output) before the
+    timed work, kept while idle: with offload=cpu every batch after an idle store would otherwise pin its KV again
+    inside its prefill. A no-op for stores allocated up front. Returns the seconds spent."""
+    tokens = max((sum(-(-n // block_size) * block_size for n in batch) for batch in batches), default=0)
+    return engine.reserve(tokens) if tokens else 0.0

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, open_dict
 
-from sparsekv.tasks.common import enum_value, policy_warnings, print_warnings, run_identity
+from sparsekv.tasks.common import enum_value, policy_warnings, print_warnings, reserve_largest_batch, run_identity
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
@@ -198,6 +198,9 @@ def run(cfg: DictConfig) -> dict:
                                min(int(c) for c in nd.contexts))
     print_warnings(warnings)
     params = SamplingParams(temperature=0.0, max_tokens=int(nd.max_tokens))
+    reserve_seconds = reserve_largest_batch(
+        engine, [[s["prompt_tokens"] + int(nd.max_tokens) + 1 for s in samples[first:first + nd.batch_size]]
+                 for first in range(0, len(samples), nd.batch_size)], int(cfg.offload.block_size))
     start = time.perf_counter()
     with bar(len(samples), "needle", "sample", bool(nd.progress)) as items:
         for first in range(0, len(samples), nd.batch_size):
@@ -234,6 +237,7 @@ def run(cfg: DictConfig) -> dict:
         "samples": samples,
         "warnings": warnings,
         "haystack_seconds": build_seconds,
+        "host_pool_reserve_seconds": reserve_seconds,
         "generate_seconds": generate_seconds,
         "prefill_tok_s": stats.prefill_tok_s,
         "decode_tok_s": stats.decode_tok_s,

@@ -84,3 +84,36 @@ def test_reserved_blocks_stay_pinned_while_idle(qwen3_ckpt, monkeypatch):
     assert kept == 3 * SLAB_BLOCKS * BLOCK_BYTES
     llm.generate([random_prompt(150, seed=1)], GREEDY)  # 10 blocks
     assert store.host.bytes_allocated == kept
+
+
+def test_reserve_tokens_pins_at_build_and_keeps_it_while_idle(qwen3_ckpt, monkeypatch):
+    llm = small_slab_llm(qwen3_ckpt, monkeypatch, "offload.host_pool_gib=0.05", "offload.reserve_tokens=80")
+    store = llm.engine.kv_store
+    assert store.host.bytes_allocated == 3 * SLAB_BLOCKS * BLOCK_BYTES  # 5 blocks of 16 tokens: 3 slabs
+    llm.generate([random_prompt(150, seed=1)], GREEDY)
+    assert store.host.bytes_allocated == 3 * SLAB_BLOCKS * BLOCK_BYTES
+
+
+def test_reserve_tokens_beyond_the_pool_fail_before_the_weights_load(qwen3_ckpt, monkeypatch):
+    pool = "offload.host_pool_gib=%.12f" % (9.5 * BLOCK_BYTES / 2**30)  # 9 blocks: 144 tokens
+    monkeypatch.setattr("sparsekv.factory.build_model", lambda *a, **k: pytest.fail("weights built"))
+    with pytest.raises(ValueError, match=r"offload.reserve_tokens=200 exceeds the host KV pool's 144 tokens; lower it "
+                                         r"or raise offload.host_pool_gib"):
+        small_slab_llm(qwen3_ckpt, monkeypatch, pool, "offload.reserve_tokens=200")
+
+
+def test_tasks_reserve_their_largest_batch_in_whole_blocks():
+    from sparsekv.tasks.common import reserve_largest_batch
+
+    class Engine:
+        def __init__(self):
+            self.reserved: list[int] = []
+
+        def reserve(self, tokens: int) -> float:
+            self.reserved.append(tokens)
+            return 0.5
+
+    engine = Engine()
+    assert reserve_largest_batch(engine, [[10, 20], [17, 1, 1], [40]], 16) == 0.5
+    assert engine.reserved == [64]  # [17, 1, 1] holds 32 + 16 + 16 tokens of blocks; [40] 48; [10, 20] 16 + 32
+    assert reserve_largest_batch(engine, [], 16) == 0.0 and engine.reserved == [64]

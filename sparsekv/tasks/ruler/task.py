@@ -141,7 +141,7 @@ def length_summary(cells: list[dict[str, Any]], length: int) -> dict[str, Any]:
 def run(cfg: DictConfig) -> dict:
     from sparsekv.llm import LLM
     from sparsekv.progress import bar
-    from sparsekv.tasks.common import write_record
+    from sparsekv.tasks.common import reserve_largest_batch, write_record
     from sparsekv.tasks.ruler.generators import score_output
 
     settings = ruler_settings(cfg)
@@ -157,6 +157,11 @@ def run(cfg: DictConfig) -> dict:
     block_size, num_layers = int(cfg.offload.block_size), settings.spec.num_hidden_layers
     warnings = policy_warnings(policy, range(num_layers), block_size, settings.lengths[0])
     print_warnings(warnings)
+    batch_size = int(task.batch_size)
+    reserve_seconds = reserve_largest_batch(engine, [[len(s.prompt_ids) + s.max_new_tokens + 1 for s in
+                                                      group[first:first + batch_size]]
+                                                     for group in samples.values()
+                                                     for first in range(0, len(group), batch_size)], block_size)
     warmup_seconds = warm_up(llm, next(iter(samples.values()))[0]) if task.warmup else None
 
     cells, records = [], []
@@ -164,7 +169,7 @@ def run(cfg: DictConfig) -> dict:
     with bar(total, "ruler", "sample", bool(task.progress)) as progress:
         for (name, length), group in samples.items():
             engine.reset_figures()
-            outputs, wall = run_cell(llm, group, int(task.batch_size), progress)
+            outputs, wall = run_cell(llm, group, batch_size, progress)
             scores = [float(score_output(s, o.text)) for s, o in zip(group, outputs)]
             density = cell_density(policy, block_size, num_layers,
                                    [(len(s.prompt_ids), len(o.token_ids)) for s, o in zip(group, outputs)])
@@ -199,6 +204,7 @@ def run(cfg: DictConfig) -> dict:
         "warnings": warnings,
         "build_seconds": build_seconds,
         "load_seconds": load_seconds,
+        "host_pool_reserve_seconds": reserve_seconds,
         "warmup_seconds": warmup_seconds,
         **engine.peak_memory(),
     }
