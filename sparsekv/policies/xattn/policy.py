@@ -151,8 +151,8 @@ class XAttentionPolicy(SparsePolicy):
     def select_prefill_blocks(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The same selection as a mask: (keep [nqb, nkb] bool on the device, index of the first query block)."""
         runs, count = self.select_prefill_runs(q, k)
-        return block_mask_from_lists(runs.idx, count, _cdiv(k.shape[0], self.block_size)), \
-            (k.shape[0] - q.shape[0]) // self.block_size
+        seq, bs = k.shape[0], self.block_size
+        return block_mask_from_lists(runs.idx, count, _cdiv(seq, bs)), (seq - q.shape[0]) // bs
 
     def compute_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                         softmax_scale: float) -> torch.Tensor:
