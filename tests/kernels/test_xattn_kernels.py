@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from sparsekv.policies.xattn import block_select as select_module
 from sparsekv.policies.xattn import block_sparse_attention as bsa_module
 from sparsekv.kernels import flash_attn_with_lse_reference
 from sparsekv.policies.xattn import xattn_estimate as estimate_module
@@ -356,8 +357,12 @@ def test_policy_compute_prefill_is_the_masked_attention_of_its_selection(n_back,
     policy = XAttentionPolicy(threshold=0.6, stride=4, block_size=bs)
     launches = CountLaunches(bsa_module._bsa_fwd_kernel)
     monkeypatch.setattr(bsa_module, "_bsa_fwd_kernel", launches)
+    selection = [CountLaunches(getattr(select_module, name)) for name in ("_threshold_kernel", "_runs_kernel")]
+    for counter, name in zip(selection, ("_threshold_kernel", "_runs_kernel")):
+        monkeypatch.setattr(select_module, name, counter)
     out = policy.compute_prefill(q, k, v, 0, 0.25)
     assert launches.calls == 1  # one launch for every query block: no grouping, no gathering
+    assert [counter.calls for counter in selection] == [1, 1]  # the selection: threshold, then lists and runs
     keep, qb0 = policy.select_prefill_blocks(q, k)
     visible = sum(qb + 1 for qb in range(qb0, keep.shape[1]))
     assert policy.last_density == pytest.approx(keep.sum().item() / visible) and policy.last_density < 0.8
