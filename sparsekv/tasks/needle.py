@@ -198,9 +198,9 @@ def run(cfg: DictConfig) -> dict:
                                min(int(c) for c in nd.contexts))
     print_warnings(warnings)
     params = SamplingParams(temperature=0.0, max_tokens=int(nd.max_tokens))
-    reserve_seconds = reserve_largest_batch(
-        engine, [[s["prompt_tokens"] + int(nd.max_tokens) + 1 for s in samples[first:first + nd.batch_size]]
-                 for first in range(0, len(samples), nd.batch_size)], int(cfg.offload.block_size))
+    batches = [[s["prompt_tokens"] + int(nd.max_tokens) + 1 for s in samples[first:first + nd.batch_size]]
+               for first in range(0, len(samples), nd.batch_size)]
+    reserve_seconds = reserve_largest_batch(engine, batches, int(cfg.offload.block_size))
     start = time.perf_counter()
     with bar(len(samples), "needle", "sample", bool(nd.progress)) as items:
         for first in range(0, len(samples), nd.batch_size):

@@ -158,10 +158,9 @@ def run(cfg: DictConfig) -> dict:
     warnings = policy_warnings(policy, range(num_layers), block_size, settings.lengths[0])
     print_warnings(warnings)
     batch_size = int(task.batch_size)
-    reserve_seconds = reserve_largest_batch(engine, [[len(s.prompt_ids) + s.max_new_tokens + 1 for s in
-                                                      group[first:first + batch_size]]
-                                                     for group in samples.values()
-                                                     for first in range(0, len(group), batch_size)], block_size)
+    batches = [[len(s.prompt_ids) + s.max_new_tokens + 1 for s in group[first:first + batch_size]]
+               for group in samples.values() for first in range(0, len(group), batch_size)]
+    reserve_seconds = reserve_largest_batch(engine, batches, block_size)
     warmup_seconds = warm_up(llm, next(iter(samples.values()))[0]) if task.warmup else None
 
     cells, records = [], []
