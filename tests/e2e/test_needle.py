@@ -86,10 +86,19 @@ def test_task_needle_tiny_model(tmp_path, capsys):
     assert "context \\ depth" in out and "record:" in out
 
 
-def test_task_needle_offloaded_policy(tmp_path):
+def test_task_needle_offloaded_policy(tmp_path, monkeypatch):
+    from sparsekv.kvcache.offload_store import OffloadKVStore
+
+    reserved = []
+    original = OffloadKVStore.reserve
+    monkeypatch.setattr(OffloadKVStore, "reserve", lambda self, tokens: (reserved.append(tokens),
+                                                                          original(self, tokens))[1])
     record = run_needle(tmp_path, "offload=cpu", "offload.block_size=64", "task.contexts=[400]",
                         "task.depths=[0.5]", "task.num_samples=1", "task.max_tokens=3")
     assert record["offload"] == "cpu" and len(record["samples"]) == 1
+    # the one prompt and its output, in whole host blocks, pinned before the timed run
+    assert reserved == [-(-(record["samples"][0]["prompt_tokens"] + 4) // 64) * 64]
+    assert record["host_pool_reserve_seconds"] >= 0.0
 
 
 def test_task_needle_checkpoint_with_word_tokenizer(tmp_path, qwen3_ckpt):
