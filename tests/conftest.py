@@ -188,6 +188,14 @@ class CountLaunches:
         return self.kernel.warmup(*args, **kwargs)
 
 
+def compiled_variants(kernel) -> int:
+    """Specializations of a Triton kernel compiled (or loaded from the disk cache) in this process."""
+    caches = getattr(kernel, "device_caches", None)
+    if not caches or not all(isinstance(entry[0], dict) for entry in caches.values()):
+        pytest.skip("this Triton release keeps no per-device kernel cache")
+    return sum(len(entry[0]) for entry in caches.values())
+
+
 def host_sync_sites(fn) -> list[str]:
     """Synchronizing CUDA calls made by fn (torch's sync debug mode), as file:line."""
     import warnings

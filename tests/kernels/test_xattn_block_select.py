@@ -9,7 +9,7 @@ import torch
 
 from sparsekv.policies.xattn import block_select
 from sparsekv.policies.xattn.block_select import select_block_runs, select_block_runs_reference, threshold_keep
-from tests.conftest import CountLaunches
+from tests.conftest import CountLaunches, compiled_variants
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -113,12 +113,10 @@ def test_gpu_kernel_matches_reference_at_real_size():
 def test_gpu_one_compiled_kernel_serves_every_chunk_of_a_prompt():
     """Rows grow with every chunk (64 key blocks after the first 8K, 1,024 at 128K, 4,096 at 512K): no chunk
     compiles a new variant in the middle of a prefill."""
-    from tests.kernels.test_xattn_kernels import _compiled_variants
-
     gen = torch.Generator().manual_seed(6)
     kernels = (block_select._threshold_kernel, block_select._runs_kernel)
     select_block_runs(_masses(8, 64, 64, gen), 0, 0.7, 4)
-    before = [_compiled_variants(kernel) for kernel in kernels]
+    before = [compiled_variants(kernel) for kernel in kernels]
     for nkb in (128, 1024, 1056, 4096):
         select_block_runs(_masses(8, 64, nkb, gen), nkb - 64, 0.7, 4)
-    assert [_compiled_variants(kernel) for kernel in kernels] == before
+    assert [compiled_variants(kernel) for kernel in kernels] == before

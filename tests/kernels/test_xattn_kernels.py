@@ -23,7 +23,7 @@ from sparsekv.policies.xattn.block_sparse_attention import (
 )
 from sparsekv.policies.xattn.xattn_estimate import xattn_block_mass, xattn_block_mass_reference
 from sparsekv.policies.xattn import XAttentionPolicy
-from tests.conftest import CountLaunches, host_sync_sites
+from tests.conftest import CountLaunches, compiled_variants, host_sync_sites
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F32_TOL = 3e-3 if DEV.type == "cuda" else 1e-5  # fp32 tl.dot is tf32 on the GPU
@@ -186,14 +186,6 @@ def test_block_mass_kernel_splits_columns_among_programs(monkeypatch):
     assert (mass - xattn_block_mass_reference(q, k, 4, 16)).abs().max().item() < F32_TOL
 
 
-def _compiled_variants(kernel) -> int:
-    """Specializations of a Triton kernel compiled (or loaded from the disk cache) in this process."""
-    caches = getattr(kernel, "device_caches", None)
-    if not caches or not all(isinstance(entry[0], dict) for entry in caches.values()):
-        pytest.skip("this Triton release keeps no per-device kernel cache")
-    return sum(len(entry[0]) for entry in caches.values())
-
-
 @pytest.mark.gpu
 def test_block_mass_kernels_compile_once_for_the_chunks_of_a_prompt(monkeypatch):
     """Chunks differ in their lengths, offsets and tiles per split (here 2, 4 and 1; Triton would specialise 1 and
@@ -203,12 +195,12 @@ def test_block_mass_kernels_compile_once_for_the_chunks_of_a_prompt(monkeypatch)
     q_all, k = _randn(4096, 8, 128, gen=gen, dtype=torch.bfloat16), _randn(4096, 2, 128, gen=gen, dtype=torch.bfloat16)
     kernels = (estimate_module._block_lse_kernel, estimate_module._mass_kernel)
     xattn_block_mass(q_all[1024:2048], k[:2048], 8, 128)  # compiles (or loads) both
-    before = [_compiled_variants(kernel) for kernel in kernels]
+    before = [compiled_variants(kernel) for kernel in kernels]
     xattn_block_mass(q_all[3096:4096], k, 8, 128)  # 1,000 queries after 3,096 keys
     monkeypatch.setattr(estimate_module, "PROGRAMS", 1 << 20)
     monkeypatch.setattr(estimate_module, "MIN_SPLIT_TILES", 1)  # one column tile per program
     mass = xattn_block_mass(q_all[2048:], k, 8, 128)
-    assert [_compiled_variants(kernel) for kernel in kernels] == before
+    assert [compiled_variants(kernel) for kernel in kernels] == before
     assert torch.isfinite(mass).any()
 
 
