@@ -11,7 +11,9 @@ CUDA events.
             vertical stripes of 4 blocks or of 1), a random one, and the policy's own on these q/k. Per row: ms,
             x dense, and x dense per tile (ms / (density * dense ms): 1.00 is the dense kernel's cost per kept
             tile), and the largest difference from the first variant's output.
-  estimate: xattn_block_mass under each candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) of its SM90 table.
+  estimate: xattn_block_mass under each candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) of its SM90 tables,
+            16-bit and fp8 (the fp8 times include quantize_strided of q and k), each with its difference from the
+            16-bit default's mass, and how far the policy's selection moves when the estimate runs in fp8.
   pieces:   XAttentionPolicy.compute_prefill's parts: estimate, threshold and vote, lists, block-sparse attention.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from profile_sparse_prefill import (  # tools/ is on sys.path
 
 from sparsekv.kernels import flash_attn_with_lse
 from sparsekv.kernels._dispatch import attention_backend, default_kernels
+from sparsekv.policies.xattn import strided_fp8 as fp8_module
 from sparsekv.policies.xattn import xattn_estimate as est
 from sparsekv.policies.xattn.block_lists import block_runs
 from sparsekv.policies.xattn.block_sparse_attention import (
@@ -37,6 +40,9 @@ from sparsekv.policies.xattn import XAttentionPolicy
 
 CANDIDATES = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3),
               (64, 128, 4, 4), (128, 256, 8, 2), (256, 128, 8, 2)]
+FP8_CANDIDATES = [(128, 256, 8, 3), (128, 256, 8, 4), (256, 128, 8, 3), (256, 128, 8, 4), (128, 128, 8, 4),
+                  (128, 128, 4, 4), (64, 128, 4, 4), (128, 256, 8, 2)]
+QUANTIZE_CANDIDATES = [(4096, 4), (8192, 4), (8192, 8), (16384, 8), (32768, 8)]  # (ROW_TILE_ELEMENTS, warps)
 LOOPS = {"old": "mode=lists,list_stages=3", "lists": "mode=lists", "runs": "mode=runs", "auto": "mode=auto"}
 
 
@@ -89,18 +95,39 @@ def bench_block_sparse(q, k, v, policy: XAttentionPolicy, loops: dict[str, str],
 
 
 def bench_estimate(q, k, policy: XAttentionPolicy, dense_ms: float, reps: int) -> None:
-    default = est.GPU_CONFIG_16BIT_SM90[128]
-    ref = policy.block_mass(q, k)
-    for config in CANDIDATES:
-        est.GPU_CONFIG_16BIT_SM90[128] = config
-        try:
-            ms = timed(lambda: policy.block_mass(q, k), reps)
-            err = ((policy.block_mass(q, k) - ref).norm() / ref.norm()).item()
-            print(f"xattn_block_mass {str(config):18s} {ms:7.2f} ms ({ms / dense_ms:.3f}x dense) rel diff {err:.1e}",
-                  flush=True)
-        except Exception as exc:  # a configuration the compiler rejects (shared memory, ...)
-            print(f"xattn_block_mass {str(config):18s} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-    est.GPU_CONFIG_16BIT_SM90[128] = default
+    stride, bs = policy.stride, policy.block_size
+    exact = est.xattn_block_mass(q, k, stride, bs, fp8=False)
+    for fp8, table, candidates in ((False, est.GPU_CONFIG_16BIT_SM90, CANDIDATES),
+                                   (True, est.GPU_CONFIG_FP8_SM90, FP8_CANDIDATES)):
+        default = table[128]
+        for config in candidates:
+            table[128] = config
+            label = f"xattn_block_mass {'fp8' if fp8 else '16-bit'} {str(config):18s}"
+            try:
+                ms = timed(lambda: est.xattn_block_mass(q, k, stride, bs, fp8=fp8), reps)
+                mass = est.xattn_block_mass(q, k, stride, bs, fp8=fp8)
+                err = ((mass - exact).norm() / exact.norm()).item()
+                print(f"{label} {ms:7.2f} ms ({ms / dense_ms:.3f}x dense) rel diff {err:.1e}", flush=True)
+            except Exception as exc:  # a configuration the compiler rejects (shared memory, ...)
+                print(f"{label} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+        table[128] = default
+    default = fp8_module.ROW_TILE_ELEMENTS, fp8_module.QUANTIZE_WARPS
+    for elements, warps in QUANTIZE_CANDIDATES:
+        fp8_module.ROW_TILE_ELEMENTS, fp8_module.QUANTIZE_WARPS = elements, warps
+        ms = timed(lambda: (est.quantize_strided(q, stride, k.shape[0] - q.shape[0]),
+                            est.quantize_strided(k, stride, 0)), reps)
+        gb = (q.numel() + k.numel()) * (q.element_size() + 1) / 1e9  # read 16-bit, write fp8
+        print(f"quantize_strided of q and k, {elements} elements / {warps} warps per program {ms:7.3f} ms "
+              f"({gb / ms:.2f} TB/s)", flush=True)
+    fp8_module.ROW_TILE_ELEMENTS, fp8_module.QUANTIZE_WARPS = default
+    kept, resolve = {}, est.fp8_estimate_ok
+    for fp8 in (False, True):
+        est.fp8_estimate_ok = lambda _q, fp8=fp8: fp8
+        kept[fp8], _ = policy.select_prefill_blocks(q, k)
+    est.fp8_estimate_ok = resolve
+    both = (kept[False] & kept[True]).sum().item()
+    print(f"selection at threshold {policy.threshold}: 16-bit keeps {kept[False].sum().item()} blocks, fp8 "
+          f"{kept[True].sum().item()}, both {both}")
 
 
 def bench_pieces(q, k, v, policy: XAttentionPolicy, dense_ms: float, reps: int) -> None:

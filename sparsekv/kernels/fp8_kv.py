@@ -50,6 +50,18 @@ def quantize_block(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor) 
 
 
 @jit
+def round_to_e4m3(y):
+    """fp32 y (|y| <= 448) rounded to e4m3fn's grid (3 mantissa bits; below 2^-6 the subnormal step 2^-9), ties to
+    even as torch's cast rounds, so that the cast to fp8 is exact everywhere: Triton's interpreter mis-rounds values
+    that carry into the next binade (-127.2 -> -64)."""
+    step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(y), 0.015625))) - 3.0)
+    steps = tl.abs(y) / step  # exact: step is a power of two
+    rounded = tl.floor(steps + 0.5)
+    rounded = tl.where((rounded - steps == 0.5) & (rounded % 2.0 == 1.0), rounded - 1.0, rounded)
+    return tl.where(y < 0, -1.0, 1.0) * rounded * step
+
+
+@jit
 def _quantize_kernel(K, V, O, S, n, stride_kn, stride_kh, stride_vn, stride_vh, stride_ok, stride_on, stride_oh,
                      kvh, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     kv = tl.program_id(0)  # 0: K, 1: V
@@ -73,11 +85,7 @@ def _quantize_kernel(K, V, O, S, n, stride_kn, stride_kh, stride_vn, stride_vh, 
         ok = (r0 + rows) < n
         offs = (r0 + rows)[:, None].to(tl.int64)
         x = tl.load(src + offs * stride_n + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
-        # round to e4m3's grid first (3 mantissa bits; below 2^-6 the subnormal step 2^-9), so the cast is exact
-        # everywhere: Triton's interpreter mis-rounds values that carry into the next binade (-127.2 -> -64)
-        step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(y), 0.015625))) - 3.0)
-        y = tl.where(y < 0, -1.0, 1.0) * tl.floor(tl.abs(y) / step + 0.5) * step
+        y = round_to_e4m3(tl.minimum(tl.maximum(x * inv, -448.0), 448.0))
         tl.store(dst + offs * stride_on + dims[None, :], y.to(O.dtype.element_ty), mask=ok[:, None])
 
 

@@ -87,17 +87,23 @@ def _check_attention(out, ref, dtype):
     (97, 3, 2, 1, 16, 1, 32, torch.float32),      # stride 1: a block (32 columns) is wider than the column tile
     (70, 1, 2, 2, 16, 4, 16, torch.float32),      # a single query
 ])
-def test_block_mass_kernel_matches_reference(seq, n, h, kvh, d, stride, bs, dtype, monkeypatch):
+@pytest.mark.parametrize("fp8", [False, True], ids=["exact", "fp8"])
+def test_block_mass_kernel_matches_reference(seq, n, h, kvh, d, stride, bs, dtype, fp8, monkeypatch):
+    """The kernels against the reference, on q and k as given or (fp8) on their fp8 copies, which the reference
+    quantizes and dequantizes the same way."""
     gen = torch.Generator().manual_seed(seq * 7 + n)
     q, k = _randn(n, h, d, gen=gen, dtype=dtype), _randn(seq, kvh, d, gen=gen, dtype=dtype)
     launches = CountLaunches(estimate_module._block_lse_kernel)
     monkeypatch.setattr(estimate_module, "_block_lse_kernel", launches)
-    mass = xattn_block_mass(q, k, stride, bs)
-    ref = xattn_block_mass_reference(q, k, stride, bs)
+    mass = xattn_block_mass(q, k, stride, bs, fp8=fp8)
+    ref = xattn_block_mass_reference(q, k, stride, bs, fp8=fp8)
     _, nqb, nkb = _layout(n, seq, bs)
     assert launches.calls == 1 and mass.shape == ref.shape == (kvh, nqb, nkb) and mass.dtype == torch.float32
     assert not mass.isnan().any()
-    assert (mass - ref).abs().max().item() < F32_TOL * max(1.0, ref.abs().max().item())
+    # fp8: a tie the kernel's quantization rounds the other way moves one value by one fp8 step; tensor cores
+    # accumulate fp8 products in ~22 bits
+    tol = 3e-3 if fp8 else F32_TOL
+    assert (mass - ref).abs().max().item() < tol * max(1.0, ref.abs().max().item())
     # each valid strided row's softmax sums to one: the mass of a query block totals group * (valid rows)
     q_start = seq - n
     rows = torch.arange((q_start // bs) * bs // stride, nkb * bs // stride, device=DEV)
@@ -159,7 +165,7 @@ def test_block_mass_strided_tma_views_match_pointer_loads(seq, n, expect_tma, mo
 def test_block_mass_kernel_in_slices(monkeypatch):
     """Long chunks run in slices of whole query blocks (the [H, rows, nkb] scratch stays bounded)."""
     gen = torch.Generator().manual_seed(9)
-    block_m = estimate_module._config(_randn(1, 1, 16, gen=gen), 4)[0]  # the row tile this device launches
+    block_m = estimate_module._config(_randn(1, 1, 16, gen=gen), 4, False)[0]  # the row tile this device launches
     n = 150 * max(1, block_m // 16)  # enough strided rows for three slices of one row tile
     q, k = _randn(n, 4, 16, gen=gen), _randn(n + 80, 2, 16, gen=gen)
     nkb = -(-(n + 80) // 16)
@@ -380,12 +386,20 @@ def test_policy_keeping_every_block_is_dense_attention(monkeypatch):
 # ------------------------------------------------------------------------------------------------ GPU only
 @pytest.mark.gpu
 def test_gpu_block_mass_bf16_realistic():
+    """bf16 at Qwen3-4B's shape: the 16-bit kernel against the reference, the fp8 one (the default here) against the
+    reference of the fp8 copies, and fp8 against exact within the estimate's needs."""
     gen = torch.Generator().manual_seed(0)
     seq, n, h, kvh, d = 16384, 4096, 32, 8, 128
     q, k = _randn(n, h, d, gen=gen, dtype=torch.bfloat16), _randn(seq, kvh, d, gen=gen, dtype=torch.bfloat16)
-    mass = xattn_block_mass(q, k, 8, 128)
-    ref = xattn_block_mass_reference(q, k, 8, 128)
-    assert not mass.isnan().any() and (mass - ref).abs().max().item() < 1e-3 * ref.abs().max().item()
+    assert estimate_module.fp8_estimate_ok(q) == (torch.cuda.get_device_capability() >= (8, 9))
+    exact = xattn_block_mass_reference(q, k, 8, 128)
+    mass = xattn_block_mass(q, k, 8, 128, fp8=False)
+    assert not mass.isnan().any() and (mass - exact).abs().max().item() < 1e-3 * exact.abs().max().item()
+    if estimate_module.fp8_estimate_ok(q):
+        mass8 = xattn_block_mass(q, k, 8, 128)
+        ref8 = xattn_block_mass_reference(q, k, 8, 128, fp8=True)
+        assert not mass8.isnan().any() and (mass8 - ref8).abs().max().item() < 1e-3 * ref8.abs().max().item()
+        assert _rel_err(mass8, exact) < 5e-3
 
 
 @pytest.mark.gpu
@@ -417,8 +431,8 @@ def test_gpu_compute_prefill_does_not_sync():
 
 @pytest.mark.gpu
 def test_gpu_compute_prefill_launches_a_handful_of_kernels(monkeypatch):
-    """Estimate, mass, threshold, runs, the kept count and the attention: the selection is two kernels, not the
-    ~60 small torch ops whose gaps left the GPU idle once per layer and chunk."""
+    """fp8 copies of q and k, estimate, mass, threshold, runs, the kept count and the attention: the selection is two
+    kernels, not the ~60 small torch ops whose gaps left the GPU idle once per layer and chunk."""
     from torch.profiler import ProfilerActivity, profile
 
     from sparsekv.kernels import _dispatch
@@ -436,4 +450,4 @@ def test_gpu_compute_prefill_launches_a_handful_of_kernels(monkeypatch):
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
-    assert 4 <= len(kernels) <= 8, [name[:40] for name in kernels]
+    assert 4 <= len(kernels) <= 10, [name[:40] for name in kernels]

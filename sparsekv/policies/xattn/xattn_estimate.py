@@ -11,7 +11,10 @@ column is scored over its real tokens; a column without any real key is never vi
 softmax over the causally visible columns j <= i of each row; rows that hold no real query give 0;
 mass[kvh, qb, kb] sums the softmax over the block's strided rows and columns and over the G query heads of the KV
 head. Scores are fp32: the reference upcasts q and k (XAttentionPolicy.block_mass used to multiply in the input
-dtype, rounding 16-bit scores to 16 bits), the kernel accumulates 16-bit products in fp32.
+dtype, rounding 16-bit scores to 16 bits), the kernel accumulates 16-bit products in fp32. On sm_89+ 16-bit q and k
+are first copied to fp8 with one scale per (strided row, head) (strided_fp8; fp8=True asks for it elsewhere): every
+score is one q row's tokens against one k column's, so the kernel multiplies the fp8 products' fp32 sum by the two
+scales once per score tile, and the reference takes fp8=True to score the same copies.
 
 Triton, two kernels, one matmul pass over the scores (the classic two-pass design recomputes them):
   1. _block_lse_kernel, one program per (head, tile of BLOCK_M strided rows, split of the row tile's column tiles):
@@ -39,13 +42,15 @@ import torch
 from sparsekv.kernels._dispatch import (HAS_TRITON, alloc_output, cdiv, exact_dot, jit, next_power_of_2, tl,
                                        triton_interpret, use_triton)
 from sparsekv.kernels.tma import TensorDescriptor, tma_device_ok, tma_view_ok
+from sparsekv.policies.xattn.strided_fp8 import dequantize_strided, quantize_strided, quantize_strided_reference
 
-__all__ = ["xattn_block_mass", "xattn_block_mass_reference"]
+__all__ = ["fp8_estimate_ok", "xattn_block_mass", "xattn_block_mass_reference"]
 
 LOG2E = 1.4426950408889634
 SCORE_ELEMENTS = 1 << 25  # fp32 strided scores the reference materialises at once
 LSB_ELEMENTS = 1 << 25  # fp32 block log-sum-exps [H, rows, nkb] the kernels keep at once (128 MiB)
 MAX_CELL = 128  # strided columns per key block (block_size / stride) the kernels handle
+FP8_MIN_DOT_K = 32  # an fp8 tl.dot reduces over at least 32 elements: smaller head dims load zero-padded tiles
 
 # (BLOCK_M strided rows, BLOCK_N strided columns, num_warps, num_stages) by head dim; the sm_90 row chosen by
 # tools/tune_xattn.py --sections estimate (docs/decisions.md). With the TMA views (NVIDIA H200, Triton 3.6,
@@ -57,6 +62,11 @@ MAX_CELL = 128  # strided columns per key block (block_size / stride) the kernel
 # 3 stages (192 KiB).
 GPU_CONFIG_16BIT = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 64, 4, 2)}
 GPU_CONFIG_16BIT_SM90 = {64: (128, 128, 8, 3), 128: (128, 128, 8, 3)}
+# fp8 q and k (sm_89+; strided_fp8), chosen by the same tool: ms with the quantization of q and k (0.54 ms), 8K
+# queries at the end of 512K keys (NVIDIA H200, 2026-11-29): (128, 256, 8, 3) 6.52, (128, 256, 8, 4) 6.38, (256, 128,
+# 8, 4) 6.75, (64, 128, 4, 4) 7.15, (128, 128, 8, 4) 7.60; the 16-bit kernel 9.42 (128, 128, 8, 3). At 128K keys
+# (128, 256, 8, 3) led as well (docs/decisions.md).
+GPU_CONFIG_FP8_SM90 = {64: (128, 256, 8, 3), 128: (128, 256, 8, 3)}
 GPU_CONFIG_FP32 = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 1)}
 INTERPRET_CONFIG = (16, 16, 4, 1)  # small tiles keep the CPU interpreter fast
 MASS_TILE = 8192  # [group rows, key blocks] elements per step of _mass_kernel
@@ -69,24 +79,27 @@ _POINTER_VARIANTS_COMPILED: set[tuple] = set()  # estimate kernels compiled ahea
 # Triton compiles a variant per integer argument equal to 1 or divisible by 16; lengths and counts only bound loops
 # and masks here (pointer alignment comes from the strides), so one compiled kernel serves every chunk of a prompt
 # rather than a new one mid-prefill (a chunk whose tiles_per_split turns 16).
-SHAPE_ARGS = ["n", "S", "q_start", "row0", "rows", "nkb", "ncols", "tiles_per_split", "q_view_row0"]
+SHAPE_ARGS = ["n", "S", "q_start", "row0", "rows", "nkb", "ncols", "tiles_per_split", "q_view_row0", "sq_row0",
+              "sq_rows"]
 
 
 @jit(do_not_specialize=SHAPE_ARGS)
 def _block_lse_kernel(
-    Q, K, LSB,
+    Q, K, LSB, SQ, SK,
     stride_qm, stride_qh, stride_qd,
     stride_kn, stride_kh, stride_kd,
-    stride_lh, stride_lr,
-    n, S, q_start, row0, rows, nkb, ncols, tiles_per_split, q_view_row0, qk_scale,
+    stride_lh, stride_lr, stride_sq, stride_sk,
+    n, S, q_start, row0, rows, nkb, ncols, tiles_per_split, q_view_row0, sq_row0, sq_rows, qk_scale,
     STRIDE: tl.constexpr, CELL: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, SCALED: tl.constexpr,
 ):
     # USE_TMA: Q and K are TMA descriptors of the strided views [n / STRIDE, STRIDE * stride_qm] and
     # [S / STRIDE, STRIDE * stride_kn] (one view row holds STRIDE consecutive tokens, so k's strided column j at
     # offset t is view row j, column t * stride_kn + kv_head * D; q's rows take offset STRIDE - 1 - t); q_view_row0
     # is the slice's first row in q's view. Rows past a view's end read as zero, as the masked loads give.
+    # SCALED: q and k are fp8 with one scale per strided row and head (strided_fp8): SQ [sq_rows, H] from strided
+    # row sq_row0, SK [ncols, KVH]; a score tile is multiplied by its rows' and columns' scales after its last offset.
     head = tl.program_id(0)
     row_tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -103,6 +116,9 @@ def _block_lse_kernel(
     if not USE_TMA:
         q_base = Q + head.to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
         k_base = K + kv_head.to(tl.int64) * stride_kh + offs_d[None, :] * stride_kd
+    if SCALED:
+        sq_ok = (rows_abs >= sq_row0) & (rows_abs < sq_row0 + sq_rows)
+        row_scale = tl.load(SQ + (rows_abs - sq_row0).to(tl.int64) * stride_sq + head, mask=sq_ok, other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # one flat loop over (column tile, offset t): the loads stay pipelined across column tiles, and each tile's
     # epilogue runs at its last offset
@@ -124,6 +140,9 @@ def _block_lse_kernel(
                          mask=(k_rows < S)[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         acc = exact_dot(qt, tl.trans(kt), acc)
         if t == STRIDE - 1:
+            if SCALED:
+                col_scale = tl.load(SK + cols.to(tl.int64) * stride_sk + kv_head, mask=cols < ncols, other=0.0)
+                acc = acc * row_scale[:, None] * col_scale[None, :]
             s = tl.where(cols[None, :] <= rows_abs[:, None], acc * qk_scale, float("-inf"))  # log2 units, causal
             m = tl.max(s, 1)  # [BLOCK_M]
             m = tl.where(m == float("-inf"), 0.0, m)
@@ -213,10 +232,16 @@ def _layout(n: int, seq: int, block_size: int) -> tuple[int, int, int]:
 
 
 # -------------------------------------------------------------------------------------------- reference
-def xattn_block_mass_reference(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int) -> torch.Tensor:
+def xattn_block_mass_reference(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int,
+                               fp8: bool = False) -> torch.Tensor:
     """Pure-torch reference of xattn_block_mass (the module docstring's definition): reshaped strided q/k, fp32
-    scores in row slices of at most SCORE_ELEMENTS. -> [KVH, nqb, nkb] fp32."""
+    scores in row slices of at most SCORE_ELEMENTS. fp8: of q and k through quantize_strided_reference and back.
+    -> [KVH, nqb, nkb] fp32."""
     _check_inputs(q, k, stride, block_size)
+    if fp8:
+        q = dequantize_strided(*quantize_strided_reference(q, stride, k.shape[0] - q.shape[0]), stride,
+                               k.shape[0] - q.shape[0])
+        k = dequantize_strided(*quantize_strided_reference(k, stride, 0), stride, 0)
     n, heads, dim = q.shape
     seq, kv_heads, _ = k.shape
     group, bs = heads // kv_heads, block_size
@@ -272,7 +297,14 @@ def strided_view_descriptor(t: torch.Tensor, stride: int, rows: int):
     return TensorDescriptor(t, [t.shape[0] // stride, width], [width, 1], [rows, t.shape[2]])
 
 
-def _config(q: torch.Tensor, cell: int) -> tuple[int, int, int, int] | None:
+def fp8_estimate_ok(q: torch.Tensor) -> bool:
+    """Whether the estimate multiplies fp8 copies of 16-bit q and k (strided_fp8): CUDA tensor cores with fp8
+    (sm_89+) and the Triton kernels."""
+    return (q.dtype in (torch.float16, torch.bfloat16) and q.device.type == "cuda" and HAS_TRITON
+            and use_triton(q.device) and torch.cuda.get_device_capability(q.device) >= (8, 9))
+
+
+def _config(q: torch.Tensor, cell: int, fp8: bool) -> tuple[int, int, int, int] | None:
     """Tile config for the kernels, or None where they do not apply (the reference runs)."""
     dim = q.shape[2]
     if cell & (cell - 1) or cell > MAX_CELL or dim > 256:
@@ -280,9 +312,11 @@ def _config(q: torch.Tensor, cell: int) -> tuple[int, int, int, int] | None:
     if triton_interpret():
         block_m, block_n, warps, stages = INTERPRET_CONFIG
     else:
+        sm90 = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9
         table = GPU_CONFIG_FP32 if q.element_size() > 2 else GPU_CONFIG_16BIT
-        if q.element_size() <= 2 and dim <= max(GPU_CONFIG_16BIT_SM90) and q.device.type == "cuda" \
-                and torch.cuda.get_device_capability(q.device)[0] >= 9:
+        if fp8 and sm90 and dim <= max(GPU_CONFIG_FP8_SM90):
+            table = GPU_CONFIG_FP8_SM90
+        elif q.element_size() <= 2 and dim <= max(GPU_CONFIG_16BIT_SM90) and sm90:
             table = GPU_CONFIG_16BIT_SM90
         block_m, block_n, warps, stages = next(table[d] for d in sorted(table) if dim <= d)
     if cell > block_n:  # a tile must hold whole key blocks: wider tiles, fewer rows and stages
@@ -291,7 +325,7 @@ def _config(q: torch.Tensor, cell: int) -> tuple[int, int, int, int] | None:
 
 
 def _block_mass_triton(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int,
-                       config: tuple[int, int, int, int]) -> torch.Tensor:
+                       config: tuple[int, int, int, int], fp8: bool) -> torch.Tensor:
     n, heads, dim = q.shape
     seq, kv_heads, _ = k.shape
     block_m, block_n, warps, stages = config
@@ -300,7 +334,9 @@ def _block_mass_triton(q: torch.Tensor, k: torch.Tensor, stride: int, block_size
     nkb, qb0, nqb = _layout(n, seq, block_size)
     ncols = cdiv(seq, stride)  # strided columns holding a key
     mass = alloc_output((kv_heads, nqb, nkb), torch.float32, q.device)  # [KVH, nqb, nkb]
-    tma = use_strided_tma(q, k, stride, block_size)
+    if fp8:
+        (q, q_scale), (k, k_scale) = quantize_strided(q, stride, q_start), quantize_strided(k, stride, 0)
+    tma = use_strided_tma(q, k, stride, block_size) and (not fp8 or dim >= FP8_MIN_DOT_K)
     qa, ka = (strided_view_descriptor(q, stride, block_m), strided_view_descriptor(k, stride, block_n)) if tma \
         else (q, k)
     # slices of whole query blocks (and whole row tiles) so that lsb stays within LSB_ELEMENTS
@@ -309,6 +345,8 @@ def _block_mass_triton(q: torch.Tensor, k: torch.Tensor, stride: int, block_size
     slice_rows = min(cdiv(total_rows, unit) * unit, max(unit, LSB_ELEMENTS // max(1, heads * nkb) // unit * unit))
     # [H, rows, nkb]; only cells of visible (row, key block) pairs are written and read (poisoned in tests)
     lsb = alloc_output((heads, slice_rows, nkb), torch.float32, q.device)
+    if not fp8:
+        q_scale = k_scale = lsb  # unread
     block_gr = max(16, next_power_of_2(heads // kv_heads * cell))
     block_kb = max(16, min(128, MASS_TILE // block_gr))
     for s0 in range(0, total_rows, slice_rows):
@@ -319,11 +357,12 @@ def _block_mass_triton(q: torch.Tensor, k: torch.Tensor, stride: int, block_size
         splits = max(1, min(col_tiles // MIN_SPLIT_TILES, cdiv(PROGRAMS, heads * row_tiles)))
         per_split = cdiv(col_tiles, splits)
         grid = (heads, row_tiles, cdiv(col_tiles, per_split))
-        args = (lsb, *q.stride(), *k.stride(), lsb.stride(0), lsb.stride(1),
-                n, seq, q_start, row0, rows, nkb, ncols, per_split, row0 - q_start // stride,
-                dim ** -0.5 / stride * LOG2E)
+        args = (lsb, q_scale, k_scale, *q.stride(), *k.stride(), lsb.stride(0), lsb.stride(1), q_scale.stride(0),
+                k_scale.stride(0), n, seq, q_start, row0, rows, nkb, ncols, per_split, row0 - q_start // stride,
+                q_start // stride, q_scale.shape[0], dim ** -0.5 / stride * LOG2E)
         constants = dict(STRIDE=stride, CELL=cell, GROUP=heads // kv_heads, BLOCK_M=block_m, BLOCK_N=block_n,
-                         BLOCK_D=max(16, next_power_of_2(dim)), D=dim, num_warps=warps, num_stages=stages)
+                         BLOCK_D=max(FP8_MIN_DOT_K if fp8 else 16, next_power_of_2(dim)), D=dim, SCALED=fp8, num_warps=warps,
+                         num_stages=stages)
         _block_lse_kernel[grid](qa, ka, *args, USE_TMA=tma, **constants)
         variant = (q.device, q.dtype, dim, stride, cell, heads // kv_heads, config)
         if tma and variant not in _POINTER_VARIANTS_COMPILED and not triton_interpret():
@@ -340,18 +379,21 @@ def _block_mass_triton(q: torch.Tensor, k: torch.Tensor, stride: int, block_size
     return mass
 
 
-def xattn_block_mass(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int) -> torch.Tensor:
+def xattn_block_mass(q: torch.Tensor, k: torch.Tensor, stride: int, block_size: int,
+                     fp8: bool | None = None) -> torch.Tensor:
     """Antidiagonal block-mass estimate (see the module docstring).
 
     q [n, H, D] (the last n positions of k), k [S, KVH, D] -> [KVH, nqb, nkb] fp32 with nkb = ceil(S / block_size),
     nqb = nkb - (S - n) // block_size. Runs the Triton kernels on CUDA (or on CPU under TRITON_INTERPRET=1) when
-    block_size / stride is a power of two <= MAX_CELL and D <= 256, else the reference. No host sync.
+    block_size / stride is a power of two <= MAX_CELL and D <= 256, else the reference. fp8 (None: fp8_estimate_ok)
+    scores fp8 copies of q and k, one scale per strided row and head (strided_fp8). No host sync.
     """
     _check_inputs(q, k, stride, block_size)
     n, _, dim = q.shape
+    fp8 = fp8_estimate_ok(q) if fp8 is None else fp8
     if n == 0 or dim == 0 or not (HAS_TRITON and use_triton(q.device)):
-        return xattn_block_mass_reference(q, k, stride, block_size)
-    config = _config(q, block_size // stride)
+        return xattn_block_mass_reference(q, k, stride, block_size, fp8)
+    config = _config(q, block_size // stride, fp8)
     if config is None:
-        return xattn_block_mass_reference(q, k, stride, block_size)
-    return _block_mass_triton(q, k, stride, block_size, config)
+        return xattn_block_mass_reference(q, k, stride, block_size, fp8)
+    return _block_mass_triton(q, k, stride, block_size, config, fp8)
