@@ -114,8 +114,8 @@ def bench_estimate(q, k, policy: XAttentionPolicy, dense_ms: float, reps: int) -
     default = fp8_module.ROW_TILE_ELEMENTS, fp8_module.QUANTIZE_WARPS
     for elements, warps in QUANTIZE_CANDIDATES:
         fp8_module.ROW_TILE_ELEMENTS, fp8_module.QUANTIZE_WARPS = elements, warps
-        ms = timed(lambda: (est.quantize_strided(q, stride, k.shape[0] - q.shape[0]),
-                            est.quantize_strided(k, stride, 0)), reps)
+        ms = timed(lambda: (fp8_module.quantize_strided(q, stride, k.shape[0] - q.shape[0]),
+                            fp8_module.quantize_strided(k, stride, 0)), reps)
         gb = (q.numel() + k.numel()) * (q.element_size() + 1) / 1e9  # read 16-bit, write fp8
         print(f"quantize_strided of q and k, {elements} elements / {warps} warps per program {ms:7.3f} ms "
               f"({gb / ms:.2f} TB/s)", flush=True)

@@ -21,7 +21,10 @@ from sparsekv.kernels.fp8_kv import FP8_DTYPE, FP8_MAX, round_to_e4m3
 
 __all__ = ["dequantize_strided", "quantize_strided", "quantize_strided_reference", "strided_rows"]
 
-ROW_TILE_ELEMENTS = 8192  # elements of x one program quantizes (BLOCK_R rows of stride * D)
+# elements of x one program quantizes (BLOCK_R rows of stride * D) and its warps, by tools/tune_xattn.py --sections
+# estimate (q and k of an 8K chunk at the end of 512K keys, NVIDIA H200, 2026-11-29): 8,192 at 4 warps 0.538 ms
+# (3.18 TB/s), 4,096 at 4 0.550, 8,192 at 8 0.554, 16,384 at 8 0.628, 32,768 at 8 0.723
+ROW_TILE_ELEMENTS = 8192
 QUANTIZE_WARPS = 4
 
 

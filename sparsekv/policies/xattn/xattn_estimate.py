@@ -361,8 +361,8 @@ def _block_mass_triton(q: torch.Tensor, k: torch.Tensor, stride: int, block_size
                 k_scale.stride(0), n, seq, q_start, row0, rows, nkb, ncols, per_split, row0 - q_start // stride,
                 q_start // stride, q_scale.shape[0], dim ** -0.5 / stride * LOG2E)
         constants = dict(STRIDE=stride, CELL=cell, GROUP=heads // kv_heads, BLOCK_M=block_m, BLOCK_N=block_n,
-                         BLOCK_D=max(FP8_MIN_DOT_K if fp8 else 16, next_power_of_2(dim)), D=dim, SCALED=fp8, num_warps=warps,
-                         num_stages=stages)
+                         BLOCK_D=max(FP8_MIN_DOT_K if fp8 else 16, next_power_of_2(dim)), D=dim, SCALED=fp8,
+                         num_warps=warps, num_stages=stages)
         _block_lse_kernel[grid](qa, ka, *args, USE_TMA=tma, **constants)
         variant = (q.device, q.dtype, dim, stride, cell, heads // kv_heads, config)
         if tma and variant not in _POINTER_VARIANTS_COMPILED and not triton_interpret():
