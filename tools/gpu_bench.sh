@@ -17,7 +17,8 @@
 #                                                                                                            ~6 min
 #   sparse_prefill_scaling  minference and xattn_bsa (default settings) beside full attention at 128K, 256K and 512K
 #                   (SCALING_CONTEXTS), offloaded, structured dummy weights (SCALING_POLICIES="xattn_bsa": only
-#                   that policy, still beside full)                                                       ~10 min
+#                   that policy, still beside full; SCALING_OFFLOAD=none: resident, rows named full-524288-none,
+#                   512K fits an H200)                                                                    ~10 min
 #   sparse_prefill_1m full attention, minference and xattn_bsa at 1M tokens with the fp8 host tier (full ran
 #                   past 17 min on an H200 without finishing: give its row a GPU of its own, ONLY_ROWS, detached;
 #                   SCALING_POLICIES picks the policies)                                 policies ~8 min, full > 17 min
@@ -238,14 +239,15 @@ section_sparse_prefill() {  # 128K, GPU-resident, weights with planted attention
     VS=sparse_prefill/full bench sparse_prefill xattn_bsa_090 "${S[@]}" policy=xattn_bsa_090
 }
 
-section_sparse_prefill_scaling() {  # sparse prefill from 128K to 512K beside full attention, structured weights, offloaded
-    local ctx policy
+section_sparse_prefill_scaling() {  # sparse prefill from 128K to 512K beside full attention, structured weights
+    local ctx policy offload="${SCALING_OFFLOAD:-cpu}" tag=""
+    [ "$offload" != cpu ] && tag="-$offload"  # resident rows: full-524288-none
     for ctx in ${SCALING_CONTEXTS:-131072 262144 524288}; do
-        local S=("${STRUCTURED[@]}" offload=cpu task.context="$ctx" task.decode_steps=2)
-        BENCH_TIMEOUT=300 bench sparse_prefill_scaling "full-$ctx" "${S[@]}" policy=full
+        local S=("${STRUCTURED[@]}" offload="$offload" task.context="$ctx" task.decode_steps=2)
+        BENCH_TIMEOUT=300 bench sparse_prefill_scaling "full-$ctx$tag" "${S[@]}" policy=full
         for policy in ${SCALING_POLICIES:-minference xattn_bsa}; do
-            VS="sparse_prefill_scaling/full-$ctx" BENCH_TIMEOUT=300 bench sparse_prefill_scaling "$policy-$ctx" \
-                "${S[@]}" policy="$policy"
+            VS="sparse_prefill_scaling/full-$ctx$tag" BENCH_TIMEOUT=300 bench sparse_prefill_scaling \
+                "$policy-$ctx$tag" "${S[@]}" policy="$policy"
         done
     done
 }
