@@ -29,13 +29,11 @@ import sys
 import threading
 import time
 import weakref
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from sparsekv.distributed.peer_memory import open_peer_buffers
 from sparsekv.distributed.state import TensorParallel
 from sparsekv.plugins import ALLOW_LIST_ENV, DISABLE_AUTOLOAD_ENV
 
@@ -103,8 +101,6 @@ def init_group(rank: int, size: int, local_rank: int, device_type: str, init_met
     tp.all_reduce(probe)
     if int(probe.item()) != size:
         raise RuntimeError(f"tensor-parallel group: an all-reduce of ones over {size} ranks gave {probe.item()}")
-    if device_type == "cuda":
-        tp = dataclasses.replace(tp, peers=open_peer_buffers(rank, size, local_rank, tp.group))
     return tp, commands
 
 

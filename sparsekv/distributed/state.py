@@ -19,7 +19,6 @@ class TensorParallel:
     group: Any = None  # torch.distributed process group of the model's collectives; None when size == 1
     local_rank: int = 0  # the CUDA device index of this rank
     control: Any = None  # the gloo group of rank 0's commands (sparsekv/distributed/launch.py)
-    peers: Any = None  # PeerBuffers of the fused decode all-reduce (sparsekv/distributed/peer_memory.py), CUDA only
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place (stream-ordered on CUDA: no host wait; capturable in a CUDA graph). The

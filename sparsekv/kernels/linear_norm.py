@@ -57,22 +57,14 @@ def _reduce_add_rms_norm_kernel(
         acc += tl.load(P + s * M * N + row * N + offs, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += bias
-    add_norm_store(acc, r, w, OUT + row * stride_o, RES_OUT + row * stride_ro, offs, ok, N, eps)
-
-
-@jit
-def add_norm_store(acc, r, w, o_row, ro_row, offs, ok, N, eps):
-    """A linear layer's fp32 row `acc` [BLOCK_N] (summed, bias added) -> rounded to the residual's dtype, plus the
-    residual row r [BLOCK_N], stored at ro_row; its RMSNorm times w (fp32 [BLOCK_N]) stored at o_row: the operations
-    and roundings of sparsekv.kernels.rmsnorm's add_rms_norm."""
-    act = r.dtype
+    act = R.dtype.element_ty
     out = acc.to(act)  # the linear layer's output, rounded
     x = (out.to(tl.float32) + r.to(tl.float32)).to(act)  # the residual stream, rounded like torch's add
-    tl.store(ro_row + offs, x, mask=ok)
+    tl.store(RES_OUT + row * stride_ro + offs, x, mask=ok)
     x32 = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps)
     xn = (x32 * inv).to(act).to(tl.float32)
-    tl.store(o_row + offs, (w * xn).to(o_row.dtype.element_ty), mask=ok)
+    tl.store(OUT + row * stride_o + offs, (w * xn).to(OUT.dtype.element_ty), mask=ok)
 
 
 def linear_add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -12,8 +12,7 @@ from sparsekv.kernels.activation import silu_and_mul, silu_and_mul_reference
 from sparsekv.distributed.sharding import Shard, vocab_rows
 from sparsekv.distributed.state import TensorParallel
 from sparsekv.kernels.backend import KernelChoice
-from sparsekv.kernels.allreduce_norm import all_reduce_add_rms_norm
-from sparsekv.kernels.gemv import MAX_M, silu_mul_linear, skinny_linear, skinny_linear_triton
+from sparsekv.kernels.gemv import MAX_M, silu_mul_linear, skinny_linear
 from sparsekv.kernels.linear_norm import linear_add_rms_norm
 
 
@@ -124,20 +123,8 @@ class RowParallelLinear(Linear):
 
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, gated: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm(out, residual) with out summed over the ranks first. Where the skinny GEMV runs and the ranks share
-        peer buffers (CUDA), the GEMV's fp32 partials, the all-reduce, the bias, the add and the norm are one launch
-        after it (sparsekv.kernels.allreduce_norm); elsewhere the process group's all-reduce, then the add and the
-        norm in one kernel."""
-        width = (2 if gated else 1) * self.in_features
-        rows = self._rows(x, width) if self.fuse and self.tp.peers is not None else 0
-        if rows and self.tp.peers.fits(rows, self.out_features) and residual.shape == (*x.shape[:-1],
-                                                                                         self.out_features):
-            partials = skinny_linear_triton(x.reshape(rows, width), self.weight, None, gated=gated, partials=True,
-                                            pdl=self.pdl)  # [S, rows, out_features] fp32, this rank's
-            normed, new_residual = all_reduce_add_rms_norm(
-                partials, self.bias, residual.reshape(rows, self.out_features), norm.weight, norm.eps, self.tp.peers,
-                pdl=self.pdl)
-            return normed.view(residual.shape), new_residual.view(residual.shape)
+        """norm(out, residual) with out reduced over the ranks first (the fused linear + norm kernel would
+        normalise a partial sum): the add and the norm run in one kernel after the all-reduce."""
         return norm(self.silu_mul_forward(x) if gated else self(x), residual)
 
 
