@@ -63,7 +63,7 @@ SPARSE_PREFILL = {
 
 
 @pytest.mark.parametrize("offload", ["none", "cpu"])
-def test_tp2_minference_chooses_per_head_as_one_gpu_does(qwen3_ckpt, one_thread, offload):
+def test_tp2_minference_chooses_per_head_as_one_device_does(qwen3_ckpt, one_thread, offload):
     overrides = [*OFFLOAD[offload], *SPARSE_PREFILL["minference"]]
     expected = tokens(build(qwen3_ckpt, 1, *overrides))
     llm = build(qwen3_ckpt, 2, *overrides)
