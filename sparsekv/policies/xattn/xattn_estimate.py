@@ -239,8 +239,8 @@ def xattn_block_mass_reference(q: torch.Tensor, k: torch.Tensor, stride: int, bl
     -> [KVH, nqb, nkb] fp32."""
     _check_inputs(q, k, stride, block_size)
     if fp8:
-        q = dequantize_strided(*quantize_strided_reference(q, stride, k.shape[0] - q.shape[0]), stride,
-                               k.shape[0] - q.shape[0])
+        q_start = k.shape[0] - q.shape[0]  # q holds the last positions of k
+        q = dequantize_strided(*quantize_strided_reference(q, stride, q_start), stride, q_start)
         k = dequantize_strided(*quantize_strided_reference(k, stride, 0), stride, 0)
     n, heads, dim = q.shape
     seq, kv_heads, _ = k.shape
