@@ -14,7 +14,7 @@ from sparsekv.errors import PolicyConfigError
 from sparsekv.kvcache.base import available_host_memory, format_bytes
 from sparsekv.kvcache.host_quant import host_block_bytes, resolve_host_dtype
 from sparsekv.kvcache.offload_store import HOST_HEADROOM, host_pool_blocks
-from sparsekv.models.spec import ModelSpec
+from sparsekv.models.spec import MLP_SLICE_TOKENS, ModelSpec
 from sparsekv.policies.context import KVLayout
 
 log = logging.getLogger(__name__)
@@ -30,9 +30,10 @@ def kv_block_bytes(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
 
 
 def prefill_activation_bytes(tokens: int, spec: ModelSpec, dtype: torch.dtype) -> int:
-    """Device bytes of the activations one prefill step of `tokens` tokens holds at its peak (MLP, hidden, q/k/v)."""
-    return tokens * (4 * spec.intermediate_size + 8 * spec.hidden_size
-                     + 6 * spec.num_attention_heads * spec.head_dim) * dtype.itemsize
+    """Device bytes of the activations one prefill step of `tokens` tokens holds at its peak (hidden, q/k/v, and
+    the MLP's, which takes at most MLP_SLICE_TOKENS tokens at a time)."""
+    mlp = min(tokens, MLP_SLICE_TOKENS) * 4 * spec.intermediate_size
+    return (mlp + tokens * (8 * spec.hidden_size + 6 * spec.num_attention_heads * spec.head_dim)) * dtype.itemsize
 
 
 def prefill_step_tokens(cfg: DictConfig, prefill_policy, max_model_len: int) -> int:

@@ -13,7 +13,7 @@ from sparsekv.layers.embedding import VocabParallelEmbedding
 from sparsekv.layers.linear import ColumnParallelLinear, Linear, ParallelLMHead, RowParallelLinear
 from sparsekv.layers.norm import RMSNorm
 from sparsekv.layers.rotary import Rope, RotaryEmbedding
-from sparsekv.models.spec import ModelSpec
+from sparsekv.models.spec import MLP_SLICE_TOKENS, ModelSpec
 
 
 class SelfAttention(nn.Module):
@@ -81,12 +81,19 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # silu(gate) * up: in the down projection's loads for decode on Triton, else one kernel (or torch's ops)
+        if x.shape[0] > MLP_SLICE_TOKENS:
+            return torch.cat([self(part) for part in x.split(MLP_SLICE_TOKENS)])
         return self.down_proj.silu_mul_forward(self.gate_up_proj(x))
 
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(self(x), residual) -> (normed, self(x) + residual): the down projection, the residual add and the
-        next RMSNorm fused where the skinny GEMV runs."""
+        next RMSNorm fused where the skinny GEMV runs. x, residual [T, ...]: more than MLP_SLICE_TOKENS tokens go
+        through in slices."""
+        if x.shape[0] > MLP_SLICE_TOKENS:
+            parts = [self.add_norm_forward(xs, rs, norm)
+                     for xs, rs in zip(x.split(MLP_SLICE_TOKENS), residual.split(MLP_SLICE_TOKENS))]
+            return torch.cat([n for n, _ in parts]), torch.cat([r for _, r in parts])
         return self.down_proj.add_norm_forward(self.gate_up_proj(x), residual, norm, gated=True)
 
 

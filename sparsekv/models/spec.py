@@ -6,6 +6,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+# Prompt tokens one MLP call takes at a time (GatedMLP): a whole-prompt prefill step (policy.whole_prompt_prefill)
+# of 1M tokens would otherwise hold a [1M, 2 * intermediate_size] activation (38 GiB for Qwen3-4B) at once.
+MLP_SLICE_TOKENS = 65536
 
 class ModelLoadError(ValueError):
     """A checkpoint (config.json, index, safetensors) that cannot be loaded as it is: the message names the file,
