@@ -18,7 +18,8 @@
 #   sparse_prefill_scaling  minference and xattn_bsa (default settings) beside full attention at 128K, 256K and 512K
 #                   (SCALING_CONTEXTS), offloaded, structured dummy weights (SCALING_POLICIES="xattn_bsa": only
 #                   that policy, still beside full; SCALING_OFFLOAD=none: resident, rows named full-524288-none,
-#                   512K fits an H200)                                                                    ~10 min
+#                   512K fits an H200; SCALING_LAYERS=9: that many of the model's layers, rows named
+#                   full-1048576-none-9l, for a context whose full row would not finish in one call)      ~10 min
 #   sparse_prefill_1m full attention, minference and xattn_bsa at 1M tokens with the fp8 host tier (full ran
 #                   past 17 min on an H200 without finishing: give its row a GPU of its own, ONLY_ROWS, detached;
 #                   SCALING_POLICIES picks the policies)                                 policies ~8 min, full > 17 min
@@ -240,10 +241,14 @@ section_sparse_prefill() {  # 128K, GPU-resident, weights with planted attention
 }
 
 section_sparse_prefill_scaling() {  # sparse prefill from 128K to 512K beside full attention, structured weights
-    local ctx policy offload="${SCALING_OFFLOAD:-cpu}" tag=""
+    local ctx policy offload="${SCALING_OFFLOAD:-cpu}" tag="" layers=()
     [ "$offload" != cpu ] && tag="-$offload"  # resident rows: full-524288-none
+    if [ -n "${SCALING_LAYERS:-}" ]; then
+        tag="$tag-${SCALING_LAYERS}l"
+        layers=(model.num_hidden_layers="$SCALING_LAYERS")
+    fi
     for ctx in ${SCALING_CONTEXTS:-131072 262144 524288}; do
-        local S=("${STRUCTURED[@]}" offload="$offload" task.context="$ctx" task.decode_steps=2)
+        local S=("${STRUCTURED[@]}" "${layers[@]}" offload="$offload" task.context="$ctx" task.decode_steps=2)
         BENCH_TIMEOUT=300 bench sparse_prefill_scaling "full-$ctx$tag" "${S[@]}" policy=full
         for policy in ${SCALING_POLICIES:-minference xattn_bsa}; do
             VS="sparse_prefill_scaling/full-$ctx$tag" BENCH_TIMEOUT=300 bench sparse_prefill_scaling \
@@ -372,7 +377,8 @@ print(min(${CAPACITY_CAP:-4194304}, (pool_tokens - 16384) // 16384 * 16384))")
         task.context="$ctx" task.decode_steps=16 "${P[@]}"
 }
 
-plugin_site() {  # prints a scratch site holding the streaming_llm plugin of plugins/ (its entry point is read from sys.path)
+plugin_site() {  # prints a scratch site holding the streaming_llm plugin of plugins/ (its entry point is read
+    # from sys.path)
     local site="$OUT/plugin-site" src="$OUT/plugin-src"
     if [ ! -d "$site" ]; then
         rm -rf "$src" && cp -r "$TOOLS/../plugins/sparsekv-streamingllm" "$src"
@@ -411,7 +417,8 @@ section_ruler_policies() {  # the policies judged on the probe: accuracy per tas
                     "quest-2048-block256|policy=quest policy.token_budget=2048 offload.block_size=256"
                     "quest-4096-block256|policy=quest policy.token_budget=4096 offload.block_size=256"
                     "minference-scale1|policy=minference policy.early_chunk_budget_scale=1"
-                    "minference-v500-s3000-scale1|policy=minference policy.vertical_size=500 policy.slash_size=3000 policy.early_chunk_budget_scale=1")
+                    "minference-v500-s3000-scale1|policy=minference policy.vertical_size=500 policy.slash_size=3000 \
+                     policy.early_chunk_budget_scale=1")
     for off in ${RULER_OFFLOADS:-none cpu}; do
         local rows=("${ROWS[@]}")
         [ "$off" = cpu ] && rows+=("${CPU_ROWS[@]}")
