@@ -3,9 +3,9 @@
 @hydra.main composes the config twice before a single job starts (once to read hydra.mode, once to run), and the
 CLI's check of the job before any work composed it a third time: 0.1-0.2 s each. Here the command line is composed once,
 the same way Hydra's run mode composes it (the main Hydra object, its config search path and job name, `hydra.mode`
-added as Hydra adds it); the CLI checks that config, and Hydra's own run_job runs the job from it. Everything @hydra.main
-gives a run is kept: the run directory (hydra.run.dir), .hydra/config.yaml, hydra.yaml and overrides.yaml, the job's
-log file and logging config, HydraConfig inside the task, callbacks, and the report of a failed job (exit 1).
+added as Hydra adds it); the CLI checks that config, and Hydra's own run_job runs the job from it. Everything
+@hydra.main gives a run is kept: the run directory (hydra.run.dir), .hydra/config.yaml, hydra.yaml and overrides.yaml,
+the job's log file and logging config, HydraConfig inside the task, callbacks, and the report of a failed job (exit 1).
 
 Anything else goes to @hydra.main unchanged: Hydra's flags (-m, --cfg, --help, --info, ...), an explicit hydra.mode, a
 command line whose composition fails (the CLI's check then reports it as before, or Hydra in its own words), and any
@@ -20,8 +20,8 @@ import hydra as hydra_package
 from hydra._internal import hydra as hydra_internal
 from hydra._internal.callbacks import Callbacks
 from hydra._internal.hydra import Hydra
-from hydra._internal.utils import (create_automatic_config_search_path, detect_calling_file_or_module_from_task_function,
-                                   detect_task_name, run_and_report)
+from hydra._internal.utils import (create_automatic_config_search_path,
+                                   detect_calling_file_or_module_from_task_function, detect_task_name, run_and_report)
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.utils import configure_log, run_job
 from hydra.types import HydraContext, RunMode, TaskFunction

@@ -138,7 +138,8 @@ def main() -> None:
     if "cpu" not in skip:
         results["cpu"] = bench_modes(args.model, ["offload=cpu", "offload.block_size=1024", "offload.num_gpu_blocks=4",
                                                   "offload.host_pool_gib=8"],
-                                     "segmented", [(1, 2048), (4, 2048), (1, 16384)], args.steps, 16384 + args.steps + 64)
+                                     "segmented", [(1, 2048), (4, 2048), (1, 16384)], args.steps,
+                                     16384 + args.steps + 64)
     results["seconds"] = time.perf_counter() - start
     if args.json:
         with open(args.json, "w") as f:

@@ -21,7 +21,8 @@ BEFORE="$(cd "$1" && pwd)" || { echo "BEFORE_DIR=$1 is not a directory" >&2; exi
 AFTER="$(cd "$2" && pwd)" || { echo "AFTER_DIR=$2 is not a directory" >&2; exit 2; }
 mkdir -p "$3" && OUT="$(cd "$3" && pwd)"
 for tree in "$BEFORE" "$AFTER"; do
-    [ -d "$tree/sparsekv" ] || { echo "$tree has no sparsekv/ package: pass the root of a sparsekv checkout" >&2; exit 2; }
+    [ -d "$tree/sparsekv" ] \
+        || { echo "$tree has no sparsekv/ package: pass the root of a sparsekv checkout" >&2; exit 2; }
 done
 BEFORE_SYNTAX="${BEFORE_SYNTAX:-bench}"
 AFTER_SYNTAX="${AFTER_SYNTAX:-task}"
@@ -41,10 +42,14 @@ ROWS=(
     "offloaded 32K decode + prefill|decode,prefill|${MODEL[*]} offload=cpu {b}context=32768 {b}decode_steps=16"
     "offloaded 128K decode|decode|${MODEL[*]} offload=cpu {b}context=131072 {b}decode_steps=8"
     "quest 128K decode, default|decode|${MODEL[*]} offload=cpu policy=quest {b}context=131072 {b}decode_steps=16"
-    "quest 128K decode, token_budget=4096 dense_layers=0|decode|${MODEL[*]} offload=cpu policy=quest policy.token_budget=4096 policy.dense_layers=0 {b}context=131072 {b}decode_steps=16"
-    "32K resident prefill|prefill|${MODEL[*]} offload=none {b}context=32768 scheduler.max_num_batched_tokens=32768 {b}decode_steps=2"
-    "128K minference prefill (64-offset bands)|prefill|${STRUCTURED[*]} offload=none policy=minference policy.slash_granularity=64 {b}context=131072 {b}decode_steps=2"
-    "128K xattn_bsa_090 prefill|prefill|${STRUCTURED[*]} offload=none policy=xattn_bsa_090 {b}context=131072 {b}decode_steps=2"
+    "quest 128K decode, token_budget=4096 dense_layers=0|decode|${MODEL[*]} offload=cpu policy=quest \
+        policy.token_budget=4096 policy.dense_layers=0 {b}context=131072 {b}decode_steps=16"
+    "32K resident prefill|prefill|${MODEL[*]} offload=none {b}context=32768 \
+        scheduler.max_num_batched_tokens=32768 {b}decode_steps=2"
+    "128K minference prefill (64-offset bands)|prefill|${STRUCTURED[*]} offload=none policy=minference \
+        policy.slash_granularity=64 {b}context=131072 {b}decode_steps=2"
+    "128K xattn_bsa_090 prefill|prefill|${STRUCTURED[*]} offload=none policy=xattn_bsa_090 \
+        {b}context=131072 {b}decode_steps=2"
 )
 
 run_one() {  # run_one TREE SYNTAX DIR OVERRIDES

@@ -67,7 +67,8 @@ def main() -> None:
     print(f"timeline {total / s:.1f} us/step: kernels exposed {sum(exposed.values()) / s:.1f}, idle {idle / s:.1f}")
     print(f"{'exposed us/step':>15} {'busy us/step':>12} {'launches/step':>13} {'mean us':>8}  kernel")
     for name, us in exposed.most_common(args.top):
-        print(f"{us / s:15.1f} {dur[name] / s:12.1f} {count[name] / s:13.1f} {dur[name] / count[name]:8.2f}  {name[:90]}")
+        print(f"{us / s:15.1f} {dur[name] / s:12.1f} {count[name] / s:13.1f} "
+              f"{dur[name] / count[name]:8.2f}  {name[:90]}")
 
 
 if __name__ == "__main__":

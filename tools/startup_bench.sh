@@ -57,7 +57,8 @@ caches() {  # caches NAME: point every compiler cache at $OUT/NAME
 }
 
 # the runs above assume Python writes its .pyc files (its default); an image may have turned that off
-echo "PYTHONDONTWRITEBYTECODE in the environment: ${PYTHONDONTWRITEBYTECODE:-unset} (unset for the runs but second-no-pyc)"
+echo "PYTHONDONTWRITEBYTECODE in the environment: ${PYTHONDONTWRITEBYTECODE:-unset}" \
+    "(unset for the runs but second-no-pyc)"
 unset PYTHONDONTWRITEBYTECODE
 rm -rf "$OUT/cache-a" "$OUT/cache-b" "$OUT/cache-c" "$OUT/cache-d"
 caches cache-a
@@ -92,7 +93,8 @@ for attempt in ("first", "second"):
     start = time.perf_counter()
     llm = LLM(model, overrides=overrides)
     print(f"LLM() {attempt}: {time.perf_counter() - start:.2f} s; startup {llm.engine.startup}; "
-          f"graphs {llm.engine.graph_stats.get('batch_sizes')} in {llm.engine.graph_stats.get('capture_seconds', 0):.2f} s")
+          f"graphs {llm.engine.graph_stats.get('batch_sizes')} in "
+          f"{llm.engine.graph_stats.get('capture_seconds', 0):.2f} s")
     if attempt == "first":
         del llm
         import gc

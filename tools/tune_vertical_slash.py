@@ -53,8 +53,10 @@ def estimate_timings(q, k, v, S: int, n: int, dense_ms: float, reps: int) -> Non
             est.GPU_BLOCK_K, est.KEYS_PER_SPLIT = block_k, per_split
             ms = timed(lambda: est.vertical_slash_masses(q[-L:], k, scale), reps)
             col, diag = est.vertical_slash_masses(q[-L:], k, scale)
-            err = max(((col - ref_col).norm() / ref_col.norm()).item(), ((diag - ref_diag).norm() / ref_diag.norm()).item())
-            print(f"vertical_slash_masses BLOCK_K={block_k:4d} keys/split={per_split:5d}: {ms:6.2f} ms rel diff {err:.1e}")
+            err = max(((col - ref_col).norm() / ref_col.norm()).item(),
+                      ((diag - ref_diag).norm() / ref_diag.norm()).item())
+            print(f"vertical_slash_masses BLOCK_K={block_k:4d} keys/split={per_split:5d}: {ms:6.2f} ms "
+                  f"rel diff {err:.1e}")
     est.GPU_BLOCK_K, est.KEYS_PER_SPLIT = default
     lse = est.last_rows_lse(q[-L:], k, scale, S - L)
     ms = timed(lambda: est.vertical_slash_masses(q[-L:], k, scale, lse=lse), reps)
@@ -64,7 +66,8 @@ def estimate_timings(q, k, v, S: int, n: int, dense_ms: float, reps: int) -> Non
     for k_top in (1000,):
         plain = timed(lambda: torch.topk(ref_col, k_top, dim=1).indices.sort(dim=1), reps)
         pruned = timed(lambda: top_indices(ref_col, k_top).sort(dim=1), reps)
-        print(f"column top-{k_top} + sort of [{q.shape[1]}, {S}]: torch.topk {plain:.3f} ms, top_indices {pruned:.3f} ms")
+        print(f"column top-{k_top} + sort of [{q.shape[1]}, {S}]: torch.topk {plain:.3f} ms, "
+              f"top_indices {pruned:.3f} ms")
     topk = timed(lambda: torch.topk(ref_diag, 6096, dim=1).indices.sort(dim=1), reps)
     print(f"diagonal top-6096 + sort of [{q.shape[1]}, {S}]: {topk:.2f} ms; log2(S)={math.log2(S):.0f}")
     for granularity in (1, SLASH_BAND):
@@ -75,7 +78,8 @@ def estimate_timings(q, k, v, S: int, n: int, dense_ms: float, reps: int) -> Non
         total = timed(lambda: policy.compute_prefill(q, k, v, 0, scale), reps)
         bands = torch.div(soff.long(), 64, rounding_mode="floor")
         touched = sum(torch.unique(bands[h]).numel() for h in range(q.shape[1])) / q.shape[1]
-        print(f"slash_granularity={granularity:2d}: estimate_pattern {est_ms:6.2f} ms, vertical_slash {kern_ms:6.2f} ms, "
+        print(f"slash_granularity={granularity:2d}: estimate_pattern {est_ms:6.2f} ms, "
+              f"vertical_slash {kern_ms:6.2f} ms, "
               f"compute_prefill {total:6.2f} ms ({total / dense_ms:.2f}x dense, density {policy.last_density:.3f}); "
               f"{touched:.0f} 64-offset bands touched per head")
 

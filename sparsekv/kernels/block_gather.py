@@ -4,9 +4,9 @@ gather_host_blocks(dst [2, slots, *block], base, slab_offsets [2, num_slabs], bl
                    blocks_per_slab, first_slot)
 copies, for i < n, K and V of host block block_ids[i] of `layer` into dst[0/1, first_slot + i]. The host blocks live
 in pinned slabs [L, blocks_per_slab, *block] (HostPool); slab_offsets[kv, s] is where slab s of K (kv=0) or V (kv=1)
-starts, in 32-bit words from base's first word (slab_word_offsets). Every address is computed on the device from block_ids, so
-a block-selecting policy whose choice is a device tensor (Quest) loads its blocks without a host sync: the GPU
-reads the pinned pages directly (unified virtual addressing), and the CPU keeps queueing work.
+starts, in 32-bit words from base's first word (slab_word_offsets). Every address is computed on the device from
+block_ids, so a block-selecting policy whose choice is a device tensor (Quest) loads its blocks without a host sync: the
+GPU reads the pinned pages directly (unified virtual addressing), and the CPU keeps queueing work.
 
 Copy engines (cudaMemcpyAsync) stay the path for host-known block lists: they need no SMs. This kernel is for the
 case where waiting for the ids on the host would stall the pipeline once per layer.

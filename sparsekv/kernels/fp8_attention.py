@@ -21,7 +21,7 @@ import torch
 from ._dispatch import alloc_output, cdiv, default_kernels, exact_dot, jit, tl
 from .attention import (DECODE_MAX_SQ, LOG2E, SUPPORTED_HEAD_DIMS, _empty_result, causal_key_bounds,
                         dense_tile_config, flash_attn_with_lse, flash_attn_with_lse_reference)
-from .fp8_kv import FP8_DTYPE, check_fp8_kv, dequantize_kv
+from .fp8_kv import check_fp8_kv, dequantize_kv
 
 if TYPE_CHECKING:
     from .backend import KernelChoice

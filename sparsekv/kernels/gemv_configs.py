@@ -31,8 +31,8 @@ MAX_M = 16  # rows up to which skinny_linear runs the kernel; more rows are a GE
 # gained nothing, hence KernelChoice.gemv_max_rows = 1 on CUDA. (ptxas, sm_90a, bf16: no spills.) At num_stages = 1 the
 # GEMV (FMA) path is not software pipelined (no cp.async; > 1 asks for it: untimed), so its loads in
 # flight come from occupancy: a [16, 256] tile is 4 16-byte loads per thread at 77 registers, ~6 programs (48 KB of
-# loads) per SM; [16, 512] doubles the loads per program but takes 165 registers. The tensor-core path pipelines W and x through shared
-# memory (cp.async): [32, 256] W + [16, 256] x tiles, 3 stages, 48 KB of shared memory, mma.sync.
+# loads) per SM; [16, 512] doubles the loads per program but takes 165 registers. The tensor-core path pipelines W and x
+# through shared memory (cp.async): [32, 256] W + [16, 256] x tiles, 3 stages, 48 KB of shared memory, mma.sync.
 CONFIGS = (
     (1, False, 16, 256, 4, 1),
     (MAX_M, True, 32, 256, 4, 3),

@@ -40,7 +40,8 @@ class BenchTask:
     warmup_tokens: int = bounded(256, ge=1)  # prompt tokens of each warm-up request (compilation stays out of figures)
     fit_kv_cache: bool = True  # offload=none without offload.num_kv_blocks: size the device KV pool to the bench
     progress: bool = True  # tqdm bars over prefill and decode
-    baseline: bool = False  # also time HF transformers on the same prompts (sparsekv.tasks.bench.baseline) -> "hf_baseline"
+    # also time HF transformers on the same prompts (sparsekv.tasks.bench.baseline) -> "hf_baseline"
+    baseline: bool = False
 
 
 @dataclass
@@ -92,7 +93,8 @@ class QualityTask:
     local_logit: float = bounded(4.0, ge=0)
     needle_logit: float = bounded(6.0, ge=0)
     model_inputs: Optional[bool] = None  # capture the model's Q/K/V (default: when model.path is set)
-    model_context: Optional[int] = bounded(None, ge=2)  # prompt tokens of the captured haystack prompt (default: context)
+    # prompt tokens of the captured haystack prompt (default: context)
+    model_context: Optional[int] = bounded(None, ge=2)
     layers: Optional[List[int]] = bounded(None, ge=0)  # model layers to evaluate (default: all)
     label: Optional[str] = None  # row label in records (default: "<model> <policy>")
     progress: bool = True  # a tqdm bar over the evaluated inputs, on stderr

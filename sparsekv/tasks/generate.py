@@ -82,7 +82,8 @@ def summary_line(phases: dict) -> str:
     before = phases["import_config_seconds"]
     parts = ([f"import and config {before:.1f} s"] if before is not None else []) + [
         f"weights {phases['weights_seconds']:.1f} s", f"kv {phases['kv_seconds']:.1f} s"]
-    return (f"start-up {phases['startup_seconds']:.1f} s ({', '.join(parts)}), compile {phases['compile_seconds']:.1f} s "
+    return (f"start-up {phases['startup_seconds']:.1f} s ({', '.join(parts)}), "
+            f"compile {phases['compile_seconds']:.1f} s "
             f"(kernels {phases['kernel_compile_seconds']:.1f} s, graphs {phases['graph_capture_seconds']:.1f} s); "
             f"steady state: prefill {phases['prefill_tok_s']:.1f} tok/s, decode {phases['decode_ms_per_token']:.2f} "
             "ms/token")

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, open_dict
 
-from sparsekv.tasks.common import enum_value, policy_warnings, print_warnings, reserve_largest_batch, run_identity
+from sparsekv.tasks.common import policy_warnings, print_warnings, reserve_largest_batch, run_identity
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic numbers for {key} is: {value}."

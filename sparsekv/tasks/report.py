@@ -109,7 +109,8 @@ def build_report(directory: str | Path, out_dir: str | Path | None = None, plots
     out = Path(out_dir).expanduser() if out_dir else (directory.parent if from_csv else directory)
     out.mkdir(parents=True, exist_ok=True)
     csv_path = write_csv(rows, out / "report.csv") if not (from_csv and out / "report.csv" == directory) else directory
-    png_paths, plot_notes = draw_plots(rows, out) if plots else ([], ["plots skipped (report.plots=false, or --no-plots)"])
+    skipped = ([], ["plots skipped (report.plots=false, or --no-plots)"])
+    png_paths, plot_notes = draw_plots(rows, out) if plots else skipped
     failed = [r for r in rows if r["status"] != "ok"]
     n_records = len({(r["job"], r["record"]) for r in rows})
     main = [r for r in rows if r.get("subtask") in (None, "all")]  # a ruler record's cells: its own section

@@ -14,8 +14,8 @@ ID_COLUMNS = ["job", "record", "status", "error", "warnings", "system", "task", 
               "policy_args", "offload", "num_gpu_blocks", "block_size", "context", "batch", "device", "dtype",
               "density_source"]
 # figure keys already shown as identifying columns
-_ID_FIGURES = {"context", "batch_size", "status", "error", "warnings", "name", "model", "policy", "offload", "device", "dtype",
-               "system", "placement", "policy_args"}
+_ID_FIGURES = {"context", "batch_size", "status", "error", "warnings", "name", "model", "policy", "offload", "device",
+               "dtype", "system", "placement", "policy_args"}
 # a ruler record's figures that its cells restate per (task, length)
 _RULER_SUMMARIES = {"cells", "by_length", "outputs", "accuracy", "density", "samples", "accuracy_by_length",
                     "accuracy_by_task"}
@@ -78,10 +78,12 @@ def flatten_record(record: dict, job: str = ".", record_name: str = "") -> list[
     offload = _first(record.get("offload"), _dig(config, "offload.mode"))
     bench_like = task == "bench"
     context = _first(_int_or_none(record.get("context")),
-                     _int_or_none(_first(_dig(config, "task.context"), _dig(config, "bench.context"))) if bench_like else None,
+                     _int_or_none(_first(_dig(config, "task.context"), _dig(config, "bench.context")))
+                     if bench_like else None,
                      _int_or_none(record.get("prompt_tokens")) if task == "generate" else None)
     batch = _first(_int_or_none(record.get("batch_size")),
-                   _int_or_none(_first(_dig(config, "task.batch_size"), _dig(config, "bench.batch_size"))) if bench_like else None,
+                   _int_or_none(_first(_dig(config, "task.batch_size"), _dig(config, "bench.batch_size")))
+                   if bench_like else None,
                    1 if task == "generate" else None)
     row: dict[str, Any] = {
         "job": job, "record": record_name, "status": status, "error": record.get("error"),
@@ -109,8 +111,8 @@ def flatten_record(record: dict, job: str = ".", record_name: str = "") -> list[
         if not isinstance(figures, dict):
             continue
         hf = {**{k: row[k] for k in ID_COLUMNS}, "system": system, "status": figures.get("status") or "ok",
-              "error": figures.get("error"), "warnings": None, "policy": None, "policy_args": None, "num_gpu_blocks": None,
-              "block_size": None,
+              "error": figures.get("error"), "warnings": None, "policy": None, "policy_args": None,
+              "num_gpu_blocks": None, "block_size": None,
               "offload": "cpu" if figures.get("placement") == "offloaded" else "none",
               "name": f"{row['model']} {system}",
               "context": _first(_int_or_none(figures.get("context")), row["context"]),

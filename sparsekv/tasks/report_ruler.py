@@ -17,7 +17,8 @@ from sparsekv.tasks.report_records import is_number
 
 ALL = "all"  # the subtask of a length's mean over its tasks
 # (header, column, format)
-TABLE = [("job", "job", None), ("model", "model", None), ("policy", "policy", None), ("policy args", "policy_args", None),
+TABLE = [("job", "job", None), ("model", "model", None), ("policy", "policy", None),
+         ("policy args", "policy_args", None),
          ("offload", "offload", None), ("task", "subtask", None), ("length", "context", "d"),
          ("accuracy %", "accuracy", "pct"), ("density", "density", ".3f"), ("density from", "density_source", None),
          ("samples", "samples", "d"), ("prefill s", "prefill_seconds", ".3f"),
@@ -53,7 +54,8 @@ def ruler_markdown(rows: list[dict[str, Any]]) -> list[str]:
     shown = [c for c in TABLE if any(r.get(c[1]) is not None for r in rows)]
     lines = ["## RULER", "", "Accuracy: share of the expected answers found in the output; task `all`: the mean over "
              "the tasks at that length.", "",
-             "| " + " | ".join(c[0] for c in shown) + " |", "|" + "|".join("---:" if c[2] else "---" for c in shown) + "|"]
+             "| " + " | ".join(c[0] for c in shown) + " |",
+             "|" + "|".join("---:" if c[2] else "---" for c in shown) + "|"]
     for row in sorted(rows, key=lambda r: _sort_key(r, order)):
         lines.append("| " + " | ".join(_text(row.get(key), spec) for _, key, spec in shown) + " |")
     return lines + [""]

@@ -12,7 +12,7 @@ import json
 import shutil
 import sys
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -246,8 +246,10 @@ BAD_INPUT = [
     # ---- the CLI: values beyond the machine fail before the weights load
     row("cli-host-pool-beyond-ram", cli("device=cpu", "offload=cpu", "offload.host_pool_gib=500000"),
         "host_pool_gib=500000", "available host memory", "leave it unset"),
-    row("cli-host-pool-negative", cli("device=cpu", "offload=cpu", "offload.host_pool_gib=-1"), "host_pool_gib=-1", "> 0"),
-    row("cli-gpu-util-above-1", cli("device=cpu", "offload.gpu_memory_utilization=5"), "gpu_memory_utilization=5", "<= 1"),
+    row("cli-host-pool-negative", cli("device=cpu", "offload=cpu", "offload.host_pool_gib=-1"), "host_pool_gib=-1",
+        "> 0"),
+    row("cli-gpu-util-above-1", cli("device=cpu", "offload.gpu_memory_utilization=5"), "gpu_memory_utilization=5",
+        "<= 1"),
     row("cli-kv-blocks-negative", cli("device=cpu", "offload.num_kv_blocks=-3"), "num_kv_blocks=-3", ">= 1"),
     row("cli-kv-blocks-zero", cli("device=cpu", "offload.num_kv_blocks=0"), "num_kv_blocks=0", ">= 1"),
     row("cli-kv-blocks-beyond-ram", cli("device=cpu", "offload.num_kv_blocks=1000000000"),
@@ -256,7 +258,8 @@ BAD_INPUT = [
         "max_model_len=100000000000", "GiB", "lower scheduler.max_model_len"),
     row("cli-output-dir-unwritable", cli("device=cpu", "output_dir={file}/out"), "output_dir=", "not a directory",
         "writable directory"),
-    row("cli-offload-ring-zero", cli("device=cpu", "offload=cpu", "offload.num_gpu_blocks=0"), "num_gpu_blocks", ">= 1"),
+    row("cli-offload-ring-zero", cli("device=cpu", "offload=cpu", "offload.num_gpu_blocks=0"), "num_gpu_blocks",
+        ">= 1"),
     row("cli-offload-block-size-zero", cli("device=cpu", "offload.block_size=0"), "block_size", ">= 1"),
     row("cli-host-dtype-unknown", cli("device=cpu", "offload=cpu", "offload.host_dtype=fp4"), "host_dtype", "fp4",
         "float8_e4m3fn"),
@@ -289,7 +292,8 @@ BAD_INPUT = [
     row("bench-batch-zero", cli("device=cpu", "task=bench", "task.batch_size=0"), "batch_size", ">= 1"),
     row("bench-decode-steps-negative", cli("device=cpu", "task=bench", "task.decode_steps=-2"), "decode_steps", ">= 0"),
     row("bench-unknown-key", cli("device=cpu", "task=bench", "task.contexts=[8]"), "contexts", "context"),
-    row("quality-phase-enum", cli("device=cpu", "task=quality", "task.phase=sideways"), "sideways", "decode", "prefill"),
+    row("quality-phase-enum", cli("device=cpu", "task=quality", "task.phase=sideways"), "sideways", "decode",
+        "prefill"),
     row("quality-context-one", cli("device=cpu", "task=quality", "task.context=1"), "task.context", ">= 2"),
     row("quality-depth-above-one", cli("device=cpu", "task=quality", "task.depths=[1.5]"), "depths", "1.5", "<= 1"),
     row("needle-empty-contexts", cli(*NEEDLE[:2], "task.contexts=[]"), "task.contexts", "at least one"),
@@ -322,10 +326,11 @@ BAD_INPUT = [
     # ---- plugins
     row("plugin-policy-range", cli("device=cpu", "policy=bad_input_width", "policy.width=0", setup=plugin_policy),
         "policy=bad_input_width", "plugin 'bad_input_plugin'", "package bad-input-plugin", "width=0", "at least 1"),
-    row("plugin-policy-unknown-key", cli("device=cpu", "policy=bad_input_width", "policy.height=3", setup=plugin_policy),
-        "height", "width"),
+    row("plugin-policy-unknown-key",
+        cli("device=cpu", "policy=bad_input_width", "policy.height=3", setup=plugin_policy), "height", "width"),
     # ---- the Python API: LLM(...)
-    row("api-unknown-model", api(MissingConfigException, engine("nope"), guard=False), "model/nope", "tiny", "qwen3_4b"),
+    row("api-unknown-model", api(MissingConfigException, engine("nope"), guard=False), "model/nope", "tiny",
+        "qwen3_4b"),
     row("api-unknown-policy", api(MissingConfigException, engine("tiny", "policy=nope"), guard=False), "policy/nope",
         *registry().policies),
     row("api-model-without-weights", api(ValueError, engine("qwen3_4b"), guard=False), "model.path=",
@@ -382,7 +387,8 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", tie=True)  # with a tokenizer: the CLI checks its prompt first
+    # with a tokenizer: the CLI checks its prompt first
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", tie=True)
 
 
 @pytest.fixture

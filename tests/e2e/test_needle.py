@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from sparsekv.llm import compose_config
 from sparsekv.tasks import get_task

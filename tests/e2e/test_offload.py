@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from sparsekv import LLM, SamplingParams
 from tests.conftest import hf_greedy, random_prompt

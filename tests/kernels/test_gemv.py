@@ -2,8 +2,9 @@
 
 On CPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set by conftest; the `triton_kernels`
 fixture also poisons every output buffer the launchers allocate, split-K partials included). The interpreter
-rounds fp32 -> bf16 toward zero (GPUs round to nearest even), so bf16 gets one bf16 ulp of slack; under the interpreter bf16 tl.dot runs on operands upcast to fp32
-(numpy has no bf16 matmul). Real sizes run in the GPU-marked tests.
+rounds fp32 -> bf16 toward zero (GPUs round to nearest even), so bf16 gets one bf16 ulp of slack; under the
+interpreter bf16 tl.dot runs on operands upcast to fp32 (numpy has no bf16 matmul). Real sizes run in the
+GPU-marked tests.
 """
 
 from __future__ import annotations

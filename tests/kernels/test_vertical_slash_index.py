@@ -1,5 +1,5 @@
-"""vertical_slash_attention's metadata builder (sparsekv.policies.minference.vertical_slash_index) against its torch reference,
-and the kernel's pair counter against vertical_slash_pair_count.
+"""vertical_slash_attention's metadata builder (sparsekv.policies.minference.vertical_slash_index) against its torch
+reference, and the kernel's pair counter against vertical_slash_pair_count.
 
 On CPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set by conftest); small sizes only.
 """
@@ -201,8 +201,8 @@ def test_pair_counter_on_the_reference_path(monkeypatch):
 def test_pair_counter_bad_inputs_raise():
     q, k = torch.randn(8, 4, 16), torch.randn(8, 2, 16)
     sel = torch.zeros((4, 2), dtype=torch.int32)
-    for bad in (torch.zeros(1, dtype=torch.int32), torch.zeros(3, dtype=torch.int64), torch.zeros((), dtype=torch.int64),
-                torch.zeros((4, 1), dtype=torch.int64), [0]):
+    for bad in (torch.zeros(1, dtype=torch.int32), torch.zeros(3, dtype=torch.int64),
+                torch.zeros((), dtype=torch.int64), torch.zeros((4, 1), dtype=torch.int64), [0]):
         with pytest.raises(ValueError, match="pair_counter"):
             vertical_slash_attention(q, k, k, sel, sel, pair_counter=bad)
 

@@ -239,7 +239,9 @@ def test_masses_kernel_matches_reference(L, H, KVH, D, Sk, row0):
     ref_col, ref_diag = vertical_slash_masses_reference(q, k, 0.3, row0)
     assert col.shape == (H, Sk) and diag.shape == (H, row0 + L)
     assert torch.allclose(col, ref_col, **TOL) and torch.allclose(diag, ref_diag, **TOL)
-    assert torch.allclose(diag.sum(1), torch.full((H,), float(L), device=DEV), atol=1e-4 if DEV.type == "cpu" else 1e-2)  # each row sums to 1
+    # each row sums to 1
+    assert torch.allclose(diag.sum(1), torch.full((H,), float(L), device=DEV),
+                          atol=1e-4 if DEV.type == "cpu" else 1e-2)
 
 
 @pytest.mark.parametrize("L,Sk,row0,offsets_from", [
@@ -275,7 +277,8 @@ def test_masses_exclude_columns_from_the_diagonals():
     assert torch.allclose(col, all_col, **TOL)  # the column masses are unchanged
     for h in range(4):  # the diagonals lose exactly the excluded (in-range) columns' mass
         kept = [c for c in cols[h].tolist() if c < 40]
-        assert diag[h].sum().item() == pytest.approx(all_diag[h].sum().item() - all_col[h, kept].sum().item(), abs=1e-4 if DEV.type == "cpu" else 1e-3)
+        assert diag[h].sum().item() == pytest.approx(all_diag[h].sum().item() - all_col[h, kept].sum().item(),
+                                                     abs=1e-4 if DEV.type == "cpu" else 1e-3)
 
 
 def test_masses_reject_bad_input():

@@ -97,7 +97,8 @@ def ckpt(tmp_path_factory) -> Path:
 
 
 def case(name: str) -> Case:
-    assert name in CASES, f"policy {name!r} is registered but tests/policies/test_policies.py has no Case for it: add one"
+    assert name in CASES, (f"policy {name!r} is registered but tests/policies/test_policies.py has no Case for it: "
+                           "add one")
     return CASES[name]
 
 

@@ -18,7 +18,8 @@ VOCAB = 8192
 def _llm(load_format: str, context: int, *extra: str) -> LLM:
     return LLM(overrides=["model=tiny", f"model.load_format={load_format}", "model.head_dim=128",
                           "model.hidden_size=256", f"model.vocab_size={VOCAB}", "model.num_hidden_layers=3",
-                          f"model.max_position_embeddings={context + 16}", f"scheduler.max_model_len={context + 16}", *extra])
+                          f"model.max_position_embeddings={context + 16}", f"scheduler.max_model_len={context + 16}",
+                          *extra])
 
 
 def _prompt(length: int, seed: int = 0) -> list[int]:

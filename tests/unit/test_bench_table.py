@@ -142,7 +142,8 @@ def test_batch_curve_record_gives_one_row_per_point(bt, tmp_path):
     col = {name.strip(): i for i, name in enumerate(header.strip("|").split(" | "))}
     assert rows["full-curve@b2"][col["loaded/step"]] == "8.00 GB"
     assert rows["quest-curve@b4"][col["ms/step"]] == "9.00" and rows["quest-curve@b1"][col["batch"]] == "1"
-    assert rows["quest-curve@b2"][col["tok/s against vs, same run"]] == f"{(2000 / 7.0) / (2000 / 45.0):.2f}x (44.4 tok/s)"
+    assert rows["quest-curve@b2"][col["tok/s against vs, same run"]] == (
+        f"{(2000 / 7.0) / (2000 / 45.0):.2f}x (44.4 tok/s)")
     assert rows["quest-curve@b2"][col["cache hit / miss / overflow per step"]] == "7,680 / 0 / 0"
 
 

@@ -59,7 +59,8 @@ def test_chunked_prefill_reads_runs_as_views_and_fragmented_tables_by_gather(lla
     free.remove(1)
     chunked = llm.generate(prompts, greedy)
     assert [o.token_ids for o in chunked] == [o.token_ids for o in one_shot]
-    assert None in seen and any(b is not None for b in seen), set(seen)  # the fragmented first and the contiguous second
+    # the fragmented first and the contiguous second
+    assert None in seen and any(b is not None for b in seen), set(seen)
 
 
 def test_selecting_decode_policy_selects_among_resident_blocks(qwen3_ckpt):

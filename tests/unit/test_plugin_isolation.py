@@ -276,7 +276,8 @@ def test_the_cli_runs_beside_broken_plugins_and_lists_them(site, tmp_path):
     assert listed.returncode == 0, listed.stderr
     out = listed.stdout
     assert "iso_good: loaded (package iso-good, entry point iso_good)\n    policies: iso_good_policy" in out
-    assert "iso_raises: failed (package iso-raises, entry point iso_raises)\n    error: RuntimeError: hook exploded" in out
+    assert ("iso_raises: failed (package iso-raises, entry point iso_raises)\n"
+            "    error: RuntimeError: hook exploded") in out
     assert "iso_nameless: not allowed" in out and "builtin: loaded (package sparsekv" in out
 
 

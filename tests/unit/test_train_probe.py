@@ -381,7 +381,8 @@ def test_committed_weights_are_the_ones_their_record_names(train_probe):
     from transformers import AutoModelForCausalLM
 
     record = committed_lineage()[0]
-    model = AutoModelForCausalLM.from_pretrained(TOOLS.parent / "sparsekv" / "checkpoints" / "probe", dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(TOOLS.parent / "sparsekv" / "checkpoints" / "probe",
+                                                 dtype=torch.bfloat16)
     assert train_probe.weights_digest(model) == record["weights_sha256"]
 
 

@@ -17,7 +17,8 @@ TOOL = Path(__file__).resolve().parents[2] / "tools" / "tune_prefill_attention.p
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run checks the script on the CPU interpreter, as the "
-                    "suite runs kernels off-GPU; a GPU host runs the tool itself (Triton 3.6's interpreter fails there)")
+                    "suite runs kernels off-GPU; a GPU host runs the tool itself (Triton 3.6's interpreter fails "
+                    "there)")
 def test_dry_run_times_checks_and_picks(tmp_path):
     out = tmp_path / "tune.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -42,7 +42,8 @@ import math
 
 import torch
 
-from sparsekv.kernels._dispatch import HAS_TRITON, alloc_output, exact_dot, jit, next_power_of_2, tl, triton_interpret, use_triton
+from sparsekv.kernels._dispatch import (HAS_TRITON, alloc_output, exact_dot, jit, next_power_of_2, tl, triton_interpret,
+                                       use_triton)
 from sparsekv.kernels.attention import _empty_result, masked_attention_rows, online_softmax_step
 from sparsekv.kernels.attention_checks import check_qkv
 from .vertical_slash_index import offset_range, slash_mask, vertical_slash_index

@@ -33,7 +33,8 @@ import math
 
 import torch
 
-from sparsekv.kernels._dispatch import HAS_TRITON, cdiv, exact_dot, jit, next_power_of_2, tl, triton_interpret, use_triton
+from sparsekv.kernels._dispatch import (HAS_TRITON, cdiv, exact_dot, jit, next_power_of_2, tl, triton_interpret,
+                                       use_triton)
 from sparsekv.kernels.attention_checks import check_qkv
 
 __all__ = ["last_rows_lse", "vertical_slash_masses", "vertical_slash_masses_reference"]

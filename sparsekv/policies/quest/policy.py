@@ -21,9 +21,10 @@ blocks: on the probe's RULER matrix (docs/benchmarks.md) the smallest budget wit
 tokens with 256-token blocks (8 blocks; 4 lose 25 points) and 7 blocks of the 1,024-token host blocks offloaded (6
 lose 3 points). The first block (attention sink) and the newest full block are always kept, so at least 2 blocks
 load whatever the budget. Layers below `dense_layers` and sequences with at most
-`threshold_blocks` full blocks load everything. In decode the choice stays on the device (select_blocks returns a
-device tensor): the chosen blocks are gathered from pinned host memory by a kernel, so no layer waits for the host. In decode, scores and choice are one kernel launch (quest_select
-in sparsekv/policies/quest/quest_score.py); score_blocks and sparsekv.policies.scorer.top_blocks are its reference.
+`threshold_blocks` full blocks load everything. In decode the choice stays on the device (select_blocks returns a device
+tensor): the chosen blocks are gathered from pinned host memory by a kernel, so no layer waits for the host. In decode,
+scores and choice are one kernel launch (quest_select in sparsekv/policies/quest/quest_score.py); score_blocks and
+sparsekv.policies.scorer.top_blocks are its reference.
 A batched decode step chooses for all of its selecting sequences at once (select_blocks_batch): their candidates
 padded to the longest, the same scores over the padded rows, one top-k per row. With offload=none the resident
 store asks for every row of a decode batch at once from its block tables (select_blocks_paged: the same rows'

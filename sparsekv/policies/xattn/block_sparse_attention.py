@@ -317,7 +317,8 @@ def _block_sparse_triton(q, k, v, runs: BlockRuns, block_size, scale, q_start, c
         n, S, q_start, qb0 * block_size, scale * LOG2E,
         GROUP=H // KVH, BLOCK_SIZE=block_size, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
         TILES=block_size // block_n, FUSED_SCALE=flags["FUSED_SCALE"], USE_TMA=flags["USE_TMA"],
-        LOOP_MODE=LOOP_MODES[loop.mode], RUN_MIN_TILES=loop.run_min_tiles, LIST_STAGES=loop.list_stages or 2 * stages - 1,
+        LOOP_MODE=LOOP_MODES[loop.mode], RUN_MIN_TILES=loop.run_min_tiles,
+        LIST_STAGES=loop.list_stages or 2 * stages - 1,
         num_warps=warps, num_stages=stages,
     )
     return o, lse

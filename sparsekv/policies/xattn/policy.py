@@ -14,8 +14,8 @@ block is kept when at least `vote_fraction` of the KV heads keep it (majority vo
 and the diagonal block are always kept.
 
 offload=none (compute_prefill; the keys are all on the device): the scoring runs on the real keys at
-`block_size` granularity (sparsekv.policies.xattn.xattn_estimate: one fused matmul pass over the strided scores that keeps
-only per-(row, key block) log-sum-exps, then the normalised masses), the threshold, the vote and the runs of kept
+`block_size` granularity (sparsekv.policies.xattn.xattn_estimate: one fused matmul pass over the strided scores that
+keeps only per-(row, key block) log-sum-exps, then the normalised masses), the threshold, the vote and the runs of kept
 blocks the attention kernel walks in two more launches (sparsekv.policies.xattn.block_select), and the attention is
 computed exactly over each query block's own kept blocks by one block-sparse kernel
 (sparsekv.policies.xattn.block_sparse_attention): no host sync.
@@ -24,9 +24,9 @@ offload=cpu (compute_chunked_prefill). When the GPU block cache holds the prefix
 was written right after it (ctx.sequence_kv: the usual case when the cache can hold the prompt), the whole sequence
 so far is one device view and the chunk is computed as offload=none computes it: compute_prefill on the view, so
 selection, result and density (block pairs) are offload=none's; so is the first chunk (no prefix: its own keys are
-the whole sequence). Otherwise the base pipeline runs: later chunks without the view (no cache, fp8 host blocks, a prefix the cache
-holds only in part) attend the prefix host blocks that select_blocks(ctx) keeps. Those prefix keys live on the host
-and only the chosen blocks may cross PCIe, so the decision uses a key summary kept on the GPU.
+the whole sequence). Otherwise the base pipeline runs: later chunks without the view (no cache, fp8 host blocks, a
+prefix the cache holds only in part) attend the prefix host blocks that select_blocks(ctx) keeps. Those prefix keys live
+on the host and only the chosen blocks may cross PCIe, so the decision uses a key summary kept on the GPU.
 Summary: for every host block and layer, the mean of each run of `summary_stride` (default: `stride`) consecutive
 keys, [block_size / summary_stride, KVH, D] in the key dtype, recorded by on_prefill_offload / on_decode_offload
 while the keys are on the GPU (a device table indexed by cpu block id, sized at initialize()). That is

@@ -19,9 +19,10 @@ the dummy case; the timings depend on the dimensions only.
 
 Timing, after a warm-up pass identical to the timed one (bench.warmup): prefill = time to first token (the
 prompt's forward with logits of the last position only, plus the argmax), decode = one forward of one new
-token per sequence per step, each synchronised (CUDA) before the clock is read; the median step is `decode_ms_per_token`, as in the bench record. On CUDA, `gpu_peak_gib` is
-the peak device memory HF allocated on top of what the process held before HF's model was built (HF's
-weights + KV cache + activations; other objects in the process, like a sparsekv engine, are not counted).
+token per sequence per step, each synchronised (CUDA) before the clock is read; the median step is
+`decode_ms_per_token`, as in the bench record. On CUDA, `gpu_peak_gib` is the peak device memory HF allocated on top of
+what the process held before HF's model was built (HF's weights + KV cache + activations; other objects in the process,
+like a sparsekv engine, are not counted).
 """
 from __future__ import annotations
 

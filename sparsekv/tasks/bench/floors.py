@@ -5,8 +5,8 @@ pinned host<->device copy bandwidth. Each is timed with CUDA events after a warm
 (never zeros: some GPUs move and multiply zeros faster), and the median of several repeats is reported.
 
 Pure functions (no device, unit-tested on CPU): FLOPs of a prefill, bytes a decode step must read (a
-block-selecting policy's selected KV and key bounds only), KV bytes per token, bytes of a model's weights. A figure's floor is work / measured rate; a benchmark reports
-achieved time / floor time (>= 1; 1 means at the physical limit).
+block-selecting policy's selected KV and key bounds only), KV bytes per token, bytes of a model's weights. A figure's
+floor is work / measured rate; a benchmark reports achieved time / floor time (>= 1; 1 means at the physical limit).
 """
 from __future__ import annotations
 

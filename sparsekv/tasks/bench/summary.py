@@ -32,7 +32,8 @@ def print_table(f: dict) -> None:
     on = f"{f['device']}" + (f" ({f['gpu_name']})" if f.get("gpu_name") else "")
     density = f" (density {f['policy_density']:.3f})" if f.get("policy_density") is not None else ""
     weights = f" [{f['load_format']}]" if f.get("load_format") else ""
-    print(f"bench {f['name']}: model={f['model']}{weights} offload={f['offload']} policy={f['policy']}{density} on {on}, "
+    print(f"bench {f['name']}: model={f['model']}{weights} offload={f['offload']} policy={f['policy']}{density} "
+          f"on {on}, "
           f"{f['dtype']}, batch {f['batch_size']}, context {f['context']}, {f['decode_steps']} decode steps")
     tp = int(f.get("tensor_parallel_size") or 1)
     per_gpu = " per GPU" if tp > 1 else ""
@@ -50,9 +51,11 @@ def print_table(f: dict) -> None:
         rows.append((f"  HBM floor{per_gpu}", f"{_fmt(f['decode_bytes_per_step'] / 1e9, '.2f', ' GB/step')}",
                      _fmt(f["decode_hbm_floor_ms"], ".2f", " ms"), ""))
     if f.get("decode_pcie_floor_ms") is not None:
-        rows.append((f"  PCIe floor (KV of context / H2D{gpus})", "", _fmt(f["decode_pcie_floor_ms"], ".2f", " ms"), ""))
+        rows.append((f"  PCIe floor (KV of context / H2D{gpus})", "", _fmt(f["decode_pcie_floor_ms"], ".2f", " ms"),
+                     ""))
     if f.get("decode_loaded_floor_ms") is not None:
-        rows.append((f"  PCIe floor (bytes loaded / H2D{gpus})", _fmt(f["decode_h2d_bytes_per_step"] / 1e9, ".3f", " GB/step"),
+        rows.append((f"  PCIe floor (bytes loaded / H2D{gpus})",
+                     _fmt(f["decode_h2d_bytes_per_step"] / 1e9, ".3f", " GB/step"),
                      _fmt(f["decode_loaded_floor_ms"], ".2f", " ms"), _fmt(f["decode_loaded_ratio"], ".2f", "x")))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
@@ -124,7 +127,8 @@ def summarize(directory: str | Path) -> str:
         fl = r.get("floors") or {}
         if fl.get("matmul_tflops") is not None:
             notes.append(f"{r.get('name')} @ {r.get('context')}: GEMM {fl['matmul_tflops']:.0f} TFLOP/s, "
-                         f"HBM {fl['hbm_gbps']:,.0f} GB/s, H2D {fl['h2d_gbps']:.1f} GB/s, D2H {fl['d2h_gbps']:.1f} GB/s")
+                         f"HBM {fl['hbm_gbps']:,.0f} GB/s, H2D {fl['h2d_gbps']:.1f} GB/s, "
+                         f"D2H {fl['d2h_gbps']:.1f} GB/s")
     text = "\n".join(lines)
     text += f"\n\n{len(records)} runs on {', '.join(devices) or 'nothing'}"
     if notes:

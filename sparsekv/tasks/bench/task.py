@@ -81,7 +81,8 @@ def _numeric_delta(after: dict | None, before: dict | None) -> dict | None:
     if after is None:
         return None
     before = before or {}
-    return {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {k: v - before.get(k, 0) for k, v in after.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def _transfer_snapshot(engine) -> dict | None:
@@ -293,7 +294,7 @@ def run(cfg: DictConfig) -> dict:
     figures["gpu_build_peak_gib"] = gpu_build_peak_gib
     figures["floors"] = floors
 
-    # ---- HF transformers baseline on the same prompts (task.baseline=true; sparsekv.tasks.bench.baseline owns the code)
+    # ---- HF transformers baseline on the same prompts (task.baseline=true; code in sparsekv.tasks.bench.baseline)
     if cfg.task.baseline:
         import gc
 
