@@ -9,14 +9,15 @@ Shapes (H = 32 query heads, KVH = 8, D = 128, bf16): Sq = Sk = 32768 causal, Sq 
 4096-row chunk against 32768 keys, non-causal (the chunked prefill's partials). FLOPs = 4 * visible (query, key)
 pairs * H * D (causal: S (S + 1) / 2 pairs).
 
+On sm_90 the warp-specialized Gluon kernel that flash_attn_with_lse runs there (attention_sm90.py) is timed beside
+them as "sm90 gluon"; it has no tile table and cannot be the pasted entry, which serves the calls it does not take.
 Every tile config runs at 32K causal first. The 128K causal and chunk shapes then time the fastest --finalists of
-them, the current default (attention.dense_tile_config) and the references: SDPA's flash kernel
-(torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION), K/V repeated to H heads outside the timing) and
-cuDNN's where torch has it. Each candidate's o and lse are compared with SDPA's
-(max abs error, --max-err), and on causal shapes a small bottom-right call (1008 queries, 2048 keys) with the
-fp32 reference (max abs error over max |o|, SMALL_MAX_REL_ERR); a candidate over either is marked FAIL and cannot
-win. Times are triton.testing.do_bench medians (it clears L2 between calls); the 128K shape gets a short
---rep-ms-long since one call takes ~0.25 s.
+them, the Gluon kernel, the current default (attention.dense_tile_config) and the references: SDPA's flash kernel
+(torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION), K/V repeated to H heads outside the timing) and cuDNN's
+where torch has it. Each candidate's o and lse are compared with SDPA's (max abs error, --max-err), and on causal
+shapes a small bottom-right call (1008 queries, 2048 keys) with the fp32 reference (max abs error over max |o|,
+SMALL_MAX_REL_ERR); a candidate over either is marked FAIL and cannot win. Times are triton.testing.do_bench medians
+(it clears L2 between calls); the 128K shape gets a short --rep-ms-long since one call takes ~0.25 s.
 
 Output: a table per shape, the winner per shape, and a GPU_CONFIGS_SM90 entry for --head-dim with its comment to
 paste into sparsekv/kernels/attention.py (the config with the best geometric mean over the causal shapes; the
@@ -43,6 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from sparsekv.kernels import attention as A  # noqa: E402
+from sparsekv.kernels import attention_sm90  # noqa: E402
 from sparsekv.kernels.external_attention import torch_fused_attention  # noqa: E402
 
 Config = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
@@ -50,7 +52,8 @@ TILE_CONFIGS: list[Config] = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3
                               (64, 64, 4, 2), (64, 128, 4, 2), (256, 64, 16, 2)]
 QUICK_CONFIGS: list[Config] = [(128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)]
 DRY_RUN_CONFIGS: list[Config] = [(32, 16, 4, 1), (16, 32, 4, 1)]  # interpreter: small, not the default's
-DEFAULT = None  # what runs today: attention.dense_tile_config
+DEFAULT = None  # the Triton kernel at attention.dense_tile_config
+SM90 = "sm90"  # the Gluon kernel of attention_sm90.py
 SMALL_MAX_REL_ERR = 5e-2  # bf16 rounding stays near 1e-2; a wrong mask or offset gives O(1) on some rows
 
 
@@ -63,12 +66,18 @@ def candidates(args) -> list[Config]:
 def label(config: Config | None) -> str:
     if config is DEFAULT:
         return "default (dense_tile_config)"
+    if config == SM90:
+        return "sm90 gluon (warp-specialized, ping-pong)"
     return "x".join(map(str, config[:2])) + f" w{config[2]} s{config[3]}"
 
 
 def launch(q, k, v, o, lse, scale: float, causal: bool, config: Config | None) -> None:
-    """_flash_fwd_kernel into o [Sq, H, D] and lse [H, Sq] with config (None: the default dense_tile_config)."""
-    A._launch_flash_fwd(q, k, v, o, lse, scale, causal, config or A.dense_tile_config(q))
+    """_flash_fwd_kernel into o [Sq, H, D] and lse [H, Sq] with config (None: the default dense_tile_config), or
+    the Gluon kernel (SM90)."""
+    if config == SM90:
+        attention_sm90.flash_attn_sm90(q, k, v, scale, causal, out=(o, lse))
+    else:
+        A._launch_flash_fwd(q, k, v, o, lse, scale, causal, config or A.dense_tile_config(q))
 
 
 def visible_pairs(sq: int, sk: int, causal: bool) -> int:
@@ -192,7 +201,7 @@ def time_candidate(shape: Shape, config: Config | None, run: Run) -> dict:
     q, k, v, H = shape.q, shape.k, shape.v, shape.h
     o = torch.empty_like(q)  # [Sq, H, D]
     lse = torch.empty(H, shape.sq, dtype=torch.float32, device=q.device)  # [H, Sq]
-    extra = {"kernel": "dense", "config": config or A.dense_tile_config(q)}
+    extra = {"kernel": "sm90" if config == SM90 else "dense", "config": config or A.dense_tile_config(q)}
     try:
         launch(q, k, v, o, lse, shape.scale, shape.causal, config)  # compiles
         ro, rlse = shape.ref
@@ -258,7 +267,7 @@ def paste_line(shapes: list[Shape], record: dict) -> str:
     by_name: dict[str, list[dict]] = {}
     for s in causal:
         for r in s.rows:
-            if r.get("ok") and r["tflops"] and r["kernel"] != "reference":
+            if r.get("ok") and r["tflops"] and r["kernel"] == "dense":
                 by_name.setdefault(r["name"], []).append(r)
     both = {n: rs for n, rs in by_name.items() if len(rs) == len(causal)}
     if not both:
@@ -322,10 +331,11 @@ def main() -> None:
     run.small = SmallCase(run)
     first_spec, *rest_spec = shapes_spec
     first = Shape(*first_spec, run)
-    sweep(first, [DEFAULT] + candidates(args), run)
+    gluon = [SM90] if attention_sm90.sm90_attention_ok(first.q, first.k, first.v) else []
+    sweep(first, gluon + [DEFAULT] + candidates(args), run)
     ranked = sorted((r for r in first.rows if r.get("ok") and r["tflops"]), key=lambda r: -r["tflops"])
     best = {r["name"] for r in ranked[:args.finalists]}
-    finalists = [DEFAULT] + [c for c in candidates(args) if label(c) in best]
+    finalists = gluon + [DEFAULT] + [c for c in candidates(args) if label(c) in best]
     shapes = [first]
     del first.q, first.k, first.v, first.ref
     for spec in rest_spec:

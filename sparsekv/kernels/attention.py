@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from ._dispatch import (INTERPRET, alloc_output, attention_backend, cdiv, default_kernels, exact_dot, jit,
                         tl)
 from .attention_checks import check_qkv
+from .attention_sm90 import flash_attn_sm90, sm90_attention_ok
 from .external_attention import flash_attn_package, torch_fused_attention
 from .tma import TensorDescriptor, use_tma
 
@@ -57,6 +58,8 @@ SUPPORTED_HEAD_DIMS = tuple(GPU_CONFIGS)
 # _flash_fwd_kernel scales the scores inside the exp2 argument (one FMA per score; needs softmax_scale > 0) and, on
 # sm_90+ with TMA-compatible layouts, moves q/k/v/o through host-side TMA descriptors ([S, heads * D] views, see
 # tma.py); a call that cannot use either runs the plain code for it (see _launch_flash_fwd).
+# On sm_90 a 16-bit call with D = 128 and TMA-compatible layouts runs the warp-specialized Gluon kernel of
+# attention_sm90.py instead (612 against 541 TFLOP/s at 32K causal, docs/decisions.md); these tables serve the rest.
 # Calls with at most this many query rows (decode: 1) run the flash-decoding kernel of decode_attention.py, which
 # splits the keys over many programs and reads each K/V tile once per GQA group, instead of _flash_fwd_kernel's
 # ceil(Sq / BLOCK_M) * H programs that each walk all keys.
@@ -320,6 +323,8 @@ def _flash_attn_triton(q, k, v, scale: float, causal: bool, pdl: bool) -> tuple[
         from .decode_attention import decode_attention_triton  # here: decode_attention imports this module
 
         return decode_attention_triton(q, k, v, scale, causal, pdl=pdl)
+    if scale > 0 and sm90_attention_ok(q, k, v):  # Hopper: the warp-specialized Gluon kernel
+        return flash_attn_sm90(q, k, v, scale, causal)
     block_m, block_n, warps, stages = dense_tile_config(q)
     o = alloc_output((Sq, H, D), q.dtype, q.device)  # [Sq, H, D]
     lse = alloc_output((H, Sq), torch.float32, q.device)  # [H, Sq]

@@ -1,0 +1,64 @@
+"""The Hopper (sm_90) Gluon prefill attention kernel (sparsekv.kernels.attention_sm90) against the fp32 reference,
+on fresh random inputs, into NaN-poisoned outputs. Gluon has no CPU interpreter: on CPU only the dispatch rules and
+the launcher's errors are checked."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sparsekv.kernels import attention, attention_sm90, flash_attn_with_lse, flash_attn_with_lse_reference
+from tests.kernels.test_dense_attention import _check, _qkv
+
+ON_SM90 = (attention_sm90.HAS_GLUON and torch.cuda.is_available()
+           and torch.cuda.get_device_capability() == (9, 0))
+sm90_only = pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU and Triton's Gluon")
+
+
+def _run(q, k, v, causal):
+    Sq, H, _ = q.shape
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((H, Sq), float("nan"), dtype=torch.float32, device=q.device)
+    attention_sm90.flash_attn_sm90(q, k, v, 1.0 / math.sqrt(q.shape[2]), causal, out=(o, lse))
+    return o, lse
+
+
+# (Sq, Sk, H, KVH, causal): off the 128 grid, Sq < Sk (a chunk against its prefix), Sq > Sk (leading rows with no
+# key), one query tile whose second warp group has no rows, a chunk against a long prefix, real head counts
+SHAPES = [(300, 300, 4, 2, True), (1000, 1000, 8, 2, True), (77, 1000, 4, 1, True), (256, 700, 4, 2, False),
+          (1000, 333, 4, 2, True), (40, 40, 2, 2, True), (2048, 16384, 32, 8, False), (4096, 4096, 32, 8, True)]
+
+
+@pytest.mark.gpu
+@sm90_only
+@pytest.mark.parametrize("sq, sk, h, kvh, causal", SHAPES)
+def test_gpu_matches_reference(sq, sk, h, kvh, causal):
+    q, k, v = _qkv(sq, sk, h, kvh, 128, torch.bfloat16, seed=sq + sk + h)
+    _check(_run(q, k, v, causal), flash_attn_with_lse_reference(q, k, v, causal=causal), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@sm90_only
+def test_gpu_fp16_and_public_api_take_it(monkeypatch):
+    q, k, v = _qkv(700, 1500, 8, 2, 128, torch.float16, seed=3)
+    _check(_run(q, k, v, True), flash_attn_with_lse_reference(q, k, v, causal=True), torch.float16)
+    calls = []
+    original = attention.flash_attn_sm90
+    monkeypatch.setattr(attention, "flash_attn_sm90", lambda *a, **kw: calls.append(a[0].shape) or original(*a, **kw))
+    out = flash_attn_with_lse(q, k, v, causal=True)
+    assert calls == [q.shape]
+    _check(out, flash_attn_with_lse_reference(q, k, v, causal=True), torch.float16)
+
+
+def test_calls_it_cannot_serve_go_elsewhere():
+    q, k, v = _qkv(64, 64, 4, 2, 128, torch.float32)
+    assert not attention_sm90.sm90_attention_ok(q, k, v)  # fp32 (and, on CPU, no GPU)
+    with pytest.raises(ValueError, match="use flash_attn_with_lse"):
+        attention_sm90.flash_attn_sm90(q, k, v, 0.1, True)
+    if ON_SM90:
+        qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
+        assert attention_sm90.sm90_attention_ok(qb, kb, vb)
+        assert not attention_sm90.sm90_attention_ok(qb[..., :64], kb[..., :64], vb[..., :64])  # D = 64
+        wide = torch.zeros(64, 4, 256, dtype=torch.bfloat16, device=q.device)[..., :128]  # heads 256 apart
+        assert not attention_sm90.sm90_attention_ok(wide, kb, vb)
