@@ -61,11 +61,23 @@ def check_whole_prompt_room(num_blocks: int, block_size: int, max_model_len: int
 def num_device_kv_blocks(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                          max_model_len: int, prefill_tokens: int) -> int:
     """Room for max_num_seqs sequences of max_model_len tokens, capped by the memory left after the weights and a
-    prefill step of prefill_tokens on CUDA (gpu_memory_utilization) and by CPU_KV_POOL_CAP on CPU."""
+    prefill step of prefill_tokens on CUDA (gpu_memory_utilization) and by CPU_KV_POOL_CAP on CPU. A set
+    offload.num_kv_blocks is taken as it is, after a check on CUDA that it fits beside that prefill step."""
     offload = cfg.offload
-    if offload.num_kv_blocks:
-        return int(offload.num_kv_blocks)
     block_bytes = kv_block_bytes(cfg, spec, dtype)
+    if offload.num_kv_blocks:
+        blocks = int(offload.num_kv_blocks)
+        if device.type == "cuda":  # the blocks and the largest prefill step must fit beside the weights
+            free = torch.cuda.mem_get_info(device)[0]
+            activations = prefill_activation_bytes(prefill_tokens, spec, dtype)
+            if blocks * block_bytes + activations > free:
+                raise ValueError(
+                    f"offload.num_kv_blocks={blocks} ({format_bytes(blocks * block_bytes)} of KV cache) and a "
+                    f"prefill step of {prefill_tokens} tokens (about {format_bytes(activations)} of activations) do "
+                    f"not fit the {format_bytes(free)} of device memory free after the weights; lower "
+                    "offload.num_kv_blocks or scheduler.max_model_len, set policy.whole_prompt_prefill=false where "
+                    "the policy prefills whole prompts, or use offload=cpu")
+        return blocks
     per_seq = -(-max_model_len // offload.block_size)
     wanted = cfg.scheduler.max_num_seqs * per_seq
     if device.type == "cuda":
