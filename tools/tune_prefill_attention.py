@@ -277,11 +277,12 @@ def paste_line(shapes: list[Shape], record: dict) -> str:
     refs = []
     for s in shapes:
         tf = {x["name"]: x["tflops"] for x in s.rows if x["tflops"]}
-        others = [x for x in s.rows if x.get("ok") and x["tflops"] and x["kernel"] != "reference"
+        others = [x for x in s.rows if x.get("ok") and x["tflops"] and x["kernel"] == "dense"
                   and tuple(x["config"]) != cfg]
         nxt = max(others, key=lambda x: x["tflops"]) if others else None
         parts = [f"next {nxt['tflops']:.0f} ({nxt['name']})"] if nxt else []
-        parts += [f"{n.split(' (')[0]} {tf[n]:.0f}" for n in ("sdpa flash", "cudnn", label(DEFAULT)) if n in tf]
+        parts += [f"{n.split(' (')[0]} {tf[n]:.0f}" for n in ("sdpa flash", "cudnn", label(DEFAULT), label(SM90))
+                  if n in tf]
         refs.append(f"{s.name} {tf.get(name, 0):.0f} ({', '.join(parts)})")
     comment = (f"# tools/tune_prefill_attention.py, {record['gpu']}, triton {record['triton']}, "
                f"{record['date'][:10]}, {name}, TFLOP/s:\n#   " + "\n#   ".join(refs))

@@ -43,6 +43,8 @@ GPU_CONFIGS: dict[int, tuple[int, int, int, int]] = {
 #   32K causal 547 vs 512 (128x64 w8 s4; 515 in heavy-first order) (594 / 346);
 #   128K causal 503-507 vs 479 (128x64 w8 s4; 510 in heavy-first order, within noise) (563 / 324);
 #   4Kx32K non-causal chunk 568 vs 525 (128x64 w8 s4) (605 / 350). See docs/decisions.md, "Prefill attention".
+# Again 2026-11-29 (--finalists 1), with the sm90 Gluon kernel beside it: 32K causal 542 vs 512 (128x64 w8 s4)
+# (sm90 gluon 612, cuDNN 587, SDPA flash 342); 128K causal 498 (560 / 555 / 319); chunk 562 (624 / 607 / 344).
 GPU_CONFIGS_SM90: dict[int, tuple[int, int, int, int]] = {128: (128, 128, 8, 3)}
 # fp32 inputs need twice the shared memory per tile (not a hot path: smaller tiles).
 GPU_CONFIGS_FP32: dict[int, tuple[int, int, int, int]] = {
