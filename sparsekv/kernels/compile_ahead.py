@@ -161,7 +161,10 @@ def compile_spec(spec: str, target) -> None:
         target = GPUTarget(**data["target"])
     backend = make_backend(target)
     options = backend.parse_options({k: as_tuple(v) for k, v in data["options"].items()})
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    source = ASTSource
+    if fn.is_gluon():  # a Gluon kernel (attention_sm90.py) goes through Gluon's front end, as its launch does
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    kernel = triton.compile(source(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
     from triton.runtime.driver import driver
 
     launcher = getattr(driver.active, "launcher_cls", None)

@@ -149,12 +149,36 @@ def manifest_skips_the_record_pass(cache) -> None:
     assert other["recorded"] and len(calls) == 2
 
 
+def gluon_kernel_compiles_ahead(cache) -> None:
+    from sparsekv.kernels import attention_sm90
+
+    q, k, v = (torch.zeros(300, heads, 128, dtype=torch.bfloat16) for heads in (8, 2, 2))
+    o, lse = torch.zeros_like(q), torch.zeros(8, 300)
+    grid, args, constants = attention_sm90.kernel_launch(q, k, v, o, lse, 0.1, True)
+    kernel = attention_sm90._flash_fwd_sm90_kernel
+    specs, error = compile_ahead.record(lambda: kernel[grid](*args, **constants))
+    assert error is None and [json.loads(s)["name"].rpartition(".")[2] for s in specs] == ["_flash_fwd_sm90_kernel"]
+    figures = compile_ahead.compile_all(specs, workers=1)
+    assert figures["failed"] == [] and figures["compiled"] == 1, figures
+    entries = sorted(os.listdir(cache))
+    kernel.run(*args, grid=grid, warmup=True, **constants)  # the launch path's compile is a cache load
+    assert sorted(os.listdir(cache)) == entries
+
+
 def test_forked_compiles_fill_the_cache_that_the_launch_path_reads(tmp_path):
     in_fresh_process("forked_compiles_fill_the_cache", tmp_path / "triton")
 
 
 def test_a_kernel_that_cannot_compile_is_reported_not_raised(tmp_path):
     in_fresh_process("failed_compile_is_reported", tmp_path / "triton")
+
+
+def test_the_gluon_kernel_compiles_ahead_too(tmp_path):
+    from sparsekv.kernels import attention_sm90
+
+    if not attention_sm90.HAS_GLUON:
+        pytest.skip("Triton without Gluon's Hopper layer")
+    in_fresh_process("gluon_kernel_compiles_ahead", tmp_path / "triton")
 
 
 def test_the_manifest_skips_the_record_pass_next_time(tmp_path):
