@@ -152,16 +152,18 @@ def manifest_skips_the_record_pass(cache) -> None:
 def gluon_kernel_compiles_ahead(cache) -> None:
     from sparsekv.kernels import attention_sm90
 
-    q, k, v = (torch.zeros(300, heads, 128, dtype=torch.bfloat16) for heads in (8, 2, 2))
-    o, lse = torch.zeros_like(q), torch.zeros(8, 300)
-    grid, args, constants = attention_sm90.kernel_launch(q, k, v, o, lse, 0.1, True)
+    launches = []
+    for dtype, causal in ((torch.bfloat16, True), (torch.float16, False)):  # causal prefill, a chunk's partial
+        q, k, v = (torch.zeros(300, heads, 128, dtype=dtype) for heads in (8, 2, 2))
+        launches.append(attention_sm90.kernel_launch(q, k, v, torch.zeros_like(q), torch.zeros(8, 300), 0.1, causal))
     kernel = attention_sm90._flash_fwd_sm90_kernel
-    specs, error = compile_ahead.record(lambda: kernel[grid](*args, **constants))
-    assert error is None and [json.loads(s)["name"].rpartition(".")[2] for s in specs] == ["_flash_fwd_sm90_kernel"]
-    figures = compile_ahead.compile_all(specs, workers=1)
-    assert figures["failed"] == [] and figures["compiled"] == 1, figures
+    specs, error = compile_ahead.record(lambda: [kernel[grid](*args, **kw) for grid, args, kw in launches])
+    assert error is None and [json.loads(s)["name"].rpartition(".")[2] for s in specs] == ["_flash_fwd_sm90_kernel"] * 2
+    figures = compile_ahead.compile_all(specs, workers=2)
+    assert figures["failed"] == [] and figures["compiled"] == 2, figures
     entries = sorted(os.listdir(cache))
-    kernel.run(*args, grid=grid, warmup=True, **constants)  # the launch path's compile is a cache load
+    for grid, args, constants in launches:  # the launch path's compile is a cache load
+        kernel.run(*args, grid=grid, warmup=True, **constants)
     assert sorted(os.listdir(cache)) == entries
 
 
