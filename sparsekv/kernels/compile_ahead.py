@@ -162,7 +162,7 @@ def compile_spec(spec: str, target) -> None:
     backend = make_backend(target)
     options = backend.parse_options({k: as_tuple(v) for k, v in data["options"].items()})
     source = ASTSource
-    if fn.is_gluon():  # a Gluon kernel (attention_sm90.py) goes through Gluon's front end, as its launch does
+    if getattr(fn, "is_gluon", lambda: False)():  # a Gluon kernel (attention_sm90.py): Gluon's front end, as at launch
         from triton.experimental.gluon._runtime import GluonASTSource as source
     kernel = triton.compile(source(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
     from triton.runtime.driver import driver
