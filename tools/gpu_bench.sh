@@ -6,7 +6,8 @@
 #
 # Sections (each fits a 10-minute limit on an H100; times are rough):
 #   info            nvidia-smi, versions, the measured ceilings (python3 -m sparsekv.tasks.bench.floors)
-#   tests           the whole suite, one pytest process per half of each tests/ folder, each its share of the cores
+#   tests           the whole suite, one pytest process per part of each tests/ folder (TEST_PARTS, default 3),
+#                   each its share of the cores
 #   decode          GPU-resident graphed decode at 4K, batch 1 / 8 / 32                                      ~1.5 min
 #   offload         offloaded full decode at 8K (whole-step graph and segmented), 32K and 128K with HF beside ~5 min
 #   quest           Quest decode at 128K (every layer selecting; the default 2 dense layers) beside full      ~3 min
@@ -63,8 +64,8 @@
 # Each run goes to $OUT/records/<section>/<row>/: the task's record (bench.json or quality.json), run.json (the
 # exact command, the date, the row it is compared with) and run.log. A failing run is logged and the script goes on.
 # Settings: ONLY_ROWS ("full xattn_bsa-whole ...": only the runs of those row names), DECODE_STEPS (default 64 for
-# `decode`, 16 elsewhere), BENCH_TIMEOUT (default 150 s per run),
-# TEST_TIMEOUT (default 560 s), BENCH_MODEL_ARGS (default "model=qwen3_4b model.load_format=dummy";
+# `decode`, 16 elsewhere), BENCH_TIMEOUT (default 150 s per run), TEST_TIMEOUT (default 560 s), TEST_PARTS (default 3),
+# BENCH_MODEL_ARGS (default "model=qwen3_4b model.load_format=dummy";
 # "model=tiny device=cpu" gives a dry run of the script without a GPU; it also replaces llama3_8b in `hierarchy*`).
 # HIER_CONTEXT (131072), HIER_LONG_CONTEXT (524288), HIER_BATCH_CONTEXT (122880) and HIER_WIDE_CONTEXT (32768) set
 # the contexts of the hierarchy sections (a CPU dry run passes small ones).
@@ -145,15 +146,15 @@ EOF
     } 2>&1 | tee "$OUT/info.log"
 }
 
-section_tests() {  # the whole suite (tests that pick CUDA when present run there too), each folder in two halves
-    local start=$SECONDS rc=0 dir part pids=() files half
-    # on a 16-core H100 host, four whole-folder processes of 4 threads each ran e2e and kernels past 540 s; their
-    # halves, four processes of 4 threads, took 262-442 s (unit 190 s, policies 246 s as whole folders)
-    local threads=$(( $(nproc) / 8 )); [ "$threads" -ge 1 ] || threads=1
-    for dir in tests/*/; do
-        dir=${dir%/}; files=("$dir"/test_*.py); half=$(( (${#files[@]} + 1) / 2 ))
-        for part in 1 2; do
-            local chosen=("${files[@]:$(( (part - 1) * half )):$half}")
+section_tests() {  # the whole suite (tests that pick CUDA when present run there too), each folder in TEST_PARTS
+    local start=$SECONDS rc=0 dir part pids=() files size parts=${TEST_PARTS:-3} folders=(tests/*/)
+    # whole folders (4 processes of 4 threads on a 16-core H100 host) ran e2e and kernels past 540 s; in halves
+    # (8 processes of 2 threads, H200) the first e2e half took 530 s, near the per-command limit
+    local threads=$(( $(nproc) / (${#folders[@]} * parts) )); [ "$threads" -ge 1 ] || threads=1
+    for dir in "${folders[@]}"; do
+        dir=${dir%/}; files=("$dir"/test_*.py); size=$(( (${#files[@]} + parts - 1) / parts ))
+        for part in $(seq 1 "$parts"); do
+            local chosen=("${files[@]:$(( (part - 1) * size )):$size}")
             [ "${#chosen[@]}" -gt 0 ] || continue
             OMP_NUM_THREADS=$threads timeout --kill-after=20 "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider \
                 -rfE "${chosen[@]}" ${TEST_ARGS:-} > "$OUT/tests-${dir#tests/}-$part.log" 2>&1 &
