@@ -33,8 +33,7 @@ def print_table(f: dict) -> None:
     density = f" (density {f['policy_density']:.3f})" if f.get("policy_density") is not None else ""
     weights = f" [{f['load_format']}]" if f.get("load_format") else ""
     print(f"bench {f['name']}: model={f['model']}{weights} offload={f['offload']} policy={f['policy']}{density} "
-          f"on {on}, "
-          f"{f['dtype']}, batch {f['batch_size']}, context {f['context']}, {f['decode_steps']} decode steps")
+          f"on {on}, {f['dtype']}, batch {f['batch_size']}, context {f['context']}, {f['decode_steps']} decode steps")
     tp = int(f.get("tensor_parallel_size") or 1)
     per_gpu = " per GPU" if tp > 1 else ""
     gpus = f" of {tp} GPUs" if tp > 1 else ""
