@@ -1,6 +1,8 @@
 """The engine loop: validate requests, schedule, run, detokenize, and keep the run's figures."""
 from __future__ import annotations
 
+import contextlib
+
 import resource
 import time
 from dataclasses import dataclass, field
@@ -227,10 +229,16 @@ class LLMEngine:
         seqs = [self.add_request(t, p) for t, p in zip(token_lists, params_list)]
         if self.runner.graph_runner is not None:  # the decode sizes these requests can reach, before any timing
             self.runner.graph_runner.capture_up_to(len(self.scheduler.waiting) + len(self.scheduler.running))
-        while self.scheduler.has_unfinished():
-            self.step()
-            if progress is not None:
-                progress(self)
+        try:
+            while self.scheduler.has_unfinished():
+                self.step()
+                if progress is not None:
+                    progress(self)
+        except BaseException:  # a failed step (a plugin's bad output, an interrupt): the requests leave, blocks freed
+            for seq in seqs:
+                with contextlib.suppress(Exception):  # the step's own error is the one to show
+                    self.abort(seq)
+            raise
         return [RequestOutput(i, seq.token_ids[:seq.num_prompt_tokens], seq.completion_token_ids,
                               self.tokenizer.decode(seq.completion_token_ids) if self.tokenizer else None,
                               seq.finish_reason) for i, seq in enumerate(seqs)]

@@ -54,6 +54,12 @@ class KVStore(ABC):
         """A sequence left (finished or aborted): forget per-sequence state."""
 
 
+def join_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """A prefill step's attention output [N, H, D] from its sequences' parts in row order: a step of one sequence
+    (a long prompt, the usual case) hands its part on as it is, without a copy."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def format_bytes(num_bytes: float) -> str:
     """GiB from 1 GiB up, MiB below (so a small figure does not read "0.00 GiB")."""
     if num_bytes >= 1 << 30:

@@ -9,7 +9,7 @@ import torch
 
 from sparsekv.engine.context import Context, PrefillChunk
 from sparsekv.engine.sequence import Sequence
-from sparsekv.kvcache.base import KVStore, available_host_memory
+from sparsekv.kvcache.base import KVStore, available_host_memory, join_rows
 from sparsekv.kvcache.batched_decode import batched_decode_attention, selected_decode_attention
 from sparsekv.kvcache.host_pool import GIB, HostPool
 from sparsekv.kvcache.host_quant import host_block_bytes
@@ -17,7 +17,7 @@ from sparsekv.kvcache.offload_engine import OffloadEngine, RingCapture
 from sparsekv.kvcache.reader import RingReader
 from sparsekv.kvcache.staged_decode import staged_decode_attention
 from sparsekv.policies.base import SparsePolicy
-from sparsekv.policies.context import KVLayout, PolicyContext
+from sparsekv.policies.context import KVLayout, PolicyContext, check_attention_output
 
 HOST_HEADROOM = 4 * GIB
 
@@ -244,7 +244,7 @@ class OffloadKVStore(KVStore):
     def _prefill(self, layer: int, q, k, v, scale: float, context: Context) -> torch.Tensor:
         engine, bs = self.engine, self.block_size
         engine.write_prefill_buffer(layer, k, v)
-        out = torch.empty_like(q)
+        outs = []
         policy, reader = self.prefill_policy, self.readers[layer]
         # every chunk's early copy before any attention: the layer's offloads wait for the copies, not the attention
         views = [self._sequence_kv(layer, chunk, k[chunk.start:chunk.end], v[chunk.start:chunk.end])
@@ -256,7 +256,8 @@ class OffloadKVStore(KVStore):
                                 kv_len=chunk.num_cached + chunk.num_tokens, softmax_scale=scale, chunk_keys=k[rows],
                                 prompt_len=chunk.seq.num_prompt_tokens, ids_source=engine.device_block_ids,
                                 sequence_kv=view)
-            out[rows] = policy.compute_chunked_prefill(q[rows], k[rows], v[rows], ctx, reader)
+            outs.append(check_attention_output(policy, "compute_chunked_prefill", layer, q[rows],
+                                               policy.compute_chunked_prefill(q[rows], k[rows], v[rows], ctx, reader)))
         for chunk in context.chunks:  # the D2H copies overlap the rest of the layer
             seq, first = chunk.seq, chunk.num_cached // bs
             for i, start in enumerate(range(chunk.start, chunk.end, bs)):
@@ -268,7 +269,7 @@ class OffloadKVStore(KVStore):
             tail = (chunk.num_cached + chunk.num_tokens) % bs
             if tail and chunk.num_cached + chunk.num_tokens == len(seq):
                 engine.copy_prefill_tail_to_decode(layer, self.decode_rows[seq.seq_id][1], chunk.end - tail, tail)
-        return out
+        return join_rows(outs)
 
     def _sequence_kv(self, layer: int, chunk: PrefillChunk, k: torch.Tensor, v: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:

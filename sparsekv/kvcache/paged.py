@@ -8,9 +8,9 @@ import torch
 from sparsekv.engine.context import Context
 from sparsekv.kernels import paged_decode_attention, store_kv
 from sparsekv.kernels.paged_attention import MIN_SPLIT_TOKENS, choose_num_splits
-from sparsekv.kvcache.base import KVStore
+from sparsekv.kvcache.base import KVStore, join_rows
 from sparsekv.kvcache.paged_selection import PagedSelection
-from sparsekv.policies.context import KVLayout
+from sparsekv.policies.context import KVLayout, check_attention_output
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +88,17 @@ class PagedKVStore(KVStore):
 
     def _prefill(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                  context: Context) -> torch.Tensor:
-        out = torch.empty_like(q)
+        outs = []
         for chunk in context.chunks:
             rows = slice(chunk.start, chunk.end)
             keys, values = k[rows], v[rows]
             if chunk.num_cached:  # the chunk's keys are stored already: read the whole sequence from the cache
                 keys, values = self.sequence_kv(layer_id, chunk.block_table, chunk.num_cached + chunk.num_tokens,
                                                 chunk.first_block)
-            out[rows] = self.prefill_policy.compute_prefill(q[rows], keys, values, layer_id, scale)
-        return out
+            policy = self.prefill_policy
+            outs.append(check_attention_output(policy, "compute_prefill", layer_id, q[rows],
+                                               policy.compute_prefill(q[rows], keys, values, layer_id, scale)))
+        return join_rows(outs)
 
     def release(self, seq) -> None:
         self.active.discard(seq.seq_id)

@@ -10,7 +10,8 @@ and returns a selection (select_blocks), scores (ScorerPolicy.score_blocks) or a
 receives the store, the ring engine or an engine Sequence, and never copies KV itself.
 
 Every selection goes through check_selection (a PagedChoice through check_paged_choice) before anything loads; a
-bad one raises PolicySelectionError naming the policy class, the layer and the bad value.
+bad one raises PolicySelectionError naming the policy class, the layer and the bad value. An attention output goes
+through check_attention_output: a bad one raises PolicyOutputError.
 """
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ Selection = Union[list[int], torch.Tensor, None]  # None: every candidate
 
 class PolicySelectionError(ValueError):
     """A policy returned a selection the engine cannot load."""
+
+
+class PolicyOutputError(ValueError):
+    """A compute policy returned an attention output the engine cannot use."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,19 @@ class KVReader(Protocol):
         """The longest leading run of `blocks` already on the device in one piece, in this order (the GPU block cache),
         as one group read in place and valid for the step; None when the first block is not (read with groups())."""
         ...
+
+
+def check_attention_output(policy: "SparsePolicy", method: str, layer: int, q: torch.Tensor, out: object
+                           ) -> torch.Tensor:
+    """What a compute policy's `method` returned for the query rows q [n, H, D] of `layer`: it must be [n, H, D] in
+    q's dtype on q's device (the engine uses it as it is: no cast, no broadcast)."""
+    if isinstance(out, torch.Tensor) and out.shape == q.shape and out.dtype == q.dtype and out.device == q.device:
+        return out
+    got = (f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor)
+           else type(out).__name__)
+    raise PolicyOutputError(f"{type(policy).__name__}.{method} (policy {policy.name!r}, layer {layer}) returned {got}; "
+                            f"it must return the attention of the q it was given: {q.dtype} {tuple(q.shape)} on "
+                            f"{q.device}")
 
 
 def _fail(policy: "SparsePolicy", ctx: PolicyContext, what: str) -> PolicySelectionError:
