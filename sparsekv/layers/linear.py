@@ -16,6 +16,11 @@ from sparsekv.kernels.gemv import MAX_M, silu_mul_linear, skinny_linear
 from sparsekv.kernels.linear_norm import linear_add_rms_norm
 
 
+def write_into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """y, or y copied into `out` when one is given (the paths that cannot write there directly)."""
+    return y if out is None else out.copy_(y)
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same checkpoint names) whose inputs of 1..kernels.gemv_max_rows rows (decode)
     run the Triton skinny-GEMV kernel; others F.linear (cuBLAS)."""
@@ -33,23 +38,27 @@ class Linear(nn.Linear):
         rows = x.numel() // width if width else 0
         return rows if rows <= self.gemv_rows else 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [..., in_features] -> [..., out_features]
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # x [..., in_features] -> [..., out_features]; `out` (x 2-D): a contiguous [rows, out_features] to write into
         rows = self._rows(x, self.in_features)
         if rows:
-            out = skinny_linear(x.reshape(rows, self.in_features), self.weight, self.bias, pdl=self.pdl)
-            return out.view(*x.shape[:-1], self.out_features)  # [rows, out_features] as [..., out_features]
-        return F.linear(x, self.weight, self.bias)
+            y = skinny_linear(x.reshape(rows, self.in_features), self.weight, self.bias, pdl=self.pdl)
+            return write_into(y.view(*x.shape[:-1], self.out_features), out)  # [rows, out] as [..., out]
+        if out is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
 
-    def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul_forward(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The down projection of a gated MLP: self(silu_and_mul(gate_up)), gate_up [..., 2 * in_features] ->
-        [..., out_features]. Where the fused skinny kernel runs, silu(gate) * up is computed as the kernel loads its
-        input: one launch and no [rows, I] tensor."""
+        [..., out_features] (or into `out`). Where the fused skinny kernel runs, silu(gate) * up is computed as the
+        kernel loads its input: one launch and no [rows, I] tensor."""
         rows = self._rows(gate_up, 2 * self.in_features) if self.fuse else 0
         if rows:
-            out = silu_mul_linear(gate_up.reshape(rows, 2 * self.in_features), self.weight, self.bias, pdl=self.pdl)
-            return out.view(*gate_up.shape[:-1], self.out_features)  # [..., out_features]
-        return self(self.silu_and_mul(gate_up))
+            y = silu_mul_linear(gate_up.reshape(rows, 2 * self.in_features), self.weight, self.bias, pdl=self.pdl)
+            return write_into(y.view(*gate_up.shape[:-1], self.out_features), out)  # [..., out_features]
+        return self(self.silu_and_mul(gate_up), out=out)
 
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, gated: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,20 +115,20 @@ class RowParallelLinear(Linear):
         out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [..., in_features (this rank's)] -> [..., out_features], summed over the ranks
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # x [..., in_features (this rank's)] -> [..., out_features], summed over the ranks (copied into `out`)
         rows = self._rows(x, self.in_features)
         if rows:
-            out = skinny_linear(x.reshape(rows, self.in_features), self.weight, None, pdl=self.pdl)
-            return self._reduced(out.view(*x.shape[:-1], self.out_features))
-        return self._reduced(F.linear(x, self.weight))
+            y = skinny_linear(x.reshape(rows, self.in_features), self.weight, None, pdl=self.pdl)
+            return write_into(self._reduced(y.view(*x.shape[:-1], self.out_features)), out)
+        return write_into(self._reduced(F.linear(x, self.weight)), out)
 
-    def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul_forward(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         rows = self._rows(gate_up, 2 * self.in_features) if self.fuse else 0
         if rows:
-            out = silu_mul_linear(gate_up.reshape(rows, 2 * self.in_features), self.weight, None, pdl=self.pdl)
-            return self._reduced(out.view(*gate_up.shape[:-1], self.out_features))
-        return self(self.silu_and_mul(gate_up))
+            y = silu_mul_linear(gate_up.reshape(rows, 2 * self.in_features), self.weight, None, pdl=self.pdl)
+            return write_into(self._reduced(y.view(*gate_up.shape[:-1], self.out_features)), out)
+        return self(self.silu_and_mul(gate_up), out=out)
 
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, gated: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -82,18 +82,23 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # silu(gate) * up: in the down projection's loads for decode on Triton, else one kernel (or torch's ops)
         if x.shape[0] > MLP_SLICE_TOKENS:
-            return torch.cat([self(part) for part in x.split(MLP_SLICE_TOKENS)])
+            return self._in_slices(x)
         return self.down_proj.silu_mul_forward(self.gate_up_proj(x))
+
+    def _in_slices(self, x: torch.Tensor) -> torch.Tensor:
+        # x [T, hidden] -> [T, hidden], MLP_SLICE_TOKENS rows at a time, each slice's down projection written in place
+        out = x.new_empty(x.shape[0], self.down_proj.out_features)
+        for part, dest in zip(x.split(MLP_SLICE_TOKENS), out.split(MLP_SLICE_TOKENS)):
+            self.down_proj.silu_mul_forward(self.gate_up_proj(part), out=dest)
+        return out
 
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(self(x), residual) -> (normed, self(x) + residual): the down projection, the residual add and the
         next RMSNorm fused where the skinny GEMV runs. x, residual [T, ...]: more than MLP_SLICE_TOKENS tokens go
-        through in slices."""
+        through the MLP in slices, then through one add + norm."""
         if x.shape[0] > MLP_SLICE_TOKENS:
-            parts = [self.add_norm_forward(xs, rs, norm)
-                     for xs, rs in zip(x.split(MLP_SLICE_TOKENS), residual.split(MLP_SLICE_TOKENS))]
-            return torch.cat([n for n, _ in parts]), torch.cat([r for _, r in parts])
+            return norm(self._in_slices(x), residual)
         return self.down_proj.add_norm_forward(self.gate_up_proj(x), residual, norm, gated=True)
 
 

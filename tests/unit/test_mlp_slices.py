@@ -54,3 +54,17 @@ def test_activation_estimate_counts_one_mlp_slice():
     tokens = 4 * MLP_SLICE_TOKENS
     assert prefill_activation_bytes(tokens, SPEC, torch.bfloat16) == tokens * per_token + mlp_slice
     assert prefill_activation_bytes(8, SPEC, torch.bfloat16) == 8 * (per_token + 4 * SPEC.intermediate_size * 2)
+
+
+def test_linear_writes_into_out():
+    torch.manual_seed(0)
+    kernels = resolve_kernels("cpu")
+    for bias in (False, True):
+        linear = llama.Linear(6, 5, bias=bias, kernels=kernels).double()
+        x = torch.randn(9, 6, dtype=torch.float64)
+        buffer = torch.zeros(12, 5, dtype=torch.float64)
+        with torch.no_grad():
+            result = linear(x, out=buffer[2:11])
+            assert result.data_ptr() == buffer[2:11].data_ptr()
+            torch.testing.assert_close(buffer[2:11], linear(x))
+        assert not buffer[:2].any() and not buffer[11:].any()
