@@ -20,27 +20,33 @@ class ModelRunner:
         self.graph_runner = None  # sparsekv.graphs.cuda_graph: replays captured decode steps (graph.mode)
 
     def _tensor(self, values, dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda").to(
-            self.device, non_blocking=True)
+        return self._to_device(torch.tensor(values, dtype=dtype))
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def prepare_prefill(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, Context, list[int]]:
+        # a long prompt's ids, positions and slots as whole tensors: no per-token Python work
         input_ids, positions, slots, chunks, sample_rows = [], [], [], [], []
+        rows = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
-            rows = len(input_ids)
-            input_ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
-                         for p in range(start, start + n))
             table = seq.block_table
+            pos = torch.arange(start, start + n)  # [n]
+            input_ids.append(torch.tensor(seq.token_ids[start:start + n], dtype=torch.int64))
+            positions.append(pos)
+            slots.append(torch.tensor(table)[pos // self.block_size] * self.block_size + pos % self.block_size)
             one_run = bool(table) and table == list(range(table[0], table[0] + len(table)))
             chunks.append(PrefillChunk(seq, rows, rows + n, start, self._tensor(table, torch.int32),
                                        table[0] if one_run else None))
+            rows += n
             if start + n == len(seq):
-                sample_rows.append(rows + n - 1)
+                sample_rows.append(rows - 1)
         context = Context(is_prefill=True, kv_store=self.kv_store, seqs=batch.seqs,
-                          slot_mapping=self._tensor(slots, torch.int64), chunks=chunks)
-        return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), context, sample_rows)
+                          slot_mapping=self._to_device(torch.cat(slots)), chunks=chunks)
+        return self._to_device(torch.cat(input_ids)), self._to_device(torch.cat(positions)), context, sample_rows
 
     def prepare_decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, Context, list[int]]:
         seqs = batch.seqs
