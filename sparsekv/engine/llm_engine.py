@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-
 import resource
 import time
 from dataclasses import dataclass, field

@@ -88,14 +88,13 @@ class PagedKVStore(KVStore):
 
     def _prefill(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                  context: Context) -> torch.Tensor:
-        outs = []
+        outs, policy = [], self.prefill_policy
         for chunk in context.chunks:
             rows = slice(chunk.start, chunk.end)
             keys, values = k[rows], v[rows]
             if chunk.num_cached:  # the chunk's keys are stored already: read the whole sequence from the cache
                 keys, values = self.sequence_kv(layer_id, chunk.block_table, chunk.num_cached + chunk.num_tokens,
                                                 chunk.first_block)
-            policy = self.prefill_policy
             outs.append(check_attention_output(policy, "compute_prefill", layer_id, q[rows],
                                                policy.compute_prefill(q[rows], keys, values, layer_id, scale)))
         return join_rows(outs)
