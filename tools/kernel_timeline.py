@@ -19,13 +19,14 @@ import json
 GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def timeline(trace_path: str, categories: tuple[str, ...] = GPU_EVENTS
+def timeline(trace_path: str, categories: tuple[str, ...] = GPU_EVENTS, exclude: tuple[str, ...] = ()
              ) -> tuple[list[dict], collections.Counter, float, float]:
-    """A Chrome trace's GPU events of `categories` -> (the events, exposed us per kernel name, idle us, timeline
-    span in us)."""
+    """A Chrome trace's GPU events of `categories`, less those whose name contains a string of `exclude` -> (the
+    events, exposed us per kernel name, idle us, timeline span in us)."""
     with gzip.open(trace_path, "rt") if trace_path.endswith(".gz") else open(trace_path) as f:
         events = json.load(f)["traceEvents"]
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in categories]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in categories
+               and not any(part in e.get("name", "") for part in exclude)]
     edges = []
     for i, e in enumerate(kernels):
         edges.append((float(e["ts"]), 1, i))
