@@ -1,6 +1,7 @@
 """Time MInference's kernels under candidate tile configurations (CUDA only), one 8K-query chunk against 128K keys.
 
     python tools/tune_vertical_slash.py [--context 131072 --chunk 8192] [--only estimate]
+    python tools/tune_vertical_slash.py --prefill [--context 131072]
 
 vertical_slash_attention: (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates on three selections of the default
 budget (1000 columns, 6096 diagonals): the nearest 6096 offsets ("band"), a scattered one shaped like the
@@ -10,6 +11,11 @@ configuration's output is checked against the default configuration's. Estimate 
 kernel sweep): vertical_slash_masses under BLOCK_K and keys-per-split candidates; the column top-1000 by
 torch.topk and by top_indices; estimate_pattern and compute_prefill at slash_granularity 1 and 64. Prints one line
 per candidate (median of --reps CUDA-event timings).
+
+--prefill: what a user gets instead of one chunk in isolation. The engine prefills a --context-token prompt in one
+step (policy=minference at its defaults, Qwen3-4B dims, structured dummy weights) under each candidate, in two
+rounds (the first compiles), and prints the prefill seconds and whether the greedy tokens equal the first
+candidate's.
 """
 from __future__ import annotations
 
@@ -21,8 +27,8 @@ from sparsekv.policies.minference import vertical_slash_estimate as est
 from sparsekv.policies.minference.policy import SLASH_BAND, MInferencePolicy, band_offsets, top_indices
 from profile_sparse_prefill import chunk_parser, dense_chunk_ms, random_chunk, timed  # tools/ is on sys.path
 
-CANDIDATES = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2),
-              (128, 128, 8, 2), (64, 32, 4, 2)]
+CANDIDATES = [(64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (64, 16, 4, 2),
+              (32, 32, 2, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2), (128, 128, 8, 2)]
 
 
 def selections(H: int, S: int, dev) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -84,10 +90,39 @@ def estimate_timings(q, k, v, S: int, n: int, dense_ms: float, reps: int) -> Non
               f"{touched:.0f} 64-offset bands touched per head")
 
 
+def prefill_timings(context: int) -> None:
+    from sparsekv import LLM, SamplingParams
+    from sparsekv.tasks.bench.task import random_prompts
+
+    engine = LLM(overrides=["model=qwen3_4b", "model.load_format=dummy_structured", "offload=none",
+                            "policy=minference", f"scheduler.max_model_len={context + 8}"]).engine
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    prompt = random_prompts(1, context, engine.spec.vocab_size, 0)
+    default, first = vs.GPU_CONFIG_16BIT[128], None
+    for rnd in range(2):
+        for config in CANDIDATES:
+            vs.GPU_CONFIG_16BIT[128] = config
+            try:
+                if rnd == 0:
+                    engine.generate(prompt, params)  # compiles this configuration's kernels
+                engine.reset_figures()
+                tokens = engine.generate(prompt, params)[0].token_ids
+                first = first or tokens
+                print(f"prefill round {rnd} {str(config):18s} {engine.stats.prefill_seconds:7.3f} s "
+                      f"tokens {'equal' if tokens == first else 'DIFFER'}", flush=True)
+            except Exception as exc:  # a configuration the compiler rejects (shared memory, ...)
+                print(f"prefill round {rnd} {str(config):18s} failed: {type(exc).__name__}: {str(exc)[:120]}")
+    vs.GPU_CONFIG_16BIT[128] = default
+
+
 def main() -> None:
     parser = chunk_parser(__doc__)
     parser.add_argument("--only", choices=["estimate"], default=None, help="skip the kernel tile sweep")
+    parser.add_argument("--prefill", action="store_true", help="time the engine's whole-prompt prefill instead")
     args = parser.parse_args()
+    if args.prefill:
+        prefill_timings(args.context)
+        return
     S, n = args.context, args.chunk
     q, k, v = random_chunk(S, n)
     scale = q.shape[2] ** -0.5
