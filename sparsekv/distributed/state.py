@@ -32,7 +32,6 @@ class TensorParallel:
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., n] of every rank -> [..., size * n], rank r's part at [r * n, (r + 1) * n)."""
-
         x = x.contiguous()
         out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         _all_gather(out, x, group=self.group)  # the ranks' x along dim 0

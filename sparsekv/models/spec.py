@@ -10,6 +10,7 @@ from typing import Any
 # of 1M tokens would otherwise hold a [1M, 2 * intermediate_size] activation (38 GiB for Qwen3-4B) at once.
 MLP_SLICE_TOKENS = 65536
 
+
 class ModelLoadError(ValueError):
     """A checkpoint (config.json, index, safetensors) that cannot be loaded as it is: the message names the file,
     the key or tensor, and what to do."""
