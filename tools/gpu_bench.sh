@@ -378,8 +378,8 @@ print(min(${CAPACITY_CAP:-4194304}, (pool_tokens - 16384) // 16384 * 16384))")
         task.context="$ctx" task.decode_steps=16 "${P[@]}"
 }
 
-plugin_site() {  # prints a scratch site holding the streaming_llm plugin of plugins/ (its entry point is read
-    # from sys.path)
+# prints a scratch site holding the streaming_llm plugin of plugins/ (its entry point is read from sys.path)
+plugin_site() {
     local site="$OUT/plugin-site" src="$OUT/plugin-src"
     if [ ! -d "$site" ]; then
         rm -rf "$src" && cp -r "$TOOLS/../plugins/sparsekv-streamingllm" "$src"

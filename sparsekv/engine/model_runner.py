@@ -34,12 +34,13 @@ class ModelRunner:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             table = seq.block_table
+            block_ids = torch.tensor(table, dtype=torch.int64)  # [num_blocks]
             pos = torch.arange(start, start + n)  # [n]
             input_ids.append(torch.tensor(seq.token_ids[start:start + n], dtype=torch.int64))
             positions.append(pos)
-            slots.append(torch.tensor(table)[pos // self.block_size] * self.block_size + pos % self.block_size)
+            slots.append(block_ids[pos // self.block_size] * self.block_size + pos % self.block_size)
             one_run = bool(table) and table == list(range(table[0], table[0] + len(table)))
-            chunks.append(PrefillChunk(seq, rows, rows + n, start, self._tensor(table, torch.int32),
+            chunks.append(PrefillChunk(seq, rows, rows + n, start, self._to_device(block_ids.to(torch.int32)),
                                        table[0] if one_run else None))
             rows += n
             if start + n == len(seq):
