@@ -1,5 +1,5 @@
 """GPU micro-benchmarks of the kernels:
-``python tools/bench_kernels.py [--quick] [--elementwise] [--decode] [--gemv]``.
+``python tools/bench_kernels.py [--quick] [--elementwise] [--decode] [--gemv] [--rotary-sweep]``.
 
 Times every applicable attention backend (triton, sdpa, cudnn, flash_attn) on prefill/chunk shapes and
 the paged decode kernel over context lengths and split counts, so that the CUDA default of
@@ -8,7 +8,8 @@ elementwise kernels (RMSNorm, q/k norm + rotary, SiLU-and-mul) against the torch
 ``--decode`` times only the decode-shaped attention (Sq = 1): the flash-decoding kernel of decode_attention.py
 against the prefill kernel it replaced, the paged decode kernel, and both over candidate tuning constants.
 ``--gemv`` times only the skinny linear of decode (gemv.skinny_linear against F.linear, M <= 16) and sweeps its
-config table (``--quick``: the sweep at M = 1 and 16 only).
+config table (``--quick``: the sweep at M = 1 and 16 only). ``--rotary-sweep`` times apply_rotary's prefill tiling
+over candidate PREFILL_TILE values against its decode tiling.
 """
 
 from __future__ import annotations
@@ -222,18 +223,30 @@ def bench_elementwise(tokens: int, hidden: int = 2560, h: int = 32, kvh: int = 8
 
     from sparsekv.kernels.activation import silu_and_mul, silu_and_mul_reference
     from sparsekv.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
-    from sparsekv.kernels.rotary import apply_rotary, apply_rotary_reference
+    from sparsekv.kernels.rotary import KVWrite, apply_rotary, apply_rotary_reference
 
     eps = 1e-6
     x, r = (torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(2))
     w = torch.randn(hidden, device=device, dtype=dtype)
     qkv = torch.randn(tokens, (h + 2 * kvh) * d, device=device, dtype=dtype)
     q, k = qkv[:, :h * d].view(tokens, h, d), qkv[:, h * d:(h + kvh) * d].view(tokens, kvh, d)
+    v = qkv[:, (h + kvh) * d:].view(tokens, kvh, d)
+    block_size = 256
+    k_cache, v_cache = (torch.zeros(cdiv(tokens, block_size), block_size, kvh, d, device=device, dtype=dtype)
+                        for _ in range(2))
+    kv = KVWrite(v, k_cache, v_cache, torch.arange(tokens, device=device))
     positions = torch.arange(tokens, device=device) + 1000
     inv_freq = rope_inv_freq(d, 1e6, None)[0].to(device)
     qw, kw = torch.randn(d, device=device, dtype=dtype), torch.randn(d, device=device, dtype=dtype)
     gate_up = torch.randn(tokens, 2 * inter, device=device, dtype=dtype)
     size = x.element_size()
+
+    def rotary_kv_write_reference():
+        out = apply_rotary_reference(q, k, positions, inv_freq, 1.0, qw, kw, eps)
+        k_cache.view(-1, kvh, d)[kv.slot_mapping] = out[1]
+        v_cache.view(-1, kvh, d)[kv.slot_mapping] = v
+        return out
+
     cases = {  # op: (fused, reference, bytes the fused kernel moves)
         "rms_norm": (lambda: rms_norm(x, w, eps), lambda: rms_norm_reference(x, w, eps), 2 * x.nbytes),
         "add_rms_norm": (lambda: add_rms_norm(x, r, w, eps), lambda: add_rms_norm_reference(x, r, w, eps),
@@ -241,6 +254,9 @@ def bench_elementwise(tokens: int, hidden: int = 2560, h: int = 32, kvh: int = 8
         "qk_norm_rotary": (lambda: apply_rotary(q, k, positions, inv_freq, 1.0, qw, kw, eps),
                            lambda: apply_rotary_reference(q, k, positions, inv_freq, 1.0, qw, kw, eps),
                            2 * tokens * (h + kvh) * d * size),
+        "qk_norm_rotary_kv_write": (lambda: apply_rotary(q, k, positions, inv_freq, 1.0, qw, kw, eps, kv),
+                                    rotary_kv_write_reference,
+                                    tokens * (2 * h + 5 * kvh) * d * size),  # q, k, v in; q, k out; k, v cached
         "silu_and_mul": (lambda: silu_and_mul(gate_up), lambda: silu_and_mul_reference(gate_up),
                          3 * tokens * inter * size),
     }
@@ -248,8 +264,55 @@ def bench_elementwise(tokens: int, hidden: int = 2560, h: int = 32, kvh: int = 8
     for name, (fused, reference, nbytes) in cases.items():
         fused_ms, ref_ms = _bench_ms(fused), _bench_ms(reference)
         res[name] = (fused_ms, ref_ms)
-        print(f"elem  T={tokens:6d} {name:15s} fused {fused_ms * 1e3:9.1f} us ({nbytes / fused_ms / 1e6:6.0f} GB/s)  "
+        print(f"elem  T={tokens:6d} {name:23s} fused {fused_ms * 1e3:9.1f} us ({nbytes / fused_ms / 1e6:6.0f} GB/s)  "
               f"torch {ref_ms * 1e3:9.1f} us  {ref_ms / fused_ms:5.1f}x", flush=True)
+    return res
+
+
+# Candidate rotary.PREFILL_TILE values (BLOCK_T tokens, q heads per program, num_warps) for --rotary-sweep; at the
+# sweep's shapes each is within rotary.PREFILL_MAX_PER_THREAD, so that the tile named is the one that runs
+ROTARY_PREFILL_CANDIDATES = ((2, 8, 2), (4, 8, 4), (8, 8, 4), (8, 8, 8), (16, 8, 8), (1, 32, 2), (2, 32, 4),
+                            (4, 32, 8), (8, 32, 16))
+
+
+def sweep_rotary_prefill(tokens: int, h: int = 32, kvh: int = 8, d: int = 128,
+                         dtype: torch.dtype = torch.bfloat16) -> dict[tuple | None, float]:
+    """apply_rotary (q/k norm, kv write into a [blocks, 256, KVH, D] cache) at `tokens` rows of Qwen3-4B shapes:
+    the decode tiling forced (the baseline, key None), then each candidate PREFILL_TILE; every candidate's q, k
+    and caches must equal the baseline's. {tile: ms}."""
+    from sparsekv.kernels import rotary as R
+    from sparsekv.layers.rotary import rope_inv_freq
+
+    qkv = torch.randn(tokens, (h + 2 * kvh) * d, device="cuda", dtype=dtype)
+    q, k = qkv[:, :h * d].view(tokens, h, d), qkv[:, h * d:(h + kvh) * d].view(tokens, kvh, d)
+    v = qkv[:, (h + kvh) * d:].view(tokens, kvh, d)
+    k_cache, v_cache = (torch.zeros(cdiv(tokens, 256), 256, kvh, d, device="cuda", dtype=dtype) for _ in range(2))
+    kv = R.KVWrite(v, k_cache, v_cache, torch.arange(tokens, device="cuda"))
+    positions = torch.randint(0, 1 << 20, (tokens,), device="cuda")
+    inv_freq = rope_inv_freq(d, 1e6, None)[0].cuda()
+    qw, kw = torch.randn(d, device="cuda", dtype=dtype), torch.randn(d, device="cuda", dtype=dtype)
+    nbytes = tokens * (2 * h + 5 * kvh) * d * qkv.element_size()
+
+    def fn():
+        return R.apply_rotary(q, k, positions, inv_freq, 1.0, qw, kw, 1e-6, kv)
+
+    def outputs():
+        k_cache.zero_()
+        v_cache.zero_()
+        return (*fn(), k_cache.clone(), v_cache.clone())
+
+    res, baseline = {}, None
+    for tile in (None, *ROTARY_PREFILL_CANDIDATES):
+        values = dict(PREFILL_MIN_TOKENS=tokens + 1) if tile is None else dict(PREFILL_MIN_TOKENS=1, PREFILL_TILE=tile)
+        with override_constants(R, **values):
+            outs = outputs()
+            res[tile] = _bench_ms(fn)
+        baseline = outs if baseline is None else baseline
+        same = all(torch.equal(a, b) for a, b in zip(outs, baseline))
+        label = ("decode tiling (baseline)" if tile is None else
+                 "BLOCK_T={:<3d} q_heads={:<3d} warps={:<3d}".format(*tile))
+        print(f"rotary-sweep T={tokens:7d} {label:34s} {res[tile] * 1e3:8.1f} us {nbytes / res[tile] / 1e6:6.0f} GB/s"
+              f"  {'equal' if same else 'DIFFERS from the baseline'}", flush=True)
     return res
 
 
@@ -398,12 +461,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gemv", action="store_true",
                         help="only the skinny linear of decode (M <= 16): F.linear (cuBLAS) vs gemv.skinny_linear on "
                              "Qwen3-4B / Llama-3.1-8B shapes, GB/s against the HBM copy rate, and a config sweep")
+    parser.add_argument("--rotary-sweep", action="store_true",
+                        help="only apply_rotary's prefill tiling: candidate PREFILL_TILE values against the decode "
+                             "tiling at 32K and 128K tokens")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.exit(2, "tools/bench_kernels.py times GPU kernels and needs CUDA; torch sees no CUDA device here.\n")
     torch.manual_seed(0)
     if args.gemv:
         run_gemv(quick=args.quick)
+        return
+    if args.rotary_sweep:
+        for tokens in (32768, 131072):
+            sweep_rotary_prefill(tokens)
         return
     if args.decode:
         start = time.perf_counter()

@@ -1,7 +1,7 @@
 """Time MInference's kernels under candidate tile configurations (CUDA only), one 8K-query chunk against 128K keys.
 
     python tools/tune_vertical_slash.py [--context 131072 --chunk 8192] [--only estimate]
-    python tools/tune_vertical_slash.py --prefill [--context 131072]
+    python tools/tune_vertical_slash.py --prefill [--context 131072] [--configs 64,32,4,2 64,32,4,3]
 
 vertical_slash_attention: (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates on three selections of the default
 budget (1000 columns, 6096 diagonals): the nearest 6096 offsets ("band"), a scattered one shaped like the
@@ -13,9 +13,9 @@ torch.topk and by top_indices; estimate_pattern and compute_prefill at slash_gra
 per candidate (median of --reps CUDA-event timings).
 
 --prefill: what a user gets instead of one chunk in isolation. The engine prefills a --context-token prompt in one
-step (policy=minference at its defaults, Qwen3-4B dims, structured dummy weights) under each candidate, in two
-rounds (the first compiles), and prints the prefill seconds and whether the greedy tokens equal the first
-candidate's.
+step (policy=minference at its defaults, Qwen3-4B dims, structured dummy weights) under each candidate (or each
+of --configs), in two rounds (the first compiles), and prints the prefill seconds and whether the greedy tokens
+equal the first candidate's.
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def estimate_timings(q, k, v, S: int, n: int, dense_ms: float, reps: int) -> Non
               f"{touched:.0f} 64-offset bands touched per head")
 
 
-def prefill_timings(context: int) -> None:
+def prefill_timings(context: int, configs: list[tuple[int, int, int, int]]) -> None:
     from sparsekv import LLM, SamplingParams
     from sparsekv.tasks.bench.task import random_prompts
 
@@ -100,7 +100,7 @@ def prefill_timings(context: int) -> None:
     prompt = random_prompts(1, context, engine.spec.vocab_size, 0)
     default, first = vs.GPU_CONFIG_16BIT[128], None
     for rnd in range(2):
-        for config in CANDIDATES:
+        for config in configs:
             vs.GPU_CONFIG_16BIT[128] = config
             try:
                 if rnd == 0:
@@ -119,9 +119,12 @@ def main() -> None:
     parser = chunk_parser(__doc__)
     parser.add_argument("--only", choices=["estimate"], default=None, help="skip the kernel tile sweep")
     parser.add_argument("--prefill", action="store_true", help="time the engine's whole-prompt prefill instead")
+    parser.add_argument("--configs", nargs="+", default=None, metavar="M,N,WARPS,STAGES",
+                        help="--prefill: these (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of every candidate")
     args = parser.parse_args()
     if args.prefill:
-        prefill_timings(args.context)
+        configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else CANDIDATES
+        prefill_timings(args.context, configs)
         return
     S, n = args.context, args.chunk
     q, k, v = random_chunk(S, n)

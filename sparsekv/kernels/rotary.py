@@ -7,9 +7,11 @@ Semantics (the torch references below, which the model's torch path runs; HF's r
     out      = x * cos + rotate_half(x) * sin           each product and the sum rounded to x's dtype
 
 The kernel computes cos/sin in-kernel from the positions (fp32, like the reference), so no [N, D] tables are
-built per step. One launch covers q and k: program (t, b) handles token t and a block of BLOCK_H heads, the
-first blocks of q, then those of k. Outputs are new contiguous tensors of fixed shapes; no host syncs: safe
-inside CUDA graphs.
+built per step. One launch covers q and k: program (t, b) handles a block of BLOCK_T tokens and a block of heads,
+the first blocks of q, then those of k. Decode-sized calls (N < PREFILL_MIN_TOKENS) run one token and BLOCK_H
+heads per program; long prefills run PREFILL_TILE: BLOCK_T tokens and up to all q heads per program, so that each
+program keeps more loads in flight and computes each token's cos/sin once for more heads. Both tilings give the
+same bits. Outputs are new contiguous tensors of fixed shapes; no host syncs: safe inside CUDA graphs.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ __all__ = ["KVWrite", "apply_rotary", "apply_rotary_reference", "rotary_cos_sin_
 
 MAX_TILE = 1024  # elements of one [BLOCK_H, BLOCK_HALF] half-tile
 NUM_WARPS = 4
+# The prefill tiling (BLOCK_T tokens, q heads per program, warps) and the token count from which it runs: chosen by
+# timing `python tools/bench_kernels.py --elementwise` and `--rotary-sweep` on the GPU.
+PREFILL_TILE = (1, 32, 2)
+PREFILL_MIN_TOKENS = 8192
+PREFILL_MAX_PER_THREAD = 32  # elements of a [BLOCK_T, heads, BLOCK_HALF] half-tile per thread: see _tiling
 
 
 # ---------------------------------------------------------------------------------------------- references
@@ -89,84 +96,93 @@ def _reduce_angle(x):
 
 @jit
 def _norm_rope_tile(
-    X, OUT, W, row, head0, num_heads, stride_xn, stride_xh, stride_on, stride_oh,
-    cos, sin, offs_d, d_ok, eps, D, HALF, CACHE, cache_row, stride_ch,
+    X, OUT, W, rows, row_ok, head0, num_heads, stride_xn, stride_xh, stride_on, stride_oh,
+    cos, sin, offs_d, d_ok, eps, D, HALF, CACHE, cache_rows, stride_ch,
     HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_CACHE: tl.constexpr,
 ):
-    """Heads head0 .. head0 + BLOCK_H of token `row`: x [BLOCK_H, D] as halves x1, x2 [BLOCK_H, BLOCK_HALF].
-    WRITE_CACHE: the result also goes to CACHE at cache_row (a pointer to its slot) [heads, D]."""
+    """Heads head0 .. head0 + BLOCK_H of the tokens `rows` [BLOCK_T]: x [BLOCK_T, BLOCK_H, D] as halves x1, x2
+    [BLOCK_T, BLOCK_H, BLOCK_HALF], cos/sin [BLOCK_T, 1, BLOCK_HALF]. WRITE_CACHE: the result also goes to CACHE
+    at cache_rows (pointers to the tokens' slots, [BLOCK_T]) [heads, D]."""
     act = X.dtype.element_ty
     odt = OUT.dtype.element_ty
     offs_h = head0 + tl.arange(0, BLOCK_H)
-    ok = (offs_h < num_heads)[:, None] & d_ok[None, :]
-    x_ptr = X + row * stride_xn + offs_h[:, None] * stride_xh + offs_d[None, :]
+    ok = row_ok[:, None, None] & (offs_h < num_heads)[None, :, None] & d_ok[None, None, :]
+    x_ptr = X + rows[:, None, None] * stride_xn + offs_h[None, :, None] * stride_xh + offs_d[None, None, :]
     x1 = tl.load(x_ptr, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + HALF, mask=ok, other=0.0).to(tl.float32)
     if HAS_NORM:
-        inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]  # [BLOCK_H, 1]
-        w1 = tl.load(W + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(W + HALF + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) / D + eps)[:, :, None]
+        w1 = tl.load(W + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, None, :]
+        w2 = tl.load(W + HALF + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, None, :]
         # normalise in fp32, round to the activation dtype, scale in the output dtype
         x1 = (w1 * (x1 * inv).to(act).to(tl.float32)).to(odt).to(tl.float32)
         x2 = (w2 * (x2 * inv).to(act).to(tl.float32)).to(odt).to(tl.float32)
-    c = cos[None, :]
-    s = sin[None, :]
     # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); each product and the sum rounded like torch's
-    o1 = ((x1 * c).to(odt).to(tl.float32) + (-x2 * s).to(odt).to(tl.float32)).to(odt)
-    o2 = ((x2 * c).to(odt).to(tl.float32) + (x1 * s).to(odt).to(tl.float32)).to(odt)
-    o_ptr = OUT + row * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :]
+    o1 = ((x1 * cos).to(odt).to(tl.float32) + (-x2 * sin).to(odt).to(tl.float32)).to(odt)
+    o2 = ((x2 * cos).to(odt).to(tl.float32) + (x1 * sin).to(odt).to(tl.float32)).to(odt)
+    o_ptr = OUT + rows[:, None, None] * stride_on + offs_h[None, :, None] * stride_oh + offs_d[None, None, :]
     tl.store(o_ptr, o1, mask=ok)
     tl.store(o_ptr + HALF, o2, mask=ok)
     if WRITE_CACHE:
-        c_ptr = cache_row + offs_h[:, None] * stride_ch + offs_d[None, :]
+        c_ptr = cache_rows[:, None, None] + offs_h[None, :, None] * stride_ch + offs_d[None, None, :]
         tl.store(c_ptr, o1.to(CACHE.dtype.element_ty), mask=ok)
         tl.store(c_ptr + HALF, o2.to(CACHE.dtype.element_ty), mask=ok)
 
 
-@jit
+@jit(do_not_specialize=["N"])
 def _rotary_kernel(
     Q, K, QO, KO, QW, KW, POS, INV_FREQ, V, K_CACHE, V_CACHE, SLOTS,
     stride_qn, stride_qh, stride_kn, stride_kh,
     stride_qon, stride_qoh, stride_kon, stride_koh, stride_pos,
     stride_vn, stride_vh, stride_cs, stride_ch, stride_slot,
-    H, KVH, Q_BLOCKS, scaling, eps, D, HALF,
+    N, H, KVH, Q_BLOCKS, scaling, eps, D, HALF,
     HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, WRITE_KV: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    VEC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    """Program (i, blk): tokens i * BLOCK_T .. + BLOCK_T; q heads blk * BLOCK_H .. + BLOCK_H while blk < Q_BLOCKS,
+    else k (and v) heads (blk - Q_BLOCKS) * BLOCK_KH .. + BLOCK_KH."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < N
     blk = tl.program_id(1)
     act = Q.dtype.element_ty
     offs_d = tl.arange(0, BLOCK_HALF)
+    if VEC < BLOCK_HALF:
+        # caps the vector width along D at the decode tile's (through the alignment, so that D stays the fastest
+        # dim): the same per-thread split of each head's sum of squares, so the RMSNorm adds in the same order
+        offs_d = tl.multiple_of(offs_d, VEC)
     d_ok = offs_d < HALF
     # positions (and slots) are copied in before the step's first kernel, inv_freq is constant: cos/sin are
     # computed before the wait, under the previous kernel's tail
-    pos = tl.load(POS + row * stride_pos).to(tl.float32)
-    freqs = pos * tl.load(INV_FREQ + offs_d, mask=d_ok, other=0.0).to(tl.float32)  # [BLOCK_HALF]
-    freqs = _reduce_angle(freqs)
-    cos = (tl.cos(freqs) * scaling).to(act).to(tl.float32)  # cast to the activation dtype like the reference
-    sin = (tl.sin(freqs) * scaling).to(act).to(tl.float32)
+    pos = tl.load(POS + rows * stride_pos, mask=row_ok, other=0).to(tl.float32)
+    freqs = pos[:, None] * tl.load(INV_FREQ + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    freqs = _reduce_angle(freqs)  # [BLOCK_T, BLOCK_HALF]
+    # cast to the activation dtype like the reference; [BLOCK_T, 1, BLOCK_HALF], shared by the program's heads
+    cos = (tl.cos(freqs) * scaling).to(act).to(tl.float32)[:, None, :]
+    sin = (tl.sin(freqs) * scaling).to(act).to(tl.float32)[:, None, :]
     pdl_wait(USE_PDL)
     if blk < Q_BLOCKS:
-        _norm_rope_tile(Q, QO, QW, row, blk * BLOCK_H, H, stride_qn, stride_qh, stride_qon, stride_qoh,
-                        cos, sin, offs_d, d_ok, eps, D, HALF, QO, QO, 0,
+        _norm_rope_tile(Q, QO, QW, rows, row_ok, blk * BLOCK_H, H, stride_qn, stride_qh, stride_qon, stride_qoh,
+                        cos, sin, offs_d, d_ok, eps, D, HALF, QO, rows, 0,
                         HAS_NORM=HAS_Q_NORM, BLOCK_H=BLOCK_H, WRITE_CACHE=False)
     else:
-        head0 = (blk - Q_BLOCKS) * BLOCK_H
-        if WRITE_KV:  # k (normed, rotated) and v as is into their cache slot: [slots, KVH, D] each
-            slot = tl.load(SLOTS + row * stride_slot).to(tl.int64)
-            _norm_rope_tile(K, KO, KW, row, head0, KVH, stride_kn, stride_kh, stride_kon, stride_koh,
-                            cos, sin, offs_d, d_ok, eps, D, HALF, K_CACHE, K_CACHE + slot * stride_cs, stride_ch,
-                            HAS_NORM=HAS_K_NORM, BLOCK_H=BLOCK_H, WRITE_CACHE=True)
-            offs_h = head0 + tl.arange(0, BLOCK_H)
-            ok = (offs_h < KVH)[:, None] & d_ok[None, :]
-            v_ptr = V + row * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :]
-            c_ptr = V_CACHE + slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
+        head0 = (blk - Q_BLOCKS) * BLOCK_KH
+        if WRITE_KV:  # k (normed, rotated) and v as is into their cache slots: [slots, KVH, D] each
+            slots = tl.load(SLOTS + rows * stride_slot, mask=row_ok, other=0).to(tl.int64)
+            _norm_rope_tile(K, KO, KW, rows, row_ok, head0, KVH, stride_kn, stride_kh, stride_kon, stride_koh,
+                            cos, sin, offs_d, d_ok, eps, D, HALF, K_CACHE, K_CACHE + slots * stride_cs, stride_ch,
+                            HAS_NORM=HAS_K_NORM, BLOCK_H=BLOCK_KH, WRITE_CACHE=True)
+            offs_h = head0 + tl.arange(0, BLOCK_KH)
+            ok = row_ok[:, None, None] & (offs_h < KVH)[None, :, None] & d_ok[None, None, :]
+            v_ptr = V + rows[:, None, None] * stride_vn + offs_h[None, :, None] * stride_vh + offs_d[None, None, :]
+            c_ptr = (V_CACHE + slots[:, None, None] * stride_cs + offs_h[None, :, None] * stride_ch
+                     + offs_d[None, None, :])
             tl.store(c_ptr, tl.load(v_ptr, mask=ok, other=0.0), mask=ok)
             tl.store(c_ptr + HALF, tl.load(v_ptr + HALF, mask=ok, other=0.0), mask=ok)
         else:
-            _norm_rope_tile(K, KO, KW, row, head0, KVH, stride_kn, stride_kh, stride_kon, stride_koh,
-                            cos, sin, offs_d, d_ok, eps, D, HALF, KO, KO, 0,
-                            HAS_NORM=HAS_K_NORM, BLOCK_H=BLOCK_H, WRITE_CACHE=False)
+            _norm_rope_tile(K, KO, KW, rows, row_ok, head0, KVH, stride_kn, stride_kh, stride_kon, stride_koh,
+                            cos, sin, offs_d, d_ok, eps, D, HALF, KO, rows, 0,
+                            HAS_NORM=HAS_K_NORM, BLOCK_H=BLOCK_KH, WRITE_CACHE=False)
 
 
 # ---------------------------------------------------------------------------------------------- launcher
@@ -253,8 +269,9 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
     half = d // 2
     block_half = next_power_of_2(half)
     block_h = max(1, min(_heads_per_program(h, kvh), MAX_TILE // block_half))
-    q_blocks = cdiv(h, block_h)
-    grid = (n, q_blocks + cdiv(kvh, block_h))
+    block_t, block_hq, num_warps, vec = _tiling(n, h, block_h, block_half)
+    q_blocks = cdiv(h, block_hq)
+    grid = (cdiv(n, block_t), q_blocks + cdiv(kvh, block_h))
     _rotary_kernel[grid](
         q, k, q_out, k_out,
         q_norm_weight if q_norm_weight is not None else q, k_norm_weight if k_norm_weight is not None else k,
@@ -262,9 +279,12 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), positions.stride(0),
         v.stride(0), v.stride(1), k_flat.stride(0), k_flat.stride(1), slots.stride(0),
-        h, kvh, q_blocks, float(attention_scaling), float(eps), d, half,
+        n, h, kvh, q_blocks, float(attention_scaling), float(eps), d, half,
         HAS_Q_NORM=q_norm_weight is not None, HAS_K_NORM=k_norm_weight is not None, WRITE_KV=kv_write is not None,
-        BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=NUM_WARPS, **pdl_launch_options(pdl),
+        BLOCK_T=block_t, BLOCK_H=block_hq, BLOCK_KH=block_h, BLOCK_HALF=block_half, VEC=vec, num_warps=num_warps,
+        # no FMA contraction: every product and sum rounds as written, like torch's, whatever code shape a tile
+        # compiles to (the compiler contracts by code distance, so tiles would otherwise round differently)
+        enable_fp_fusion=False, **pdl_launch_options(pdl),
     )
     return q_out, k_out
 
@@ -272,3 +292,31 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
 def _heads_per_program(h: int, kvh: int) -> int:
     """The KV head count rounded up to a power of two: k takes one block, q whole blocks of a GQA group."""
     return next_power_of_2(kvh if kvh > 0 else h)
+
+
+def _tiling(n: int, h: int, block_h: int, block_half: int) -> tuple[int, int, int, int]:
+    """(BLOCK_T, q heads per program, num_warps, VEC) for N tokens; block_h heads per program is the decode tile
+    (and k's in both tilings). The prefill tile keeps the decode tile's vector width along D (VEC), warps along D
+    and at least its elements per thread (num_warps <= NUM_WARPS * BLOCK_T), which fix how each head's sum of
+    squares is split over the threads, so that its RMSNorm adds in the same order. It also keeps at most
+    PREFILL_MAX_PER_THREAD elements of a half-tile per thread (fewer q heads, then fewer tokens): larger tiles
+    spill registers."""
+    if n < PREFILL_MIN_TOKENS:
+        return 1, block_h, NUM_WARPS, block_half
+    block_t, q_heads, num_warps = PREFILL_TILE
+    block_t = next_power_of_2(block_t)
+    num_warps = min(num_warps, NUM_WARPS * block_t, 32)  # 32: a CUDA block's most warps
+    # the decode tile spreads a head's half over up to NUM_WARPS warps (32 lanes each, one element a lane at the
+    # least): as many here
+    num_warps = NUM_WARPS if block_half > 32 * NUM_WARPS else max(num_warps, min(NUM_WARPS, block_half // 32))
+    block_hq = max(block_h, min(next_power_of_2(q_heads), next_power_of_2(h)))
+    while block_t * block_hq * block_half > PREFILL_MAX_PER_THREAD * 32 * num_warps:
+        if block_hq > block_h:
+            block_hq //= 2
+        elif block_t > 1:
+            block_t //= 2
+            num_warps = min(num_warps, NUM_WARPS * block_t)
+        else:
+            break
+    vec = min(block_half, max(1, block_h * block_half // (32 * NUM_WARPS)))
+    return block_t, block_hq, num_warps, vec

@@ -57,7 +57,8 @@ LOG2E = 1.4426950408889634
 # tools/tune_vertical_slash.py on H100, Triton 3.6, 8K queries x 128K keys, H=32, KVH=8, default budgets: 64x32
 # (4 warps, 2 stages) beat 64x64 by 6-11% on a band and on a scattered selection in two runs; 128-row tiles, 8 warps
 # and 3 stages were slower.
-GPU_CONFIG_16BIT = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (64, 32, 4, 2)}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) by head dim; bf16 D=128 chosen by tools/tune_vertical_slash.py --prefill
+GPU_CONFIG_16BIT = {64: (64, 64, 4, 2), 128: (64, 32, 4, 3), 256: (64, 32, 4, 2)}
 GPU_CONFIG_FP32 = {64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (32, 16, 4, 1)}
 INTERPRET_CONFIG = (32, 16, 4, 1)  # small tiles keep the CPU interpreter fast; BLOCK_M = 2 BLOCK_N covers RATIO > 1
 REFERENCE_CHUNK_ELEMENTS = 1 << 24  # [H, rows, Sk] scores the reference materialises at once
@@ -114,7 +115,7 @@ def _slash_tiles(
             keep = col_ok[None, :] & (diag >= tl.load(bounds + 2 * t)) & (diag <= tl.load(bounds + 2 * t + 1))
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, keep, v)
         if COUNT_PAIRS:
-            cnt += tl.sum(keep.to(tl.int32), 1)
+            cnt += keep.to(tl.int32)
         t = t_next
     return acc, m_i, l_i, cnt
 
@@ -156,7 +157,8 @@ def _vs_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    cnt = tl.zeros([BLOCK_M], dtype=tl.int32)  # COUNT_PAIRS: keys kept per row so far
+    # COUNT_PAIRS: kept (row, key) pairs per tile position, summed once at the end rather than per tile
+    cnt = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
 
     # per (head, query block): [run lo, run hi, partial lo, partial hi, visible vertical count]
     ranges = RANGES + head.to(tl.int64) * stride_rh + pid_m * stride_rm
@@ -195,7 +197,7 @@ def _vs_fwd_kernel(
         keep = keep & (on_slash == 0)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, keep, v)
         if COUNT_PAIRS:
-            cnt += tl.sum(keep.to(tl.int32), 1)
+            cnt += keep.to(tl.int32)
         idx = idx_next
         prev = prev_next
 
@@ -208,7 +210,8 @@ def _vs_fwd_kernel(
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=_kv_mask(row_ok, dim_ok, EVEN_D))
     tl.store(LSE + head.to(tl.int64) * stride_lh + offs_m * stride_lm, lse, mask=row_ok)
     if COUNT_PAIRS:  # rows past Sq (the last block's padding) are not pairs
-        tl.atomic_add(PAIRS + head * stride_ph, tl.sum(tl.where(row_ok, cnt, 0).to(tl.int64), 0))
+        per_row = tl.sum(tl.where(row_ok[:, None], cnt, 0), 1)
+        tl.atomic_add(PAIRS + head * stride_ph, tl.sum(per_row.to(tl.int64), 0))
 
 
 # ------------------------------------------------------------------------------------------- validation
