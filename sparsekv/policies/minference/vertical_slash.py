@@ -54,10 +54,9 @@ __all__ = ["vertical_slash_attention", "vertical_slash_attention_reference", "ve
 LOG2E = 1.4426950408889634
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M must be a multiple of BLOCK_N. 16-bit D=128 picked by
-# tools/tune_vertical_slash.py on H100, Triton 3.6, 8K queries x 128K keys, H=32, KVH=8, default budgets: 64x32
-# (4 warps, 2 stages) beat 64x64 by 6-11% on a band and on a scattered selection in two runs; 128-row tiles, 8 warps
-# and 3 stages were slower.
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) by head dim; bf16 D=128 chosen by tools/tune_vertical_slash.py --prefill
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) by head dim. bf16 D=128, tools/tune_vertical_slash.py on an H100: 64x32
+# with 4 warps beat 64x64 by 6-11% on 8K x 128K chunks and 128-row tiles were slower; 3 stages beat 2 by 1.6-2.4% in
+# the engine's whole 128K prefill (--prefill; docs/decisions.md).
 GPU_CONFIG_16BIT = {64: (64, 64, 4, 2), 128: (64, 32, 4, 3), 256: (64, 32, 4, 2)}
 GPU_CONFIG_FP32 = {64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (32, 16, 4, 1)}
 INTERPRET_CONFIG = (32, 16, 4, 1)  # small tiles keep the CPU interpreter fast; BLOCK_M = 2 BLOCK_N covers RATIO > 1
@@ -157,8 +156,7 @@ def _vs_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # COUNT_PAIRS: kept (row, key) pairs per tile position, summed once at the end rather than per tile
-    cnt = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    cnt = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)  # COUNT_PAIRS: kept pairs per tile position, summed at the end
 
     # per (head, query block): [run lo, run hi, partial lo, partial hi, visible vertical count]
     ranges = RANGES + head.to(tl.int64) * stride_rh + pid_m * stride_rm
