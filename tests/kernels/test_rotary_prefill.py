@@ -114,3 +114,35 @@ def test_prefill_tile_keeps_the_decode_split_and_the_per_thread_cap(monkeypatch,
         assert block_hq >= block_h and vec == min(block_half, max(1, int(decode_per_thread)))
         # a head's half spans as many warps as in the decode tile (32 lanes, at least one element each)
         assert num_warps == 4 if block_half > 128 else num_warps >= min(4, block_half // 32)
+
+
+@pytest.mark.gpu
+def test_prefill_tiling_at_qwen3_4b_shapes_on_gpu(monkeypatch):
+    """bf16 at Qwen3-4B shapes, enough tokens for the module's own prefill tiling: the same bits as the decode
+    tiling (q, k and the cache), within bf16 rounding of the reference, every cache slot it owns written."""
+    n, h, kvh, d = rotary_module.PREFILL_MIN_TOKENS + 37, 32, 8, 128
+    g = torch.Generator(device="cpu").manual_seed(11)
+    qkv = torch.randn(n, (h + 2 * kvh) * d, generator=g).to(DEV, torch.bfloat16)
+    q, k, v = (qkv[:, a * d:b * d].view(n, -1, d) for a, b in ((0, h), (h, h + kvh), (h + kvh, h + 2 * kvh)))
+    positions = torch.randint(0, 131072, (n,), generator=g).to(DEV)
+    weights = tuple(torch.randn(d, generator=g).to(DEV, torch.bfloat16) for _ in range(2))
+    num_blocks = n // 256 + 2
+    slots = torch.randperm(num_blocks * 256, generator=g)[:n].to(DEV)
+    inv_freq = rope_inv_freq(d, 1e6, None)[0].to(DEV)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        caches = [torch.full((num_blocks, 256, kvh, d), float("nan"), device=DEV, dtype=torch.bfloat16)
+                  for _ in range(2)]
+        q_out, k_out = apply_rotary(q, k, positions, inv_freq, 1.0, *weights, 1e-6, KVWrite(v, *caches, slots))
+        return (q_out, k_out, *(c.view(-1, kvh, d)[slots] for c in caches))
+
+    prefill = run()  # the module's PREFILL_MIN_TOKENS and PREFILL_TILE
+    for name, value in DECODE.items():
+        monkeypatch.setattr(rotary_module, name, value)
+    decode = run()
+    for a, b in zip(prefill, decode):
+        assert not a.isnan().any() and torch.equal(a, b)
+    ref = apply_rotary_reference(q, k, positions, inv_freq, 1.0, *weights, 1e-6)
+    for out, r in zip(prefill[:2], ref):
+        assert _rel_err(out, r) < 5e-3
+    assert torch.equal(prefill[3], v)
