@@ -130,11 +130,13 @@ def test_kernel_matches_reference(sq, sk, h, kvh, d, q_offset, nv, ns):
     slash = _random_selection(h, q_offset + sq, ns, gen, pad=2)
     scale = 0.7 / math.sqrt(d)
     ref = vertical_slash_attention_reference(q, k, v, vertical, slash, scale, q_offset)
-    _check(vertical_slash_attention(q, k, v, vertical, slash, scale, q_offset), ref)
-    # the reference itself against the definition, and the pair count against the mask
+    pairs = torch.zeros(h, dtype=torch.int64, device=DEV)  # the kernel's own count, per head
+    _check(vertical_slash_attention(q, k, v, vertical, slash, scale, q_offset, pairs), ref)
+    # the reference itself against the definition, and both pair counts against the mask
     mask = _brute_mask(sq, sk, q_offset, vertical.cpu(), slash.cpu())
     _check(ref, _masked_attention(q, k, v, mask, scale))
     assert vertical_slash_pair_count(sq, sk, q_offset, vertical, slash).tolist() == mask.sum((1, 2)).tolist()
+    assert pairs.tolist() == mask.sum((1, 2)).tolist()
 
 
 @pytest.mark.skipif(DEV.type == "cuda", reason="tile shapes of the CPU interpreter")
@@ -673,11 +675,13 @@ def test_gpu_kernel_bf16_realistic():
         [torch.randperm(sk - 100, generator=gen)[:500] for _ in range(h)])], 1).sort(1).values
     vertical, slash = vertical.to(DEV, torch.int32), slash.to(DEV, torch.int32)
     scale = 1 / math.sqrt(d)
-    o, lse = vertical_slash_attention(q, k, v, vertical, slash, scale, 0)
+    pairs = torch.zeros(h, dtype=torch.int64, device=DEV)  # counted by the kernel at its GPU tile config
+    o, lse = vertical_slash_attention(q, k, v, vertical, slash, scale, 0, pairs)
     ro, rlse = vertical_slash_attention_reference(q, k, v, vertical, slash, scale, 0)
     assert not o.isnan().any() and not lse.isnan().any()
     assert _rel_err(o, ro) < 1e-2
     assert (lse - rlse).abs().max().item() < 1e-2
+    assert torch.equal(pairs, vertical_slash_pair_count(sq, sk, 0, vertical, slash))
 
 
 @pytest.mark.gpu
