@@ -37,7 +37,7 @@ __all__ = ["KVWrite", "apply_rotary", "apply_rotary_reference", "rotary_cos_sin_
 MAX_TILE = 1024  # elements of one [BLOCK_H, BLOCK_HALF] half-tile
 NUM_WARPS = 4
 # The prefill tiling (BLOCK_T tokens, q heads per program, warps) and the token count from which it runs: chosen by
-# timing `python tools/bench_kernels.py --elementwise` and `--rotary-sweep` on the GPU.
+# `python tools/bench_kernels.py --rotary-sweep` and `--elementwise` on the GPU (docs/decisions.md).
 PREFILL_TILE = (1, 32, 2)
 PREFILL_MIN_TOKENS = 8192
 PREFILL_MAX_PER_THREAD = 32  # elements of a [BLOCK_T, heads, BLOCK_HALF] half-tile per thread: see _tiling
