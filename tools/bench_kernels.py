@@ -214,37 +214,43 @@ def bench_paged_decode(contexts=(4096, 32768), block_size: int = 256, h: int = 3
     return res
 
 
+def _rotary_inputs(tokens: int, h: int, kvh: int, d: int, dtype: torch.dtype, device: str):
+    """apply_rotary's inputs at `tokens` rows: q [T, H, D], k views of one qkv projection, a KVWrite of its v into
+    [blocks, 256, KVH, D] zeroed caches at slots 0..T-1, inv_freq (theta 1e6) and q/k norm weights."""
+    from sparsekv.kernels.rotary import KVWrite
+    from sparsekv.layers.rotary import rope_inv_freq
+
+    qkv = torch.randn(tokens, (h + 2 * kvh) * d, device=device, dtype=dtype)
+    q, k = qkv[:, :h * d].view(tokens, h, d), qkv[:, h * d:(h + kvh) * d].view(tokens, kvh, d)
+    v = qkv[:, (h + kvh) * d:].view(tokens, kvh, d)
+    caches = (torch.zeros(cdiv(tokens, 256), 256, kvh, d, device=device, dtype=dtype) for _ in range(2))
+    kv = KVWrite(v, *caches, torch.arange(tokens, device=device))
+    inv_freq = rope_inv_freq(d, 1e6, None)[0].to(device)
+    qw, kw = torch.randn(d, device=device, dtype=dtype), torch.randn(d, device=device, dtype=dtype)
+    return q, k, kv, inv_freq, qw, kw
+
+
 def bench_elementwise(tokens: int, hidden: int = 2560, h: int = 32, kvh: int = 8, d: int = 128, inter: int = 9728,
                       dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> dict[str, tuple[float, float]]:
     """The fused elementwise kernels against their torch references (the model's unfused ops) at Qwen3-4B shapes
     for `tokens` rows: {op: (fused_ms, reference_ms)}. The rotary reference includes building the cos/sin tables,
     which the torch path of the model does once per forward rather than per layer."""
-    from sparsekv.layers.rotary import rope_inv_freq
-
     from sparsekv.kernels.activation import silu_and_mul, silu_and_mul_reference
     from sparsekv.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
-    from sparsekv.kernels.rotary import KVWrite, apply_rotary, apply_rotary_reference
+    from sparsekv.kernels.rotary import apply_rotary, apply_rotary_reference
 
     eps = 1e-6
     x, r = (torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(2))
     w = torch.randn(hidden, device=device, dtype=dtype)
-    qkv = torch.randn(tokens, (h + 2 * kvh) * d, device=device, dtype=dtype)
-    q, k = qkv[:, :h * d].view(tokens, h, d), qkv[:, h * d:(h + kvh) * d].view(tokens, kvh, d)
-    v = qkv[:, (h + kvh) * d:].view(tokens, kvh, d)
-    block_size = 256
-    k_cache, v_cache = (torch.zeros(cdiv(tokens, block_size), block_size, kvh, d, device=device, dtype=dtype)
-                        for _ in range(2))
-    kv = KVWrite(v, k_cache, v_cache, torch.arange(tokens, device=device))
+    q, k, kv, inv_freq, qw, kw = _rotary_inputs(tokens, h, kvh, d, dtype, device)
     positions = torch.arange(tokens, device=device) + 1000
-    inv_freq = rope_inv_freq(d, 1e6, None)[0].to(device)
-    qw, kw = torch.randn(d, device=device, dtype=dtype), torch.randn(d, device=device, dtype=dtype)
     gate_up = torch.randn(tokens, 2 * inter, device=device, dtype=dtype)
     size = x.element_size()
 
     def rotary_kv_write_reference():
         out = apply_rotary_reference(q, k, positions, inv_freq, 1.0, qw, kw, eps)
-        k_cache.view(-1, kvh, d)[kv.slot_mapping] = out[1]
-        v_cache.view(-1, kvh, d)[kv.slot_mapping] = v
+        kv.k_cache.view(-1, kvh, d)[kv.slot_mapping] = out[1]
+        kv.v_cache.view(-1, kvh, d)[kv.slot_mapping] = kv.v
         return out
 
     cases = {  # op: (fused, reference, bytes the fused kernel moves)
@@ -281,17 +287,11 @@ def sweep_rotary_prefill(tokens: int, h: int = 32, kvh: int = 8, d: int = 128,
     the decode tiling forced (the baseline, key None), then each candidate PREFILL_TILE; every candidate's q, k
     and caches must equal the baseline's. {tile: ms}."""
     from sparsekv.kernels import rotary as R
-    from sparsekv.layers.rotary import rope_inv_freq
 
-    qkv = torch.randn(tokens, (h + 2 * kvh) * d, device="cuda", dtype=dtype)
-    q, k = qkv[:, :h * d].view(tokens, h, d), qkv[:, h * d:(h + kvh) * d].view(tokens, kvh, d)
-    v = qkv[:, (h + kvh) * d:].view(tokens, kvh, d)
-    k_cache, v_cache = (torch.zeros(cdiv(tokens, 256), 256, kvh, d, device="cuda", dtype=dtype) for _ in range(2))
-    kv = R.KVWrite(v, k_cache, v_cache, torch.arange(tokens, device="cuda"))
+    q, k, kv, inv_freq, qw, kw = _rotary_inputs(tokens, h, kvh, d, dtype, "cuda")
+    k_cache, v_cache = kv.k_cache, kv.v_cache
     positions = torch.randint(0, 1 << 20, (tokens,), device="cuda")
-    inv_freq = rope_inv_freq(d, 1e6, None)[0].cuda()
-    qw, kw = torch.randn(d, device="cuda", dtype=dtype), torch.randn(d, device="cuda", dtype=dtype)
-    nbytes = tokens * (2 * h + 5 * kvh) * d * qkv.element_size()
+    nbytes = tokens * (2 * h + 5 * kvh) * d * q.element_size()
 
     def fn():
         return R.apply_rotary(q, k, positions, inv_freq, 1.0, qw, kw, 1e-6, kv)
