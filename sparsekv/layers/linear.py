@@ -60,20 +60,35 @@ class Linear(nn.Linear):
             return write_into(y.view(*gate_up.shape[:-1], self.out_features), out)  # [..., out_features]
         return self(self.silu_and_mul(gate_up), out=out)
 
-    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, gated: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, gated: bool = False,
+                         residual_in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(out, residual) of out = self(x) (gated: self.silu_mul_forward(x)), an RMSNorm with its residual add:
         -> (normed, out + residual), each [..., out_features]. Where the fused skinny kernel runs, the GEMV's split-K
-        reduction, the add and the norm are one launch after it (sparsekv.kernels.linear_norm); the same values
-        either way."""
+        reduction, the add and the norm are one launch after it (sparsekv.kernels.linear_norm). Elsewhere, with
+        residual_in_place (the caller owns `residual`), the GEMM adds its product into `residual` (see add_into)
+        and the norm runs alone; else the add runs in the norm's kernel."""
         width = (2 if gated else 1) * self.in_features
-        rows = self._rows(x, width) if self.fuse else 0
-        if rows and residual.shape == (*x.shape[:-1], self.out_features):
+        rows = self._rows(x, width)
+        if rows and self.fuse and residual.shape == (*x.shape[:-1], self.out_features):
             normed, new_residual = linear_add_rms_norm(
                 x.reshape(rows, width), self.weight, self.bias, residual.reshape(rows, self.out_features),
                 norm.weight, norm.eps, gated=gated, pdl=self.pdl)
             return normed.view(residual.shape), new_residual.view(residual.shape)
+        if residual_in_place and not rows:
+            self.add_into(x, residual, gated)
+            return norm(residual), residual
         return norm(self.silu_mul_forward(x) if gated else self(x), residual)
+
+    def add_into(self, x: torch.Tensor, residual: torch.Tensor, gated: bool = False) -> None:
+        """residual += self(x) (gated: of silu_and_mul(x)), in place: x [T, in_features] (gated: [T, 2 *
+        in_features]), residual [T, out_features] contiguous. Without a bias the GEMM reads `residual` in its
+        epilogue (C = A B + C, one rounding to x's dtype) instead of writing the product for a separate add to read
+        back: a [T, out_features] round trip less per layer and linear (docs/decisions.md)."""
+        if self.bias is not None or not residual.is_contiguous() or x.dim() != 2 \
+                or residual.shape != (x.shape[0], self.out_features):
+            residual.add_(self.silu_mul_forward(x) if gated else self(x))
+            return
+        residual.addmm_(self.silu_and_mul(x) if gated else x, self.weight.t())
 
 
 # ---- tensor parallelism (sparsekv/distributed): built only when tensor_parallel_size > 1
@@ -130,11 +145,16 @@ class RowParallelLinear(Linear):
             return write_into(self._reduced(y.view(*gate_up.shape[:-1], self.out_features)), out)
         return self(self.silu_and_mul(gate_up), out=out)
 
-    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, gated: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, gated: bool = False,
+                         residual_in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(out, residual) with out reduced over the ranks first (the fused linear + norm kernel would
-        normalise a partial sum): the add and the norm run in one kernel after the all-reduce."""
+        normalise a partial sum): the add and the norm run in one kernel after the all-reduce. `residual` is
+        never written."""
         return norm(self.silu_mul_forward(x) if gated else self(x), residual)
+
+    def add_into(self, x: torch.Tensor, residual: torch.Tensor, gated: bool = False) -> None:
+        """residual += the reduced output (a partial product cannot go into the GEMM's epilogue)."""
+        residual.add_(self.silu_mul_forward(x) if gated else self(x))
 
 
 class ParallelLMHead(ColumnParallelLinear):

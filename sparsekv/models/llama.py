@@ -94,12 +94,16 @@ class GatedMLP(nn.Module):
 
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm(self(x), residual) -> (normed, self(x) + residual): the down projection, the residual add and the
-        next RMSNorm fused where the skinny GEMV runs. x, residual [T, ...]: more than MLP_SLICE_TOKENS tokens go
-        through the MLP in slices, then through one add + norm."""
+        """norm(self(x), residual) -> (normed, self(x) + residual), the sum written into `residual` (the caller's
+        to overwrite) where the GEMM can add into it: the down projection, the residual add and the next RMSNorm
+        fused where the skinny GEMV runs. x, residual [T, ...]: more than MLP_SLICE_TOKENS tokens go through the
+        MLP in slices, each adding into its rows of `residual`, then through the norm."""
         if x.shape[0] > MLP_SLICE_TOKENS:
-            return norm(self._in_slices(x), residual)
-        return self.down_proj.add_norm_forward(self.gate_up_proj(x), residual, norm, gated=True)
+            for part, dest in zip(x.split(MLP_SLICE_TOKENS), residual.split(MLP_SLICE_TOKENS)):
+                self.down_proj.add_into(self.gate_up_proj(part), dest, gated=True)
+            return norm(residual), residual
+        return self.down_proj.add_norm_forward(self.gate_up_proj(x), residual, norm, gated=True,
+                                               residual_in_place=True)
 
 
 class DecoderLayer(nn.Module):
@@ -128,24 +132,26 @@ class DecoderLayer(nn.Module):
         normed, hidden = self.project_out_add_norm(attn_out, hidden)
         return hidden + self.mlp(normed)
 
-    def project_out_add_norm(self, attn_out: torch.Tensor, residual: torch.Tensor
+    def project_out_add_norm(self, attn_out: torch.Tensor, residual: torch.Tensor, residual_in_place: bool = False
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """attn_out [N, H, D] -> (post_attention_layernorm(o + residual), o + residual), o the o projection."""
+        """attn_out [N, H, D] -> (post_attention_layernorm(o + residual), o + residual), o the o projection; with
+        residual_in_place the sum may be written into `residual`."""
         attn = self.self_attn
         return attn.o_proj.add_norm_forward(attn_out.reshape(attn_out.shape[0], attn.q_size), residual,
-                                            self.post_attention_layernorm)
+                                            self.post_attention_layernorm, residual_in_place=residual_in_place)
 
     def forward(self, normed: torch.Tensor, residual: torch.Tensor, rope: Rope, next_norm: nn.Module
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer on its input already normed: normed = input_layernorm(residual), residual the stream.
-        Returns (next_norm(stream'), stream'), stream' = the layer's output, with next_norm the next layer's input
-        norm (or the model's final norm). Same values as post_attention(residual, attention(*pre_attention(
-        residual))) followed by next_norm; each norm runs with its residual add in the launch after its linear
-        layer (sparsekv.kernels.linear_norm), so the step has no separate norm or split-K reduction kernels."""
+        """The layer on its input already normed: normed = input_layernorm(residual), residual the stream, which
+        this overwrites. Returns (next_norm(stream'), stream'), stream' = the layer's output, with next_norm the next
+        layer's input norm (or the model's final norm). Where the skinny kernels run (decode), the same values as
+        post_attention(residual, attention(*pre_attention(residual))) followed by next_norm, each norm with its
+        residual add in the launch after its linear layer (sparsekv.kernels.linear_norm); on the GEMM path each
+        GEMM adds into the stream in its epilogue (one rounding where the separate add rounds twice)."""
         kv_target = self.self_attn.attn.kv_write_target() if self.write_kv_in_rotary else None
         q, k, v = self.self_attn.project_qkv(normed, rope, kv_target)
         attn_out = self.self_attn.attn(q, k, v, kv_written=kv_target is not None)
-        normed, residual = self.project_out_add_norm(attn_out, residual)
+        normed, residual = self.project_out_add_norm(attn_out, residual, residual_in_place=True)
         return self.mlp.add_norm_forward(normed, residual, next_norm)
 
 
