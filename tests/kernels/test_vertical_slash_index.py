@@ -1,5 +1,5 @@
 """vertical_slash_attention's metadata builder (sparsekv.policies.minference.vertical_slash_index) against its torch
-reference, and the kernel's pair counter against vertical_slash_pair_count.
+reference, and vertical_slash_pair_count (the attention's pair counter) against the mask and an independent count.
 
 On CPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set by conftest); small sizes only.
 """
@@ -81,6 +81,25 @@ def _selection(kind: str, H: int, Sq: int, Sk: int, q_offset: int, gen: torch.Ge
     else:
         raise AssertionError(kind)
     return vertical.to(DEV, torch.int32), slash.to(DEV, torch.int32)
+
+
+def pair_count_by_offsets(Sq: int, Sk: int, q_offset: int, vertical: torch.Tensor, slash: torch.Tensor
+                          ) -> torch.Tensor:
+    """vertical_slash_pair_count by another route, over every offset and every key: [H] int64. O(H * (Sq + Sk))
+    memory, so it checks the count at sizes where the brute-force mask would not fit."""
+    d_lo, d_hi = vsi.offset_range(Sq, Sk, q_offset)
+    p_lo, p_hi = q_offset, q_offset + Sq - 1
+    on_slash = vsi.slash_mask(slash, d_lo, d_hi).long()  # [H, W]
+    selected_below = torch.nn.functional.pad(on_slash.cumsum(1), (1, 0))  # [H, W + 1]
+    d = torch.arange(d_lo, d_hi, device=slash.device)
+    diag_rows = (torch.minimum(torch.full_like(d, p_hi), d + Sk - 1) - torch.clamp(d, min=p_lo) + 1).clamp(min=0)
+    column = vs._vertical_mask(vertical, Sk).long()  # [H, Sk]
+    c = torch.arange(Sk, device=slash.device)
+    col_rows = (p_hi - torch.clamp(c, min=p_lo) + 1).clamp(min=0)
+    lo = (torch.clamp(p_lo - c, min=0) - d_lo).clamp(0, d_hi - d_lo)  # the offsets crossing column c in a query row
+    hi = (p_hi - c + 1 - d_lo).clamp(0, d_hi - d_lo)
+    crossings = (selected_below[:, hi] - selected_below[:, lo]).clamp(min=0)  # [H, Sk]
+    return (on_slash * diag_rows).sum(1) + (column * col_rows).sum(1) - (column * crossings).sum(1)
 
 
 def _assert_same_index(new: vsi.SlashIndex, ref: vsi.SlashIndex) -> None:
@@ -207,6 +226,23 @@ def test_pair_counter_bad_inputs_raise():
             vertical_slash_attention(q, k, k, sel, sel, pair_counter=bad)
 
 
+@pytest.mark.parametrize("kind", SELECTIONS)
+@pytest.mark.parametrize("sq,sk,q_offset", [(40, 40, 0), (33, 50, 17), (19, 20, 45), (1, 1, 0), (24, 130, 80)])
+def test_pair_count_equals_the_mask(sq, sk, q_offset, kind):
+    """The closed form over the index lists against the brute-force mask and the count over every offset, on every
+    kind of selection: unsorted, duplicated, negative and out-of-range entries included."""
+    from tests.policies.test_minference import _brute_mask
+
+    gen = torch.Generator().manual_seed(sq * 7 + sk + q_offset)
+    vertical, slash = _selection(kind, 3, sq, sk, q_offset, gen)
+    mask_pairs = _brute_mask(sq, sk, q_offset, vertical.cpu(), slash.cpu()).sum((1, 2)).tolist()
+    assert vertical_slash_pair_count(sq, sk, q_offset, vertical, slash).tolist() == mask_pairs
+    if kind != "unsorted":  # (the count over offsets needs no order either; the mask is the definition)
+        assert pair_count_by_offsets(sq, sk, q_offset, vertical, slash).tolist() == mask_pairs
+    if kind not in ("empty", "single"):
+        assert sum(mask_pairs) > 0
+
+
 @pytest.mark.parametrize("sq,sk,q_offset,kind", [(33, 50, 17, "random"), (24, 130, 80, "bands"),
                                                   (40, 64, 30, "int32_sliced")])
 def test_outputs_bitwise_equal_with_the_torch_metadata(sq, sk, q_offset, kind, monkeypatch):
@@ -277,6 +313,6 @@ def test_gpu_index_and_counter_at_128k(kind):
     k, v = (torch.randn(Sk, 8, D, generator=gen).to(DEV, torch.bfloat16) for _ in range(2))
     counter = torch.zeros(H, dtype=torch.int64, device=DEV)
     o, lse = vertical_slash_attention(q, k, v, vertical, slash, 1 / math.sqrt(D), Sk - Sq, counter)
-    assert counter.tolist() == vertical_slash_pair_count(Sq, Sk, Sk - Sq, vertical, slash).tolist()
+    assert counter.tolist() == pair_count_by_offsets(Sq, Sk, Sk - Sq, vertical, slash).tolist()
     o0, lse0 = vertical_slash_attention(q, k, v, vertical, slash, 1 / math.sqrt(D), Sk - Sq)
     assert torch.equal(o, o0) and torch.equal(lse, lse0)

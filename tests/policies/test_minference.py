@@ -130,7 +130,7 @@ def test_kernel_matches_reference(sq, sk, h, kvh, d, q_offset, nv, ns):
     slash = _random_selection(h, q_offset + sq, ns, gen, pad=2)
     scale = 0.7 / math.sqrt(d)
     ref = vertical_slash_attention_reference(q, k, v, vertical, slash, scale, q_offset)
-    pairs = torch.zeros(h, dtype=torch.int64, device=DEV)  # the kernel's own count, per head
+    pairs = torch.zeros(h, dtype=torch.int64, device=DEV)  # the attention's count, per head
     _check(vertical_slash_attention(q, k, v, vertical, slash, scale, q_offset, pairs), ref)
     # the reference itself against the definition, and both pair counts against the mask
     mask = _brute_mask(sq, sk, q_offset, vertical.cpu(), slash.cpu())
@@ -663,6 +663,8 @@ def test_gpu_last_q_past_shared_memory_is_refused_before_any_work(qwen3_ckpt):
 
 @pytest.mark.gpu
 def test_gpu_kernel_bf16_realistic():
+    from tests.kernels.test_vertical_slash_index import pair_count_by_offsets
+
     sq = sk = 4096
     h, kvh, d = 32, 8, 128
     gen = torch.Generator().manual_seed(0)
@@ -675,13 +677,13 @@ def test_gpu_kernel_bf16_realistic():
         [torch.randperm(sk - 100, generator=gen)[:500] for _ in range(h)])], 1).sort(1).values
     vertical, slash = vertical.to(DEV, torch.int32), slash.to(DEV, torch.int32)
     scale = 1 / math.sqrt(d)
-    pairs = torch.zeros(h, dtype=torch.int64, device=DEV)  # counted by the kernel at its GPU tile config
+    pairs = torch.zeros(h, dtype=torch.int64, device=DEV)
     o, lse = vertical_slash_attention(q, k, v, vertical, slash, scale, 0, pairs)
     ro, rlse = vertical_slash_attention_reference(q, k, v, vertical, slash, scale, 0)
     assert not o.isnan().any() and not lse.isnan().any()
     assert _rel_err(o, ro) < 1e-2
     assert (lse - rlse).abs().max().item() < 1e-2
-    assert torch.equal(pairs, vertical_slash_pair_count(sq, sk, 0, vertical, slash))
+    assert torch.equal(pairs, pair_count_by_offsets(sq, sk, 0, vertical, slash))
 
 
 @pytest.mark.gpu

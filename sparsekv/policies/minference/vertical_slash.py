@@ -25,15 +25,16 @@ Triton kernel, one program per (block of BLOCK_M query rows, head), online softm
      mask is a shift and an AND per score, no memory gather. The next list entry is loaded one iteration ahead so
      that the K/V loads can be software-pipelined.
   2. vertical columns: the selected columns are gathered BLOCK_N at a time by index (causally visible ones
-     only: counted per query block), masking keys that lie on a selected diagonal of the row (already counted in
-     loop 1).
+     only: counted per query block), masking keys that lie on a selected diagonal of the row (added in loop 1):
+     the bit of (row, column) in the window of the tile (query block, the column's key block), two word loads
+     per column instead of a gathered byte per score (4.3 -> ms at 128K, docs/decisions.md).
 The lists, bits, run bounds and per-query-block ranges are built by vertical_slash_index.py beside this file (four
 small Triton kernels and a zero fill; a torch reference there builds the same tensors).
 The pure-torch reference builds the dense boolean mask [H, rows, Sk] block of rows by block of rows.
 
-Pair count: with pair_counter (int64 [1] or [H]) each program also counts the (query, key) pairs it adds to its
-softmax (a key hit by a column and a diagonal once) and adds them with one atomic; on the reference path
-vertical_slash_pair_count is added instead, the same number. No host sync either way.
+Pair count: with pair_counter (int64 [1] or [H]) the (query, key) pairs the attention adds to its softmaxes (a key
+hit by a column and a diagonal once) are added to it, on either path, by vertical_slash_pair_count: a closed form over
+the index lists, no host sync. Counting inside the kernel cost 12% of its time at 128K (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -81,10 +82,9 @@ def _kv_mask(row_ok, dim_ok, EVEN_D: tl.constexpr):
 
 @jit
 def _slash_tiles(
-    acc, m_i, l_i, cnt, q, pos, rows, offs_n, offs_d, dim_ok, k_base, v_base, words, bounds, tlist, t_lo, t_hi, tq,
+    acc, m_i, l_i, q, pos, rows, offs_n, offs_d, dim_ok, k_base, v_base, words, bounds, tlist, t_lo, t_hi, tq,
     Sk, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
     BLOCK_N: tl.constexpr, LOOKUP: tl.constexpr, EVEN_D: tl.constexpr, NUM_WORDS: tl.constexpr,
-    COUNT_PAIRS: tl.constexpr,
 ):
     # key blocks n_block = tq - t for the entries t_lo..t_hi of the sorted t-list. The next entry is loaded
     # one iteration ahead, so the K/V addresses are loop-carried and the compiler can pipeline their loads.
@@ -112,26 +112,23 @@ def _slash_tiles(
         else:  # one run of selected offsets [lo, hi], lo >= 0 (so causal too)
             keep = col_ok[None, :] & (diag >= tl.load(bounds + 2 * t)) & (diag <= tl.load(bounds + 2 * t + 1))
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, keep, v)
-        if COUNT_PAIRS:
-            cnt += keep.to(tl.int32)
         t = t_next
-    return acc, m_i, l_i, cnt
+    return acc, m_i, l_i
 
 
 @jit
 def _vs_fwd_kernel(
     Q, K, V, O, LSE,
-    VIDX, SMASK, WORDS, BOUNDS, TLIST_RUN, TLIST_PART, RANGES, PAIRS,
+    VIDX, WORDS, BOUNDS, TLIST_RUN, TLIST_PART, RANGES,
     stride_qm, stride_qh, stride_qd,
     stride_kn, stride_kh, stride_kd,
     stride_vn, stride_vh, stride_vd,
     stride_om, stride_oh, stride_od,
     stride_lh, stride_lm,
-    stride_vih, stride_smh, stride_wh, stride_bh, stride_tlh, stride_rh, stride_rm, stride_ph,
-    Sq, Sk, D, q_offset, d_lo, d_hi, tq0, qk_scale,
+    stride_vih, stride_wh, stride_bh, stride_tlh, stride_rh, stride_rm,
+    Sq, Sk, D, q_offset, tq0, qk_scale,
     GROUP: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RATIO: tl.constexpr, NUM_WORDS: tl.constexpr,
-    COUNT_PAIRS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -148,30 +145,30 @@ def _vs_fwd_kernel(
     q = tl.load(q_ptrs, mask=_kv_mask(row_ok, dim_ok, EVEN_D), other=0.0)  # [BLOCK_M, BLOCK_D]
     k_base = K + kv_head.to(tl.int64) * stride_kh
     v_base = V + kv_head.to(tl.int64) * stride_vh
-    smask = SMASK + head.to(tl.int64) * stride_smh
     words = WORDS + head.to(tl.int64) * stride_wh  # [NT, NUM_WORDS] selection bits of each tile's offset window
     bounds = BOUNDS + head.to(tl.int64) * stride_bh  # [NT, 2] first and last selected offset of each run tile
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    cnt = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)  # COUNT_PAIRS: kept pairs per tile position, summed at the end
 
     # per (head, query block): [run lo, run hi, partial lo, partial hi, visible vertical count]
     ranges = RANGES + head.to(tl.int64) * stride_rh + pid_m * stride_rm
     tq = tq0 + RATIO * pid_m
     # ---- 1a. slash tiles whose selected offsets form one run: two comparisons per key
-    acc, m_i, l_i, cnt = _slash_tiles(
-        acc, m_i, l_i, cnt, q, pos, tl.arange(0, BLOCK_M), offs_n, offs_d, dim_ok, k_base, v_base, words, bounds,
+    acc, m_i, l_i = _slash_tiles(
+        acc, m_i, l_i, q, pos, tl.arange(0, BLOCK_M), offs_n, offs_d, dim_ok, k_base, v_base, words, bounds,
         TLIST_RUN + head.to(tl.int64) * stride_tlh, tl.load(ranges), tl.load(ranges + 1), tq,
-        Sk, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, BLOCK_N, False, EVEN_D, NUM_WORDS, COUNT_PAIRS)
+        Sk, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, BLOCK_N, False, EVEN_D, NUM_WORDS)
     # ---- 1b. slash tiles with scattered offsets selected: the tile's selection bits mask the keys
-    acc, m_i, l_i, cnt = _slash_tiles(
-        acc, m_i, l_i, cnt, q, pos, tl.arange(0, BLOCK_M), offs_n, offs_d, dim_ok, k_base, v_base, words, bounds,
+    acc, m_i, l_i = _slash_tiles(
+        acc, m_i, l_i, q, pos, tl.arange(0, BLOCK_M), offs_n, offs_d, dim_ok, k_base, v_base, words, bounds,
         TLIST_PART + head.to(tl.int64) * stride_tlh, tl.load(ranges + 2), tl.load(ranges + 3), tq,
-        Sk, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, BLOCK_N, True, EVEN_D, NUM_WORDS, COUNT_PAIRS)
+        Sk, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, BLOCK_N, True, EVEN_D, NUM_WORDS)
 
-    # ---- 2. vertical columns visible to this query block, BLOCK_N at a time, minus those on a slash
+    # ---- 2. vertical columns visible to this query block, BLOCK_N at a time, minus those on a selected diagonal:
+    # the window bits of the tile (this query block, the column's key block) say which (loop 1 added those)
+    rows = tl.arange(0, BLOCK_M)
     v_cnt = tl.load(ranges + 4)
     vidx = VIDX + head.to(tl.int64) * stride_vih
     # (indices loaded one group ahead, as above)
@@ -189,12 +186,15 @@ def _vs_fwd_kernel(
                     mask=kv_mask, other=0.0)
         s = exact_dot(q, tl.trans(k), None) * qk_scale
         diag = pos[:, None] - idx[None, :]
-        keep = col_ok[None, :] & (diag >= 0)
-        on_slash = tl.load(smask + (diag - d_lo), mask=keep & (diag >= d_lo) & (diag < d_hi), other=0)
-        keep = keep & (on_slash == 0)
+        key = tl.where(col_ok, idx, 0)
+        key_block = key // BLOCK_N
+        bit = (rows[:, None] + (BLOCK_N - 1) - (key - key_block * BLOCK_N)[None, :]).to(tl.int64)
+        tile_words = words + NUM_WORDS * (tq - key_block)  # [BLOCK_N]
+        w = tl.load(tile_words, mask=col_ok, other=0)[None, :]
+        for extra in tl.static_range(1, NUM_WORDS):
+            w = tl.where((bit >> 6) == extra, tl.load(tile_words + extra, mask=col_ok, other=0)[None, :], w)
+        keep = col_ok[None, :] & (diag >= 0) & (((w >> (bit & 63)) & 1) == 0)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, keep, v)
-        if COUNT_PAIRS:
-            cnt += keep.to(tl.int32)
         idx = idx_next
         prev = prev_next
 
@@ -206,9 +206,6 @@ def _vs_fwd_kernel(
         + offs_d[None, :] * stride_od
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=_kv_mask(row_ok, dim_ok, EVEN_D))
     tl.store(LSE + head.to(tl.int64) * stride_lh + offs_m * stride_lm, lse, mask=row_ok)
-    if COUNT_PAIRS:  # rows past Sq (the last block's padding) are not pairs
-        per_row = tl.sum(tl.where(row_ok[:, None], cnt, 0), 1)
-        tl.atomic_add(PAIRS + head * stride_ph, tl.sum(per_row.to(tl.int64), 0))
 
 
 # ------------------------------------------------------------------------------------------- validation
@@ -277,32 +274,43 @@ def vertical_slash_attention_reference(
     return o, lse
 
 
+def _first_of_each_value(x: torch.Tensor) -> torch.Tensor:
+    """x [H, N] sorted per row -> bool [H, N]: True at the first entry of each distinct value."""
+    first = torch.ones_like(x, dtype=torch.bool)
+    first[:, 1:] = x[:, 1:] != x[:, :-1]
+    return first
+
+
 def vertical_slash_pair_count(
     Sq: int, Sk: int, q_offset: int, vertical_idx: torch.Tensor, slash_offsets: torch.Tensor,
 ) -> torch.Tensor:
-    """Number of (query, key) pairs [H] (int64, on the index device) that vertical_slash_attention computes
-    for this selection; O(H * (NV + Sq + Sk)), no dense mask, no host sync."""
+    """Number of (query, key) pairs [H] (int64, on the index device) that vertical_slash_attention computes for
+    this selection, from the index lists alone: O(H * (NV + NS) log), no mask, no host sync. Entries need not be
+    sorted or unique; out-of-range ones count nothing, as in the attention.
+
+    pairs = (rows on each selected diagonal) + (rows below each selected column) - (column-diagonal crossings):
+    a key on a selected column and a selected diagonal is one pair."""
     H = vertical_idx.shape[0]
     dev = vertical_idx.device
     if Sq == 0 or Sk == 0:
         return torch.zeros(H, dtype=torch.int64, device=dev)
-    d_lo, d_hi = offset_range(Sq, Sk, q_offset)
-    p_lo, p_hi = q_offset, q_offset + Sq - 1
-    on_slash = slash_mask(slash_offsets, d_lo, d_hi).long()  # [H, W]
-    cs = torch.nn.functional.pad(on_slash.cumsum(1), (1, 0))  # [H, W+1]: selected offsets < d_lo + i
-    d = torch.arange(d_lo, d_hi, device=dev)
-    slash_rows = (torch.minimum(torch.full_like(d, p_hi), d + Sk - 1) - torch.clamp(d, min=p_lo) + 1).clamp(min=0)
-    slash_pairs = (on_slash * slash_rows).sum(1)
-    vertical = _vertical_mask(vertical_idx, Sk)  # [H, Sk]
-    c = torch.arange(Sk, device=dev)
-    vert_rows = (p_hi - torch.clamp(c, min=p_lo) + 1).clamp(min=0)
-    vert_pairs = (vertical.long() * vert_rows).sum(1)
-    # overlap: column c and offset s with p = c + s a query position -> s in [max(0, p_lo - c), p_hi - c]
-    lo = (torch.clamp(p_lo - c, min=0) - d_lo).clamp(0, d_hi - d_lo)
-    hi = (p_hi - c + 1 - d_lo).clamp(0, d_hi - d_lo)
-    overlap_per_col = (cs[:, hi] - cs[:, lo]).clamp(min=0)  # [H, Sk]
-    overlap = (vertical.long() * overlap_per_col).sum(1)
-    return slash_pairs + vert_pairs - overlap
+    p_lo, p_hi = q_offset, q_offset + Sq - 1  # query positions
+    d = slash_offsets.long().sort(dim=1).values  # [H, NS]
+    c = vertical_idx.long().sort(dim=1).values  # [H, NV]
+    d_used = _first_of_each_value(d) & (d >= 0)
+    c_used = _first_of_each_value(c) & (c >= 0) & (c < Sk)
+    # rows p in [p_lo, p_hi] with 0 <= p - d < Sk, and rows p >= c
+    diag_rows = (torch.minimum(d + Sk - 1, torch.full_like(d, p_hi)) - torch.clamp(d, min=p_lo) + 1).clamp(min=0)
+    col_rows = (p_hi - torch.clamp(c, min=p_lo) + 1).clamp(min=0)
+    pairs = (diag_rows * d_used).sum(1) + (col_rows * c_used).sum(1)
+    if d.shape[1] == 0 or c.shape[1] == 0:
+        return pairs
+    # column c meets diagonal d at a query row when p_lo <= c + d <= p_hi: count the used d in that range
+    used_before = torch.nn.functional.pad(d_used.long().cumsum(1), (1, 0))  # [H, NS + 1]
+    lo = torch.searchsorted(d, (p_lo - c).clamp(min=0))  # [H, NV]
+    hi = torch.searchsorted(d, p_hi - c, right=True)
+    crossings = (used_before.gather(1, hi) - used_before.gather(1, lo)).clamp(min=0)
+    return pairs - (crossings * c_used).sum(1)
 
 
 def visible_pair_count(Sq: int, Sk: int, q_offset: int) -> int:
@@ -331,28 +339,25 @@ def _config(q: torch.Tensor) -> tuple[int, int, int, int]:
     raise ValueError(f"vertical_slash_attention supports head dims up to 256; got D={D} (q {tuple(q.shape)})")
 
 
-def _vertical_slash_triton(q, k, v, vertical_idx, slash_offsets, scale, q_offset, pair_counter):
+def _vertical_slash_triton(q, k, v, vertical_idx, slash_offsets, scale, q_offset):
     Sq, H, D = q.shape
     Sk, KVH, _ = k.shape
     block_m, block_n, warps, stages = _config(q)
     index = vertical_slash_index(vertical_idx, slash_offsets, Sq, Sk, q_offset, block_m, block_n)
     g = index.geometry
-    count = pair_counter is not None
-    counter = pair_counter if count else index.ranges  # (a pointer the kernel never touches without COUNT_PAIRS)
     block_d = max(16, next_power_of_2(D))
     o = alloc_output((Sq, H, D), q.dtype, q.device)
     lse = alloc_output((H, Sq), torch.float32, q.device)
     _vs_fwd_kernel[(g.num_m, H)](
         q, k, v, o, lse,
-        index.vidx, index.smask, index.words, index.bounds, index.tlists[0], index.tlists[1], index.ranges, counter,
+        index.vidx, index.words, index.bounds, index.tlists[0], index.tlists[1], index.ranges,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
-        index.vidx.stride(0), index.smask.stride(0), index.words.stride(0), index.bounds.stride(0),
+        index.vidx.stride(0), index.words.stride(0), index.bounds.stride(0),
         index.tlists.stride(1), index.ranges.stride(0), index.ranges.stride(1),
-        counter.stride(0) if count and counter.shape[0] == H else 0,
-        Sq, Sk, D, q_offset, g.d_lo, g.d_hi, g.t0, scale * LOG2E,
+        Sq, Sk, D, q_offset, g.t0, scale * LOG2E,
         GROUP=H // KVH, BLOCK_D=block_d, EVEN_D=block_d == D,
         BLOCK_M=block_m, BLOCK_N=block_n, RATIO=block_m // block_n, NUM_WORDS=index.words.shape[2],
-        COUNT_PAIRS=count, num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages,
     )
     return o, lse
 
@@ -390,8 +395,9 @@ def vertical_slash_attention(
     if Sq == 0 or Sk == 0 or D == 0:
         return _empty_result(q)
     if HAS_TRITON and use_triton(q.device):
-        return _vertical_slash_triton(q, k, v, vertical_idx, slash_offsets, scale, q_offset, pair_counter)
-    out = vertical_slash_attention_reference(q, k, v, vertical_idx, slash_offsets, scale, q_offset)
+        out = _vertical_slash_triton(q, k, v, vertical_idx, slash_offsets, scale, q_offset)
+    else:
+        out = vertical_slash_attention_reference(q, k, v, vertical_idx, slash_offsets, scale, q_offset)
     if pair_counter is not None:
         pairs = vertical_slash_pair_count(Sq, Sk, q_offset, vertical_idx, slash_offsets)  # [H]
         pair_counter += pairs if pair_counter.shape[0] == H else pairs.sum()
