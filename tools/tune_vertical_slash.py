@@ -2,6 +2,7 @@
 
     python tools/tune_vertical_slash.py [--context 131072 --chunk 8192] [--only estimate]
     python tools/tune_vertical_slash.py --prefill [--context 131072] [--configs 64,32,4,2 64,32,4,3]
+    python tools/tune_vertical_slash.py --parts [--context 131072]
 
 vertical_slash_attention: (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates on three selections of the default
 budget (1000 columns, 6096 diagonals): the nearest 6096 offsets ("band"), a scattered one shaped like the
@@ -11,6 +12,10 @@ configuration's output is checked against the default configuration's. Estimate 
 kernel sweep): vertical_slash_masses under BLOCK_K and keys-per-split candidates; the column top-1000 by
 torch.topk and by top_indices; estimate_pattern and compute_prefill at slash_granularity 1 and 64. Prints one line
 per candidate (median of --reps CUDA-event timings).
+
+--parts: the kernel on the whole prompt (--chunk ignored: Sq = Sk = --context) with a selection shaped like the
+defaults (250 columns with 4 sinks, 24 whole 64-offset bands with the 2 recent ones): all of it, with the pair count,
+the diagonals only, the columns only and nothing (what every program pays), at the current tile configuration.
 
 --prefill: what a user gets instead of one chunk in isolation. The engine prefills a --context-token prompt in one
 step (policy=minference at its defaults, Qwen3-4B dims, structured dummy weights) under each candidate (or each
@@ -90,6 +95,26 @@ def estimate_timings(q, k, v, S: int, n: int, dense_ms: float, reps: int) -> Non
               f"{touched:.0f} 64-offset bands touched per head")
 
 
+def part_timings(context: int, reps: int) -> None:
+    H, S = 32, context
+    q, k, v = random_chunk(S, S)
+    gen = torch.Generator().manual_seed(0)
+    vertical = torch.cat([torch.arange(4).expand(H, -1), 4 + torch.stack(
+        [torch.randperm(S - 4, generator=gen)[:246] for _ in range(H)])], 1).sort(1).values.to(q.device, torch.int32)
+    bands = torch.stack([torch.cat([torch.arange(2), 2 + torch.randperm(S // SLASH_BAND - 2, generator=gen)[:22]])
+                         for _ in range(H)]).sort(1).values
+    slash = band_offsets(bands.to(q.device), SLASH_BAND).to(torch.int32).contiguous()
+    none = torch.full((H, 1), 1 << 30, dtype=torch.int32, device=q.device)
+    pairs = torch.zeros(1, dtype=torch.int64, device=q.device)
+    scale = q.shape[2] ** -0.5
+    parts = (("all", vertical, slash, None), ("all, pair count", vertical, slash, pairs),
+             ("diagonals only", none, slash, None), ("columns only", vertical, none, None),
+             ("nothing", none, none, None))
+    for label, columns, diagonals, counter in parts:
+        ms = timed(lambda: vs.vertical_slash_attention(q, k, v, columns, diagonals, scale, 0, counter), reps)
+        print(f"vertical_slash whole prompt {S}, {label:16s} {ms:7.2f} ms {vs.GPU_CONFIG_16BIT[128]}")
+
+
 def prefill_timings(context: int, configs: list[tuple[int, int, int, int]]) -> None:
     from sparsekv import LLM, SamplingParams
     from sparsekv.tasks.bench.task import random_prompts
@@ -119,9 +144,13 @@ def main() -> None:
     parser = chunk_parser(__doc__)
     parser.add_argument("--only", choices=["estimate"], default=None, help="skip the kernel tile sweep")
     parser.add_argument("--prefill", action="store_true", help="time the engine's whole-prompt prefill instead")
+    parser.add_argument("--parts", action="store_true", help="time the kernel's parts on the whole prompt instead")
     parser.add_argument("--configs", nargs="+", default=None, metavar="M,N,WARPS,STAGES",
                         help="--prefill: these (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of every candidate")
     args = parser.parse_args()
+    if args.parts:
+        part_timings(args.context, args.reps)
+        return
     if args.prefill:
         configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else CANDIDATES
         prefill_timings(args.context, configs)

@@ -27,7 +27,7 @@ Triton kernel, one program per (block of BLOCK_M query rows, head), online softm
   2. vertical columns: the selected columns are gathered BLOCK_N at a time by index (causally visible ones
      only: counted per query block), masking keys that lie on a selected diagonal of the row (added in loop 1):
      the bit of (row, column) in the window of the tile (query block, the column's key block), two word loads
-     per column instead of a gathered byte per score (4.3 -> ms at 128K, docs/decisions.md).
+     per column instead of a gathered byte per score (docs/decisions.md).
 The lists, bits, run bounds and per-query-block ranges are built by vertical_slash_index.py beside this file (four
 small Triton kernels and a zero fill; a torch reference there builds the same tensors).
 The pure-torch reference builds the dense boolean mask [H, rows, Sk] block of rows by block of rows.

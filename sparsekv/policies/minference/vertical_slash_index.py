@@ -10,7 +10,8 @@ p - j of its window [phi + (t - 1) * BLOCK_N + 1, phi + t * BLOCK_N + BLOCK_M - 
 which depends on t only; row i, key j of the tile sits on bit i + BLOCK_N - 1 - j of the window. Tiles are numbered
 t - t_min (t_min: the smallest t of any tile), NT of them. The windows of all tiles cover every offset d_lo .. d_hi - 1
 that a causally visible (query, key) pair can have. The tensors:
-  smask  [H, W] int8         1 where offset d_lo + i is selected (W = d_hi - d_lo; out-of-range entries ignored)
+  smask  [H, W] int8         1 where offset d_lo + i is selected (W = d_hi - d_lo; out-of-range entries ignored);
+                             the builders make the words from it, the attention kernel does not read it
   words  [H, NT, NW] int64   the window's selection bits: bit b % 64 of word b // 64 is offset window start + b
   bounds [H, NT, 2] int32    the first selected offset >= the window's start and the last one <= its end: the
                              window's own first and last when it holds any, else the nearest ones outside it
@@ -75,7 +76,7 @@ class TileGeometry(NamedTuple):
 
 
 class SlashIndex(NamedTuple):
-    """What _vs_fwd_kernel reads (module docstring)."""
+    """What _vs_fwd_kernel reads, and smask that the words are made from (module docstring)."""
     smask: torch.Tensor  # [H, W] int8
     words: torch.Tensor  # [H, NT, NW] int64
     bounds: torch.Tensor  # [H, NT, 2] int32
