@@ -44,12 +44,15 @@ def chunk_parser(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
-def random_chunk(context: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random bf16 q [chunk, 32, 128] and k, v [context, 8, 128] on the GPU (Qwen3-4B's attention shape), seed 0."""
-    dev, dtype = torch.device("cuda"), torch.bfloat16
+def random_chunk(context: int, chunk: int, head_dim: int = 128,
+                 dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random q [chunk, 32, head_dim] and k, v [context, 8, head_dim] on the GPU, seed 0 (Qwen3-4B's attention shape
+    at the defaults: bf16, head dim 128)."""
+    dev = torch.device("cuda")
     torch.manual_seed(0)
-    return (torch.randn(chunk, 32, 128, device=dev, dtype=dtype), torch.randn(context, 8, 128, device=dev, dtype=dtype),
-            torch.randn(context, 8, 128, device=dev, dtype=dtype))
+    return (torch.randn(chunk, 32, head_dim, device=dev, dtype=dtype),
+            torch.randn(context, 8, head_dim, device=dev, dtype=dtype),
+            torch.randn(context, 8, head_dim, device=dev, dtype=dtype))
 
 
 def dense_chunk_ms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reps: int) -> float:

@@ -1,6 +1,7 @@
 """Time MInference's kernels under candidate tile configurations (CUDA only), one 8K-query chunk against 128K keys.
 
     python tools/tune_vertical_slash.py [--context 131072 --chunk 8192] [--only estimate]
+    python tools/tune_vertical_slash.py --head-dim 64 [--fp32]      # another entry of the tile tables
     python tools/tune_vertical_slash.py --prefill [--context 131072] [--configs 64,32,4,2 64,32,4,3]
     python tools/tune_vertical_slash.py --parts [--context 131072]
 
@@ -9,7 +10,8 @@ budget (1000 columns, 6096 diagonals): the nearest 6096 offsets ("band"), a scat
 estimate on structured dummy weights (the nearest 3000 offsets plus 16-offset clusters further out), and 96 whole
 64-offset bands (bands 0-1 and 94 random ones, what slash_granularity=64 picks when the mass is spread). Each
 configuration's output is checked against the default configuration's. Estimate (--only estimate skips the
-kernel sweep): vertical_slash_masses under BLOCK_K and keys-per-split candidates; the column top-1000 by
+kernel sweep; skipped too with --head-dim other than 128 or --fp32, whose sweeps time the kernel alone and set
+the entry of GPU_CONFIG_16BIT or GPU_CONFIG_FP32 for that head dim): vertical_slash_masses under BLOCK_K and keys-per-split candidates; the column top-1000 by
 torch.topk and by top_indices; estimate_pattern and compute_prefill at slash_granularity 1 and 64. Prints one line
 per candidate (median of --reps CUDA-event timings).
 
@@ -147,6 +149,9 @@ def main() -> None:
     parser.add_argument("--parts", action="store_true", help="time the kernel's parts on the whole prompt instead")
     parser.add_argument("--configs", nargs="+", default=None, metavar="M,N,WARPS,STAGES",
                         help="--prefill: these (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of every candidate")
+    parser.add_argument("--head-dim", type=int, choices=sorted(vs.GPU_CONFIG_16BIT), default=128,
+                        help="the tile sweep: q/k/v of this head dim (the tables' entry it chooses)")
+    parser.add_argument("--fp32", action="store_true", help="the tile sweep: fp32 q/k/v (GPU_CONFIG_FP32)")
     args = parser.parse_args()
     if args.parts:
         part_timings(args.context, args.reps)
@@ -156,18 +161,21 @@ def main() -> None:
         prefill_timings(args.context, configs)
         return
     S, n = args.context, args.chunk
-    q, k, v = random_chunk(S, n)
+    q, k, v = random_chunk(S, n, args.head_dim, torch.float32 if args.fp32 else torch.bfloat16)
     scale = q.shape[2] ** -0.5
     dense_ms = dense_chunk_ms(q, k, v, args.reps)
-    estimate_timings(q, k, v, S, n, dense_ms, args.reps)
+    if args.head_dim == 128 and not args.fp32:
+        estimate_timings(q, k, v, S, n, dense_ms, args.reps)
     if args.only == "estimate":
         return
-    default = vs.GPU_CONFIG_16BIT[128]
+    table = vs.GPU_CONFIG_FP32 if args.fp32 else vs.GPU_CONFIG_16BIT
+    default = table[args.head_dim]
+    print(f"tile sweep: {q.dtype}, head dim {args.head_dim}, current entry {default}")
     for label, (vertical, slash) in selections(q.shape[1], S, q.device).items():
-        vs.GPU_CONFIG_16BIT[128] = default
+        table[args.head_dim] = default
         ref, _ = vs.vertical_slash_attention(q, k, v, vertical, slash, scale, S - n)
         for config in CANDIDATES:
-            vs.GPU_CONFIG_16BIT[128] = config
+            table[args.head_dim] = config
             try:
                 ms = timed(lambda: vs.vertical_slash_attention(q, k, v, vertical, slash, scale, S - n), args.reps)
                 out, _ = vs.vertical_slash_attention(q, k, v, vertical, slash, scale, S - n)
@@ -176,8 +184,7 @@ def main() -> None:
                       f"rel diff {err:.1e}")
             except Exception as exc:  # a configuration the compiler rejects (shared memory, ...)
                 print(f"vertical_slash {label:9s} {str(config):18s} failed: {type(exc).__name__}: {str(exc)[:120]}")
-    vs.GPU_CONFIG_16BIT[128] = default
-
+    table[args.head_dim] = default
 
 if __name__ == "__main__":
     main()
