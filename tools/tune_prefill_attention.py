@@ -11,6 +11,8 @@ pairs * H * D (causal: S (S + 1) / 2 pairs).
 
 On sm_90 the warp-specialized Gluon kernel that flash_attn_with_lse runs there (attention_sm90.py) is timed beside
 them as "sm90 gluon"; it has no tile table and cannot be the pasted entry, which serves the calls it does not take.
+--sm90-variants 64,3 128,3 ... also times it at other key-block widths and K/V ring slots (attention_sm90's
+BLOCK_N and STAGES), on every shape, each checked like the rest.
 Every tile config runs at 32K causal first. The 128K causal and chunk shapes then time the fastest --finalists of
 them, the Gluon kernel, the current default (attention.dense_tile_config) and the references: SDPA's flash kernel
 (torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION), K/V repeated to H heads outside the timing) and cuDNN's
@@ -53,7 +55,7 @@ TILE_CONFIGS: list[Config] = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3
 QUICK_CONFIGS: list[Config] = [(128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)]
 DRY_RUN_CONFIGS: list[Config] = [(32, 16, 4, 1), (16, 32, 4, 1)]  # interpreter: small, not the default's
 DEFAULT = None  # the Triton kernel at attention.dense_tile_config
-SM90 = "sm90"  # the Gluon kernel of attention_sm90.py
+SM90 = "sm90"  # the Gluon kernel of attention_sm90.py; ("sm90", BLOCK_N, STAGES): it at other constants
 SMALL_MAX_REL_ERR = 5e-2  # bf16 rounding stays near 1e-2; a wrong mask or offset gives O(1) on some rows
 
 
@@ -68,6 +70,8 @@ def label(config: Config | None) -> str:
         return "default (dense_tile_config)"
     if config == SM90:
         return "sm90 gluon (warp-specialized, ping-pong)"
+    if config[0] == SM90:
+        return f"sm90 gluon {config[1]} keys x {config[2]} slots"
     return "x".join(map(str, config[:2])) + f" w{config[2]} s{config[3]}"
 
 
@@ -76,6 +80,13 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, config: Config | None) -
     the Gluon kernel (SM90)."""
     if config == SM90:
         attention_sm90.flash_attn_sm90(q, k, v, scale, causal, out=(o, lse))
+    elif config is not DEFAULT and config[0] == SM90:
+        kept = attention_sm90.BLOCK_N, attention_sm90.STAGES
+        attention_sm90.BLOCK_N, attention_sm90.STAGES = config[1:]
+        try:
+            attention_sm90.flash_attn_sm90(q, k, v, scale, causal, out=(o, lse))
+        finally:
+            attention_sm90.BLOCK_N, attention_sm90.STAGES = kept
     else:
         A._launch_flash_fwd(q, k, v, o, lse, scale, causal, config or A.dense_tile_config(q))
 
@@ -201,7 +212,8 @@ def time_candidate(shape: Shape, config: Config | None, run: Run) -> dict:
     q, k, v, H = shape.q, shape.k, shape.v, shape.h
     o = torch.empty_like(q)  # [Sq, H, D]
     lse = torch.empty(H, shape.sq, dtype=torch.float32, device=q.device)  # [H, Sq]
-    extra = {"kernel": "sm90" if config == SM90 else "dense", "config": config or A.dense_tile_config(q)}
+    gluon = config == SM90 or (config is not DEFAULT and config[0] == SM90)
+    extra = {"kernel": "sm90" if gluon else "dense", "config": config or A.dense_tile_config(q)}
     try:
         launch(q, k, v, o, lse, shape.scale, shape.causal, config)  # compiles
         ro, rlse = shape.ref
@@ -317,6 +329,8 @@ def main() -> None:
     ap.add_argument("--max-err", type=float, default=2e-2, help="max |o - o_sdpa| of a correct candidate")
     ap.add_argument("--budget-s", type=float, default=270.0, help="skip what is left after this many seconds")
     ap.add_argument("--candidate-timeout", type=float, default=60.0, help="watchdog: exit 3 past it")
+    ap.add_argument("--sm90-variants", nargs="*", default=[], metavar="BLOCK_N,STAGES",
+                    help="the Gluon kernel also at these key-block widths and ring slots")
     args = ap.parse_args()
     if args.dry_run:
         args.heads, args.kv_heads, args.head_dim = 4, 2, 32
@@ -332,7 +346,8 @@ def main() -> None:
     run.small = SmallCase(run)
     first_spec, *rest_spec = shapes_spec
     first = Shape(*first_spec, run)
-    gluon = [SM90] if attention_sm90.sm90_attention_ok(first.q, first.k, first.v) else []
+    variants = [(SM90, *(int(x) for x in v.split(","))) for v in args.sm90_variants]
+    gluon = [SM90, *variants] if attention_sm90.sm90_attention_ok(first.q, first.k, first.v) else []
     sweep(first, gluon + [DEFAULT] + candidates(args), run)
     ranked = sorted((r for r in first.rows if r.get("ok") and r["tflops"]), key=lambda r: -r["tflops"])
     best = {r["name"] for r in ranked[:args.finalists]}

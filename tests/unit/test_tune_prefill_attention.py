@@ -48,3 +48,26 @@ def test_visible_pairs_counts_bottom_right_causal():
         assert tool.visible_pairs(sq, sk, True) == brute
         assert tool.visible_pairs(sq, sk, False) == sq * sk
     assert tool.visible_pairs(32768, 32768, True) == 32768 * 32769 // 2
+
+
+def test_gluon_variants_run_at_their_constants_and_restore_the_kept_ones(monkeypatch):
+    spec = importlib.util.spec_from_file_location("tune_prefill_attention", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    sm90 = tool.attention_sm90
+    kept = sm90.BLOCK_N, sm90.STAGES
+    seen = []
+
+    def fake_kernel(q, k, v, scale, causal, out):
+        seen.append((sm90.BLOCK_N, sm90.STAGES))
+        raise RuntimeError("compile failed")
+
+    monkeypatch.setattr(sm90, "flash_attn_sm90", fake_kernel)
+    x = torch.zeros(1)
+    for config in ((tool.SM90, 64, 3), tool.SM90):
+        with pytest.raises(RuntimeError):
+            tool.launch(x, x, x, x, x, 1.0, True, config)
+        assert (sm90.BLOCK_N, sm90.STAGES) == kept
+    assert seen == [(64, 3), kept]
+    assert tool.label((tool.SM90, 64, 3)) == "sm90 gluon 64 keys x 3 slots"
+    assert tool.label((64, 32, 4, 3)) == "64x32 w4 s3"
