@@ -9,9 +9,9 @@ vertical_slash_attention: (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates o
 budget (1000 columns, 6096 diagonals): the nearest 6096 offsets ("band"), a scattered one shaped like the
 estimate on structured dummy weights (the nearest 3000 offsets plus 16-offset clusters further out), and 96 whole
 64-offset bands (bands 0-1 and 94 random ones, what slash_granularity=64 picks when the mass is spread). Each
-configuration's output is checked against the default configuration's. Estimate (--only estimate skips the
-kernel sweep; skipped too with --head-dim other than 128 or --fp32, whose sweeps time the kernel alone and set
-the entry of GPU_CONFIG_16BIT or GPU_CONFIG_FP32 for that head dim): vertical_slash_masses under BLOCK_K and keys-per-split candidates; the column top-1000 by
+configuration's output is checked against the default configuration's; --head-dim 64 or 256 and --fp32 sweep the
+entry of GPU_CONFIG_16BIT or GPU_CONFIG_FP32 for that head dim and skip the estimate. Estimate (--only estimate
+skips the kernel sweep): vertical_slash_masses under BLOCK_K and keys-per-split candidates; the column top-1000 by
 torch.topk and by top_indices; estimate_pattern and compute_prefill at slash_granularity 1 and 64. Prints one line
 per candidate (median of --reps CUDA-event timings).
 
