@@ -65,12 +65,21 @@ def candidates(args) -> list[Config]:
     return list(QUICK_CONFIGS if args.quick else TILE_CONFIGS)
 
 
+def sm90_constants(config) -> tuple[int, int] | None:
+    """(BLOCK_N, STAGES) the Gluon kernel runs this candidate at; None for the Triton kernel's tile configs."""
+    if config == SM90:
+        return attention_sm90.BLOCK_N, attention_sm90.STAGES
+    if config is not DEFAULT and config[0] == SM90:
+        return config[1], config[2]
+    return None
+
+
 def label(config: Config | None) -> str:
     if config is DEFAULT:
         return "default (dense_tile_config)"
     if config == SM90:
         return "sm90 gluon (warp-specialized, ping-pong)"
-    if config[0] == SM90:
+    if sm90_constants(config):
         return f"sm90 gluon {config[1]} keys x {config[2]} slots"
     return "x".join(map(str, config[:2])) + f" w{config[2]} s{config[3]}"
 
@@ -78,11 +87,10 @@ def label(config: Config | None) -> str:
 def launch(q, k, v, o, lse, scale: float, causal: bool, config: Config | None) -> None:
     """_flash_fwd_kernel into o [Sq, H, D] and lse [H, Sq] with config (None: the default dense_tile_config), or
     the Gluon kernel (SM90)."""
-    if config == SM90:
-        attention_sm90.flash_attn_sm90(q, k, v, scale, causal, out=(o, lse))
-    elif config is not DEFAULT and config[0] == SM90:
+    constants = sm90_constants(config)
+    if constants:
         kept = attention_sm90.BLOCK_N, attention_sm90.STAGES
-        attention_sm90.BLOCK_N, attention_sm90.STAGES = config[1:]
+        attention_sm90.BLOCK_N, attention_sm90.STAGES = constants
         try:
             attention_sm90.flash_attn_sm90(q, k, v, scale, causal, out=(o, lse))
         finally:
@@ -212,8 +220,7 @@ def time_candidate(shape: Shape, config: Config | None, run: Run) -> dict:
     q, k, v, H = shape.q, shape.k, shape.v, shape.h
     o = torch.empty_like(q)  # [Sq, H, D]
     lse = torch.empty(H, shape.sq, dtype=torch.float32, device=q.device)  # [H, Sq]
-    gluon = config == SM90 or (config is not DEFAULT and config[0] == SM90)
-    extra = {"kernel": "sm90" if gluon else "dense", "config": config or A.dense_tile_config(q)}
+    extra = {"kernel": "sm90" if sm90_constants(config) else "dense", "config": config or A.dense_tile_config(q)}
     try:
         launch(q, k, v, o, lse, shape.scale, shape.causal, config)  # compiles
         ro, rlse = shape.ref
