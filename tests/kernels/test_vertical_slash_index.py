@@ -104,7 +104,7 @@ def pair_count_by_offsets(Sq: int, Sk: int, q_offset: int, vertical: torch.Tenso
 
 def _assert_same_index(new: vsi.SlashIndex, ref: vsi.SlashIndex) -> None:
     assert new.geometry == ref.geometry
-    for name in ("smask", "words", "bounds", "tlists", "ranges", "vidx"):
+    for name in ("words", "bounds", "tlists", "ranges", "vidx"):
         a, b = getattr(new, name), getattr(ref, name)
         assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
         assert torch.equal(a, b), name

@@ -9,9 +9,9 @@ t = q_offset // BLOCK_N + RATIO * m - n, and the tile (m, n) covers the BLOCK_M 
 p - j of its window [phi + (t - 1) * BLOCK_N + 1, phi + t * BLOCK_N + BLOCK_M - 1] (phi = q_offset % BLOCK_N),
 which depends on t only; row i, key j of the tile sits on bit i + BLOCK_N - 1 - j of the window. Tiles are numbered
 t - t_min (t_min: the smallest t of any tile), NT of them. The windows of all tiles cover every offset d_lo .. d_hi - 1
-that a causally visible (query, key) pair can have. The tensors:
-  smask  [H, W] int8         1 where offset d_lo + i is selected (W = d_hi - d_lo; out-of-range entries ignored);
-                             the builders make the words from it, the attention kernel does not read it
+that a causally visible (query, key) pair can have. The builders first mark the selected offsets in smask [H, W]
+int8 (1 where offset d_lo + i is selected, W = d_hi - d_lo, out-of-range entries ignored) and make the tensors the
+kernel reads from it:
   words  [H, NT, NW] int64   the window's selection bits: bit b % 64 of word b // 64 is offset window start + b
   bounds [H, NT, 2] int32    the first selected offset >= the window's start and the last one <= its end: the
                              window's own first and last when it holds any, else the nearest ones outside it
@@ -76,8 +76,7 @@ class TileGeometry(NamedTuple):
 
 
 class SlashIndex(NamedTuple):
-    """What _vs_fwd_kernel reads, and smask that the words are made from (module docstring)."""
-    smask: torch.Tensor  # [H, W] int8
+    """What _vs_fwd_kernel reads (module docstring)."""
     words: torch.Tensor  # [H, NT, NW] int64
     bounds: torch.Tensor  # [H, NT, 2] int32
     tlists: torch.Tensor  # [2, H, NT] int32
@@ -304,7 +303,7 @@ def vertical_slash_index(
         counts, vidx, ranges, *counts.stride()[:2], vidx.stride(0), ranges.stride(0), ranges.stride(1),
         g.num_m, NV, NV.bit_length() + 1, Sq, Sk, q_offset, g.t0,
         BLOCK_M=block_m, BLOCK_N=block_n, RATIO=block_m // block_n, BLOCK=range_block)
-    return SlashIndex(smask, words, bounds, tlists, ranges, vidx, g)
+    return SlashIndex(words, bounds, tlists, ranges, vidx, g)
 
 
 # ----------------------------------------------------------------------------------------- torch reference
@@ -380,4 +379,4 @@ def vertical_slash_index_reference(
     if vertical_idx.shape[1] > 0:
         ranges[:, :, 4] = torch.searchsorted(vertical_idx.to(torch.int32).contiguous(),
                                              key_last.to(torch.int32)[None, :].expand(H, -1).contiguous(), right=True)
-    return SlashIndex(smask, words, bounds, tlists, ranges, _vertical_ints(vertical_idx), g)
+    return SlashIndex(words, bounds, tlists, ranges, _vertical_ints(vertical_idx), g)
