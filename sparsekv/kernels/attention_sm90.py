@@ -40,8 +40,8 @@ __all__ = ["HAS_GLUON", "flash_attn_sm90", "sm90_attention_ok"]
 
 HEAD_DIM = 128
 BLOCK_M = 128  # query rows per program: two consumer warp groups of 64
-BLOCK_N = 128  # keys per block
-STAGES = 2  # K/V ring slots (3 timed 608 / 611 against 618 / 624 TFLOP/s for 2)
+BLOCK_N = 128  # keys per block (64 keys with 3 or 4 slots: 14-18% slower, docs/decisions.md)
+STAGES = 2  # K/V ring slots (3: the same at 32K causal, 1.5% slower at 128K, 3% on a 4Kx32K chunk)
 LOG2E = 1.4426950408889634
 
 
