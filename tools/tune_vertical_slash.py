@@ -186,5 +186,6 @@ def main() -> None:
                 print(f"vertical_slash {label:9s} {str(config):18s} failed: {type(exc).__name__}: {str(exc)[:120]}")
     table[args.head_dim] = default
 
+
 if __name__ == "__main__":
     main()
