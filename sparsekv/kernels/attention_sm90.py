@@ -5,12 +5,16 @@ contract as sparsekv.kernels.attention.flash_attn_with_lse (bottom-right causal 
 give o = 0, lse = -inf); flash_attn_with_lse_reference is its reference.
 
 One program per (128 query rows, head), three warp-specialized partitions sharing shared memory:
-- a loader warp group (24 registers) issues the TMA loads of Q and of each K/V block into a ring of STAGES slots,
-  each slot released by both consumers through an mbarrier;
+- a loader warp group (24 registers) issues the TMA loads of Q and of each K/V block into a ring of STAGES slots
+  (each load completes an mbarrier), and waits for both consumers to release a slot before refilling it;
 - two consumer warp groups (240 registers) of 64 query rows each. In its turn a consumer issues the scores of the
   next block (S = Q K^T) and the P V product of this one back to back as asynchronous wgmmas, passes the turn to the
-  other, then runs the softmax of the next block while the other consumer's matrix products run (the "ping-pong"
-  of two turn mbarriers), and rescales its accumulator once its P V is done.
+  other, then runs the softmax of the next block while the other consumer's matrix products run (the "ping-pong"),
+  and rescales its accumulator once its P V is done.
+Turns and slot releases go through the SM's named hardware barriers (bar.sync / bar.arrive, IDs from
+NAMED_BARRIER_BASE), not mbarriers: Gluon puts a warp-group-wide bar.sync before every mbarrier arrive and around
+mbarrier waits, six per key block, and on a GPU held at its power limit every instruction costs clock (128K causal
+625-630 -> 638-642 TFLOP/s, docs/decisions.md). Only the TMA loads complete mbarriers.
 Chosen where it applies (sm_90, 16-bit q/k/v, D = 128, TMA-compatible layouts; see sm90_attention_ok); timed
 against the Triton kernel by tools/tune_prefill_attention.py (docs/decisions.md, "Prefill attention"). Gluon has no
 CPU interpreter: the kernel is tested on the GPU against the reference (tests/kernels/test_attention_sm90.py).
@@ -42,6 +46,9 @@ HEAD_DIM = 128
 BLOCK_M = 128  # query rows per program: two consumer warp groups of 64
 BLOCK_N = 128  # keys per block (64 keys with 3 or 4 slots: 14-18% slower, docs/decisions.md)
 STAGES = 2  # K/V ring slots (3: the same at 32K causal, 1.5% slower at 128K, 3% on a 4Kx32K chunk)
+# Named barriers: Triton's warp_specialize takes IDs 0-3 for its partitions; the K slots' releases use
+# NAMED_BARRIER_BASE + slot, the V slots' NAMED_BARRIER_BASE + STAGES + slot, the two turns the last two IDs (14, 15)
+NAMED_BARRIER_BASE = 4
 LOG2E = 1.4426950408889634
 
 
@@ -55,6 +62,21 @@ def sm90_attention_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
 
 
 if HAS_GLUON:
+    _NAMED_BASE = gl.constexpr(NAMED_BARRIER_BASE)
+
+    @gluon.jit
+    def _named_sync(bar_id, THREADS: gl.constexpr):
+        # wait at hardware barrier bar_id until THREADS threads (this warp group's included) have reached it
+        gl.inline_asm_elementwise(f"bar.sync $1, {THREADS}; mov.u32 $0, 0;", "=r,r", [bar_id], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _named_arrive(bar_id, THREADS: gl.constexpr):
+        # count this warp group at hardware barrier bar_id without waiting: each warp arrives once its own
+        # instructions before this one are done, and a wgmma that every warp has waited for is done
+        gl.inline_asm_elementwise(f"bar.arrive $1, {THREADS}; mov.u32 $0, 0;", "=r,r", [bar_id], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
     @gluon.jit
     def _softmax_block(s, m_i, l_i, start_n, offs_m, cols, Sk, causal_off, qk_scale, MASKED: gl.constexpr):
         # s [ROWS, BLOCK_N] raw scores; m_i, l_i [ROWS] (running max in log2 units, row sum) -> p, alpha, m, l
@@ -70,16 +92,17 @@ if HAS_GLUON:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
-    def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, bars, o_desc, LSE, stride_lh, Sq, Sk, qk_scale,
-                  start_m, head, n_blocks, causal_off):
-        # bars: [0] Q loaded, [1 + i] K slot i loaded, [1 + S + i] V loaded, [1 + 2S + i] K slot free,
-        # [1 + 3S + i] V slot free, [1 + 4S + w] warp group w's turn. Constants come from the shapes: values passed
-        # through warp_specialize arrive as tensors.
+    def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, o_desc, LSE, stride_lh, Sq,
+                  Sk, qk_scale, start_m, head, n_blocks, causal_off):
+        # Constants come from the shapes: values passed through warp_specialize arrive as tensors.
         SLOTS: gl.constexpr = k_smem.shape[0]
         BN: gl.constexpr = k_smem.shape[1]
         D: gl.constexpr = k_smem.shape[2]
         ROWS: gl.constexpr = q_smem.shape[1]
-        TURN: gl.constexpr = 1 + 4 * SLOTS
+        K_FREE: gl.constexpr = _NAMED_BASE  # + slot: both consumers and the loader, 3 x 128 threads
+        V_FREE: gl.constexpr = _NAMED_BASE + SLOTS
+        MY_TURN: gl.constexpr = 14 + WG  # both consumers, 2 x 128 threads
+        OTHER_TURN: gl.constexpr = 15 - WG
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BN, 16])
@@ -97,14 +120,19 @@ if HAS_GLUON:
         l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
         acc = gl.zeros([ROWS, D], gl.float32, layout=o_layout)  # [ROWS, D]
         s_zero = gl.zeros([ROWS, BN], gl.float32, layout=s_layout)
+        # Every bar.sync must meet its arrivals and none may be left over: a slot is released only for a block
+        # that will refill it (block b + SLOTS < n_blocks), and warp group 1 starts the turns (warp group 0 goes
+        # first) but passes none after its last.
         if WG == 1:
-            mbarrier.arrive(bars.index(TURN), count=1)  # warp group 0 takes the first turn
-        mbarrier.wait(bars.index(0), 0)
+            if n_blocks > 0:
+                _named_arrive(OTHER_TURN, 256)
+        mbarrier.wait(q_ready.index(0), 0)
         if n_blocks > 0:
-            mbarrier.wait(bars.index(1), 0)
+            mbarrier.wait(k_ready.index(0), 0)
             s = warpgroup_mma(my_q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            mbarrier.arrive(bars.index(1 + 2 * SLOTS), count=1)
+            if SLOTS < n_blocks:
+                _named_arrive(K_FREE, 384)
             if n_full > 0:
                 p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, offs_m, cols, Sk, causal_off, qk_scale, False)
             else:
@@ -113,15 +141,16 @@ if HAS_GLUON:
             for j in range(0, n_blocks - 1):
                 slot = j % SLOTS
                 nslot = (j + 1) % SLOTS
-                mbarrier.wait(bars.index(1 + nslot), ((j + 1) // SLOTS) & 1)
-                mbarrier.wait(bars.index(1 + SLOTS + slot), (j // SLOTS) & 1)
-                mbarrier.wait(bars.index(TURN + WG), j & 1)
+                mbarrier.wait(k_ready.index(nslot), ((j + 1) // SLOTS) & 1)
+                mbarrier.wait(v_ready.index(slot), (j // SLOTS) & 1)
+                _named_sync(MY_TURN, 256)
                 s_next = warpgroup_mma(my_q, k_smem.index(nslot).permute((1, 0)), s_zero, use_acc=False,
                                        is_async=True)
                 acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
-                mbarrier.arrive(bars.index(TURN + 1 - WG), count=1)
+                _named_arrive(OTHER_TURN, 256)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next, ))  # P V of block j may still run
-                mbarrier.arrive(bars.index(1 + 2 * SLOTS + nslot), count=1)
+                if j + 1 + SLOTS < n_blocks:
+                    _named_arrive(K_FREE + nslot, 384)
                 if j + 1 >= n_full:
                     p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, (j + 1) * BN, offs_m, cols, Sk, causal_off,
                                                         qk_scale, True)
@@ -129,15 +158,17 @@ if HAS_GLUON:
                     p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, (j + 1) * BN, offs_m, cols, Sk, causal_off,
                                                         qk_scale, False)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                mbarrier.arrive(bars.index(1 + 3 * SLOTS + slot), count=1)
+                if j + SLOTS < n_blocks:
+                    _named_arrive(V_FREE + slot, 384)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
             last = n_blocks - 1
             slot = last % SLOTS
-            mbarrier.wait(bars.index(1 + SLOTS + slot), (last // SLOTS) & 1)
-            mbarrier.wait(bars.index(TURN + WG), last & 1)
+            mbarrier.wait(v_ready.index(slot), (last // SLOTS) & 1)
+            _named_sync(MY_TURN, 256)
             acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
-            mbarrier.arrive(bars.index(TURN + 1 - WG), count=1)
+            if WG == 0:
+                _named_arrive(OTHER_TURN, 256)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         has_keys = l_i > 0.0
         l_safe = gl.where(has_keys, l_i, 1.0)
@@ -150,37 +181,38 @@ if HAS_GLUON:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _consumer0(q_smem, k_smem, v_smem, bars, q_desc, k_desc, v_desc, o_desc, LSE, stride_lh, Sq, Sk, qk_scale,
-                   start_m, head, kv_col, n_blocks, causal_off):
-        _consumer(0, q_smem, k_smem, v_smem, bars, o_desc, LSE, stride_lh, Sq, Sk, qk_scale, start_m, head,
-                  n_blocks, causal_off)
+    def _consumer0(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, q_desc, k_desc, v_desc, o_desc, LSE, stride_lh,
+                   Sq, Sk, qk_scale, start_m, head, kv_col, n_blocks, causal_off):
+        _consumer(0, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, o_desc, LSE, stride_lh, Sq, Sk, qk_scale,
+                  start_m, head, n_blocks, causal_off)
 
     @gluon.jit
-    def _consumer1(q_smem, k_smem, v_smem, bars, q_desc, k_desc, v_desc, o_desc, LSE, stride_lh, Sq, Sk, qk_scale,
-                   start_m, head, kv_col, n_blocks, causal_off):
-        _consumer(1, q_smem, k_smem, v_smem, bars, o_desc, LSE, stride_lh, Sq, Sk, qk_scale, start_m, head,
-                  n_blocks, causal_off)
+    def _consumer1(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, q_desc, k_desc, v_desc, o_desc, LSE, stride_lh,
+                   Sq, Sk, qk_scale, start_m, head, kv_col, n_blocks, causal_off):
+        _consumer(1, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, o_desc, LSE, stride_lh, Sq, Sk, qk_scale,
+                  start_m, head, n_blocks, causal_off)
 
     @gluon.jit
-    def _loader(q_smem, k_smem, v_smem, bars, q_desc, k_desc, v_desc, o_desc, LSE, stride_lh, Sq, Sk, qk_scale,
-                start_m, head, kv_col, n_blocks, causal_off):
+    def _loader(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, q_desc, k_desc, v_desc, o_desc, LSE, stride_lh,
+                Sq, Sk, qk_scale, start_m, head, kv_col, n_blocks, causal_off):
         SLOTS: gl.constexpr = k_smem.shape[0]
         BN: gl.constexpr = k_smem.shape[1]
         D: gl.constexpr = k_smem.shape[2]
         ROWS: gl.constexpr = q_smem.shape[1]
         kv_bytes: gl.constexpr = BN * D * 2
-        mbarrier.expect(bars.index(0), 2 * ROWS * D * 2)
-        _tma_load(q_desc, [start_m, head * D], bars.index(0), q_smem.index(0))  # rows >= Sq read as zero
-        _tma_load(q_desc, [start_m + ROWS, head * D], bars.index(0), q_smem.index(1))
+        mbarrier.expect(q_ready.index(0), 2 * ROWS * D * 2)
+        _tma_load(q_desc, [start_m, head * D], q_ready.index(0), q_smem.index(0))  # rows >= Sq read as zero
+        _tma_load(q_desc, [start_m + ROWS, head * D], q_ready.index(0), q_smem.index(1))
         for b in range(0, n_blocks):
             slot = b % SLOTS
-            free_phase = ((b // SLOTS) - 1) & 1
-            mbarrier.wait(bars.index(1 + 2 * SLOTS + slot), free_phase, pred=b >= SLOTS)
-            mbarrier.expect(bars.index(1 + slot), kv_bytes)
-            _tma_load(k_desc, [b * BN, kv_col], bars.index(1 + slot), k_smem.index(slot))
-            mbarrier.wait(bars.index(1 + 3 * SLOTS + slot), free_phase, pred=b >= SLOTS)
-            mbarrier.expect(bars.index(1 + SLOTS + slot), kv_bytes)
-            _tma_load(v_desc, [b * BN, kv_col], bars.index(1 + SLOTS + slot), v_smem.index(slot))
+            if b >= SLOTS:  # both consumers are done with block b - SLOTS's K
+                _named_sync(_NAMED_BASE + slot, 384)
+            mbarrier.expect(k_ready.index(slot), kv_bytes)
+            _tma_load(k_desc, [b * BN, kv_col], k_ready.index(slot), k_smem.index(slot))
+            if b >= SLOTS:  # and with its V
+                _named_sync(_NAMED_BASE + SLOTS + slot, 384)
+            mbarrier.expect(v_ready.index(slot), kv_bytes)
+            _tma_load(v_desc, [b * BN, kv_col], v_ready.index(slot), v_smem.index(slot))
 
     @gluon.jit
     def _flash_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lh, Sq, Sk, qk_scale,
@@ -196,13 +228,14 @@ if HAS_GLUON:
         q_smem = gl.allocate_shared_memory(dtype, [2, BM // 2, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [SLOTS, BN, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [SLOTS, BN, D], v_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [3 + 4 * SLOTS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(1 + 2 * SLOTS):
-            mbarrier.init(bars.index(i), count=1)
-        for i in gl.static_range(2 * SLOTS):
-            mbarrier.init(bars.index(1 + 2 * SLOTS + i), count=2)  # both consumers release a slot
-        for i in gl.static_range(2):
-            mbarrier.init(bars.index(1 + 4 * SLOTS + i), count=1)
+        # one allocation per role: Gluon orders accesses to one allocation with warp-group barriers
+        q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready.index(0), count=1)
+        for i in gl.static_range(SLOTS):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
         if IS_CAUSAL:
             causal_off = Sk - Sq  # key j is visible to query i iff j <= i + causal_off
             hi = gl.maximum(gl.minimum(Sk, start_m + BM + causal_off), 0)
@@ -210,8 +243,8 @@ if HAS_GLUON:
             causal_off = Sk + 0 * Sq  # every key
             hi = Sk
         n_blocks = gl.cdiv(hi, BN)
-        args = (q_smem, k_smem, v_smem, bars, q_desc, k_desc, v_desc, o_desc, LSE, stride_lh, Sq, Sk, qk_scale,
-                start_m, head, kv_col, n_blocks, causal_off)
+        args = (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, q_desc, k_desc, v_desc, o_desc, LSE, stride_lh, Sq,
+                Sk, qk_scale, start_m, head, kv_col, n_blocks, causal_off)
         gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args)], [4, 4], [240, 24])
 
 

@@ -25,9 +25,12 @@ def _run(q, k, v, causal):
 
 
 # (Sq, Sk, H, KVH, causal): off the 128 grid, Sq < Sk (a chunk against its prefix), Sq > Sk (leading rows with no
-# key), one query tile whose second warp group has no rows, a chunk against a long prefix, real head counts
+# key), one query tile whose second warp group has no rows, a chunk against a long prefix, real head counts; and
+# programs with as many key blocks as K/V slots, or one more (the first refill), where every slot release and turn
+# must meet its wait for the next program's barriers to start clean
 SHAPES = [(300, 300, 4, 2, True), (1000, 1000, 8, 2, True), (77, 1000, 4, 1, True), (256, 700, 4, 2, False),
-          (1000, 333, 4, 2, True), (40, 40, 2, 2, True), (2048, 16384, 32, 8, False), (4096, 4096, 32, 8, True)]
+          (1000, 333, 4, 2, True), (40, 40, 2, 2, True), (2048, 16384, 32, 8, False), (4096, 4096, 32, 8, True),
+          (129, 256, 2, 1, False), (256, 384, 2, 1, False)]
 
 
 @pytest.mark.gpu
