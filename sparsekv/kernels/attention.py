@@ -46,7 +46,9 @@ GPU_CONFIGS: dict[int, tuple[int, int, int, int]] = {
 # Again 2026-11-29 (--finalists 1), with the sm90 Gluon kernel (heaviest query blocks first) beside it: 32K causal
 # 547 vs 515 (128x64 w8 s3) (sm90 gluon 634, cuDNN 597, SDPA flash 346); 128K causal 511 (621 / 564 / 326); chunk
 # 548 (636 / 614 / 349). On an H100 80GB HBM3, 2026-12-07: 32K causal 563 vs 529 (128x64 w8 s3) (sm90 gluon 653,
-# cuDNN 617, SDPA flash 350); 128K causal 513 (626 / 567 / 324); chunk 578 (641 / 608 / 358).
+# cuDNN 617, SDPA flash 350); 128K causal 513 (626 / 567 / 324); chunk 578 (641 / 608 / 358). With the Gluon kernel on
+# named barriers (H100, 2026-12-07): 32K causal 559 vs 532 (sm90 gluon 642, cuDNN 624, SDPA flash 350); 128K causal
+# 513 (643 / 577 / 326); chunk 584 (639 / 632 / 359).
 GPU_CONFIGS_SM90: dict[int, tuple[int, int, int, int]] = {128: (128, 128, 8, 3)}
 # fp32 inputs need twice the shared memory per tile (not a hot path: smaller tiles).
 GPU_CONFIGS_FP32: dict[int, tuple[int, int, int, int]] = {
@@ -63,7 +65,7 @@ SUPPORTED_HEAD_DIMS = tuple(GPU_CONFIGS)
 # sm_90+ with TMA-compatible layouts, moves q/k/v/o through host-side TMA descriptors ([S, heads * D] views, see
 # tma.py); a call that cannot use either runs the plain code for it (see _launch_flash_fwd).
 # On sm_90 a 16-bit call with D = 128 and TMA-compatible layouts runs the warp-specialized Gluon kernel of
-# attention_sm90.py instead (653 against 563 TFLOP/s at 32K causal on an H100, docs/decisions.md); these tables
+# attention_sm90.py instead (642 against 559 TFLOP/s at 32K causal on an H100, docs/decisions.md); these tables
 # serve the rest.
 # Calls with at most this many query rows (decode: 1) run the flash-decoding kernel of decode_attention.py, which
 # splits the keys over many programs and reads each K/V tile once per GQA group, instead of _flash_fwd_kernel's

@@ -12,9 +12,10 @@ One program per (128 query rows, head), three warp-specialized partitions sharin
   other, then runs the softmax of the next block while the other consumer's matrix products run (the "ping-pong"),
   and rescales its accumulator once its P V is done.
 Turns and slot releases go through the SM's named hardware barriers (bar.sync / bar.arrive, IDs from
-NAMED_BARRIER_BASE), not mbarriers: Gluon puts a warp-group-wide bar.sync before every mbarrier arrive and around
-mbarrier waits, six per key block, and on a GPU held at its power limit every instruction costs clock (128K causal
-625-630 -> 638-642 TFLOP/s, docs/decisions.md). Only the TMA loads complete mbarriers.
+NAMED_BARRIER_BASE), not mbarriers: Gluon puts a warp-group-wide bar.sync before every mbarrier arrive and between
+mbarrier waits (six per key block with turns and releases on mbarriers, one now), and on a GPU held at its power
+limit every instruction costs clock (128K causal 624-633 -> 639-642 TFLOP/s, docs/decisions.md). Only the TMA loads
+complete mbarriers.
 Chosen where it applies (sm_90, 16-bit q/k/v, D = 128, TMA-compatible layouts; see sm90_attention_ok); timed
 against the Triton kernel by tools/tune_prefill_attention.py (docs/decisions.md, "Prefill attention"). Gluon has no
 CPU interpreter: the kernel is tested on the GPU against the reference (tests/kernels/test_attention_sm90.py).
