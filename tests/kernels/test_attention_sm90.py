@@ -1,9 +1,10 @@
 """The Hopper (sm_90) Gluon prefill attention kernel (sparsekv.kernels.attention_sm90) against the fp32 reference,
-on fresh random inputs, into NaN-poisoned outputs. Gluon has no CPU interpreter: on CPU only the dispatch rules and
-the launcher's errors are checked."""
+on fresh random inputs, into NaN-poisoned outputs. Gluon has no CPU interpreter: on CPU only the dispatch rules, the
+launcher's errors and, from the kernel compiled for sm_90 without a GPU, its named barrier IDs are checked."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -65,3 +66,27 @@ def test_calls_it_cannot_serve_go_elsewhere():
         assert not attention_sm90.sm90_attention_ok(qb[..., :64], kb[..., :64], vb[..., :64])  # D = 64
         wide = torch.zeros(64, 4, 256, dtype=torch.bfloat16, device=q.device)[..., :128]  # heads 256 apart
         assert not attention_sm90.sm90_attention_ok(wide, kb, vb)
+
+
+def named_barriers_stay_clear_of_tritons(cache) -> None:
+    """Compile the kernel for sm_90 (no GPU: tests.unit.test_compile_ahead's HopperDriver) and read the PTX."""
+    q, k, v = (torch.zeros(300, heads, 128, dtype=torch.bfloat16) for heads in (8, 2, 2))
+    grid, args, constants = attention_sm90.kernel_launch(q, k, v, torch.zeros_like(q), torch.zeros(8, 300), 0.1, True)
+    ptx = attention_sm90._flash_fwd_sm90_kernel.warmup(*args, grid=grid, **constants).asm["ptx"]
+    tritons = {int(n) for n in re.findall(r"\b(?:bar|barrier)\.\w+(?:\.\w+)*\s+(\d+)", ptx)}  # immediate IDs
+    ours = set(range(attention_sm90.NAMED_BARRIER_BASE, attention_sm90.NAMED_BARRIER_BASE + 2 * attention_sm90.STAGES))
+    assert tritons and max(tritons) < attention_sm90.NAMED_BARRIER_BASE, tritons
+    assert max(ours) < 14 and re.search(r"bar\.sync\s+%r\d+, 384", ptx) and re.search(r"bar\.arrive\s+%r\d+, 256", ptx)
+
+
+def test_named_barriers_stay_clear_of_the_ones_triton_uses(tmp_path):
+    """The kernel's turns (IDs 14, 15) and slot releases (NAMED_BARRIER_BASE on) must not share an ID with the
+    barriers Triton's warp_specialize emits itself (0-3 in Triton 3.6 and 3.9): a shared ID would hang or race."""
+    if not attention_sm90.HAS_GLUON:
+        pytest.skip("Triton without Gluon's Hopper layer")
+    from tests.unit.test_compile_ahead import compile_ahead, in_fresh_process
+
+    if not compile_ahead.supported():
+        pytest.skip("Triton without knobs.runtime.jit_cache_hook")
+    in_fresh_process("named_barriers_stay_clear_of_tritons", tmp_path / "triton",
+                     module="tests.kernels.test_attention_sm90")

@@ -95,10 +95,12 @@ def test_record_returns_what_it_saw_before_an_error(hopper):
 
 # Real compiles run in a fresh interpreter: the Triton interpreter that the kernel tests use in this process leaves
 # triton.language patched, which breaks compiling a kernel for a GPU here (and in forks of here).
-def in_fresh_process(scenario: str, cache) -> None:
-    """Run `scenario` (a function of this module taking the cache directory) in a new Python process."""
+def in_fresh_process(scenario: str, cache, module: str = "tests.unit.test_compile_ahead") -> None:
+    """Run `scenario` (a function of `module` taking the cache directory) in a new Python process whose Triton
+    driver is HopperDriver."""
     code = ("import sys; from pathlib import Path; from triton.runtime.driver import driver; "
-            "import tests.unit.test_compile_ahead as m; driver.set_active(m.HopperDriver()); "
+            f"import tests.unit.test_compile_ahead as hopper, {module} as m; "
+            "driver.set_active(hopper.HopperDriver()); "
             f"m.{scenario}(Path(sys.argv[1]))")
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "TRITON_INTERPRET": "0"}
     root = Path(__file__).resolve().parents[2]
