@@ -47,9 +47,10 @@ HEAD_DIM = 128
 BLOCK_M = 128  # query rows per program: two consumer warp groups of 64
 BLOCK_N = 128  # keys per block (64 keys with 3 or 4 slots: 14-18% slower, docs/decisions.md)
 STAGES = 2  # K/V ring slots (3: the same at 32K causal, 1.5% slower at 128K, 3% on a 4Kx32K chunk)
-# Named barriers: Triton's warp_specialize takes IDs 0-3 for its partitions; the K slots' releases use
-# NAMED_BARRIER_BASE + slot, the V slots' NAMED_BARRIER_BASE + STAGES + slot, the two turns the last two IDs (14, 15)
+# Named barriers (16 per CTA): Triton's warp_specialize takes IDs 0-3 for its partitions; the K slots' releases use
+# NAMED_BARRIER_BASE + slot, the V slots' NAMED_BARRIER_BASE + STAGES + slot
 NAMED_BARRIER_BASE = 4
+TURN_BARRIER = 14  # consumer warp group w waits for its turn at TURN_BARRIER + w
 LOG2E = 1.4426950408889634
 
 
@@ -64,6 +65,7 @@ def sm90_attention_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
 
 if HAS_GLUON:
     _NAMED_BASE = gl.constexpr(NAMED_BARRIER_BASE)
+    _TURN = gl.constexpr(TURN_BARRIER)
 
     @gluon.jit
     def _named_sync(bar_id, THREADS: gl.constexpr):
@@ -73,8 +75,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _named_arrive(bar_id, THREADS: gl.constexpr):
-        # count this warp group at hardware barrier bar_id without waiting: each warp arrives once its own
-        # instructions before this one are done, and a wgmma that every warp has waited for is done
+        # count this warp group at hardware barrier bar_id without waiting. Each warp counts as it gets here, so
+        # after warpgroup_mma_wait it tells that the wgmma is done: one wgmma serves all four warps
         gl.inline_asm_elementwise(f"bar.arrive $1, {THREADS}; mov.u32 $0, 0;", "=r,r", [bar_id], dtype=gl.int32,
                                   is_pure=False, pack=1)
 
@@ -102,8 +104,8 @@ if HAS_GLUON:
         ROWS: gl.constexpr = q_smem.shape[1]
         K_FREE: gl.constexpr = _NAMED_BASE  # + slot: both consumers and the loader, 3 x 128 threads
         V_FREE: gl.constexpr = _NAMED_BASE + SLOTS
-        MY_TURN: gl.constexpr = 14 + WG  # both consumers, 2 x 128 threads
-        OTHER_TURN: gl.constexpr = 15 - WG
+        MY_TURN: gl.constexpr = _TURN + WG  # both consumers, 2 x 128 threads
+        OTHER_TURN: gl.constexpr = _TURN + 1 - WG
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BN, 16])

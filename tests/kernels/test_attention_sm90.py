@@ -76,11 +76,12 @@ def named_barriers_stay_clear_of_tritons(cache) -> None:
     tritons = {int(n) for n in re.findall(r"\b(?:bar|barrier)\.\w+(?:\.\w+)*\s+(\d+)", ptx)}  # immediate IDs
     ours = set(range(attention_sm90.NAMED_BARRIER_BASE, attention_sm90.NAMED_BARRIER_BASE + 2 * attention_sm90.STAGES))
     assert tritons and max(tritons) < attention_sm90.NAMED_BARRIER_BASE, tritons
-    assert max(ours) < 14 and re.search(r"bar\.sync\s+%r\d+, 384", ptx) and re.search(r"bar\.arrive\s+%r\d+, 256", ptx)
+    assert max(ours) < attention_sm90.TURN_BARRIER and attention_sm90.TURN_BARRIER + 1 < 16  # 16 per CTA
+    assert re.search(r"bar\.sync\s+%r\d+, 384", ptx) and re.search(r"bar\.arrive\s+%r\d+, 256", ptx)
 
 
 def test_named_barriers_stay_clear_of_the_ones_triton_uses(tmp_path):
-    """The kernel's turns (IDs 14, 15) and slot releases (NAMED_BARRIER_BASE on) must not share an ID with the
+    """The kernel's turns (TURN_BARRIER on) and slot releases (NAMED_BARRIER_BASE on) must not share an ID with the
     barriers Triton's warp_specialize emits itself (0-3 in Triton 3.6 and 3.9): a shared ID would hang or race."""
     if not attention_sm90.HAS_GLUON:
         pytest.skip("Triton without Gluon's Hopper layer")
