@@ -47,8 +47,8 @@ GPU_CONFIGS: dict[int, tuple[int, int, int, int]] = {
 # 547 vs 515 (128x64 w8 s3) (sm90 gluon 634, cuDNN 597, SDPA flash 346); 128K causal 511 (621 / 564 / 326); chunk
 # 548 (636 / 614 / 349). On an H100 80GB HBM3, 2026-12-07: 32K causal 563 vs 529 (128x64 w8 s3) (sm90 gluon 653,
 # cuDNN 617, SDPA flash 350); 128K causal 513 (626 / 567 / 324); chunk 578 (641 / 608 / 358). With the Gluon kernel on
-# named barriers (H100, 2026-12-07): 32K causal 559 vs 532 (sm90 gluon 642, cuDNN 624, SDPA flash 350); 128K causal
-# 513 (643 / 577 / 326); chunk 584 (639 / 632 / 359).
+# named barriers (H100, 2026-12-07): 32K causal 559 vs 532 (128x64 w8 s3) (sm90 gluon 642, cuDNN 624, SDPA flash
+# 350); 128K causal 513 (643 / 577 / 326); chunk 584 (639 / 632 / 359).
 GPU_CONFIGS_SM90: dict[int, tuple[int, int, int, int]] = {128: (128, 128, 8, 3)}
 # fp32 inputs need twice the shared memory per tile (not a hot path: smaller tiles).
 GPU_CONFIGS_FP32: dict[int, tuple[int, int, int, int]] = {
