@@ -202,6 +202,8 @@ if HAS_GLUON:
         BN: gl.constexpr = k_smem.shape[1]
         D: gl.constexpr = k_smem.shape[2]
         ROWS: gl.constexpr = q_smem.shape[1]
+        K_FREE: gl.constexpr = _NAMED_BASE  # + slot, as in _consumer
+        V_FREE: gl.constexpr = _NAMED_BASE + SLOTS
         kv_bytes: gl.constexpr = BN * D * 2
         mbarrier.expect(q_ready.index(0), 2 * ROWS * D * 2)
         _tma_load(q_desc, [start_m, head * D], q_ready.index(0), q_smem.index(0))  # rows >= Sq read as zero
@@ -209,11 +211,11 @@ if HAS_GLUON:
         for b in range(0, n_blocks):
             slot = b % SLOTS
             if b >= SLOTS:  # both consumers are done with block b - SLOTS's K
-                _named_sync(_NAMED_BASE + slot, 384)
+                _named_sync(K_FREE + slot, 384)
             mbarrier.expect(k_ready.index(slot), kv_bytes)
             _tma_load(k_desc, [b * BN, kv_col], k_ready.index(slot), k_smem.index(slot))
             if b >= SLOTS:  # and with its V
-                _named_sync(_NAMED_BASE + SLOTS + slot, 384)
+                _named_sync(V_FREE + slot, 384)
             mbarrier.expect(v_ready.index(slot), kv_bytes)
             _tma_load(v_desc, [b * BN, kv_col], v_ready.index(slot), v_smem.index(slot))
 
