@@ -59,8 +59,9 @@ LOG2E = 1.4426950408889634
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) by head dim; BLOCK_M must be a multiple of BLOCK_N. bf16 D=128 by
 # tools/tune_vertical_slash.py on an H100: 64x32 with 4 warps beat 64x64 by 6-11% on 8K x 128K chunks and 128-row
 # tiles were slower; 3 stages beat 2 by 1.6-2.4% in the engine's whole 128K prefill (--prefill; docs/decisions.md).
-# The other entries: a partial sweep of head dims 64 and 256 (the tool's --head-dim) found nothing clearly ahead of
-# them; fp32 (--fp32) is not swept (docs/decisions.md, "The vertical-slash tiles at head dims 64 and 256").
+# Head dims 64 and 256 (the tool's --head-dim, every candidate on the three selections): 256's entry is the fastest
+# on each, 64's within 1.7% of the best geometric mean, under the tool's run-to-run spread; fp32 (--fp32) is not
+# swept (docs/decisions.md, "The vertical-slash tiles at head dims 64 and 256").
 GPU_CONFIG_16BIT = {64: (64, 64, 4, 2), 128: (64, 32, 4, 3), 256: (64, 32, 4, 2)}
 GPU_CONFIG_FP32 = {64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (32, 16, 4, 1)}
 INTERPRET_CONFIG = (32, 16, 4, 1)  # small tiles keep the CPU interpreter fast; BLOCK_M = 2 BLOCK_N covers RATIO > 1
