@@ -10,7 +10,8 @@ budget (1000 columns, 6096 diagonals): the nearest 6096 offsets ("band"), a scat
 estimate on structured dummy weights (the nearest 3000 offsets plus 16-offset clusters further out), and 96 whole
 64-offset bands (bands 0-1 and 94 random ones, what slash_granularity=64 picks when the mass is spread). Each
 configuration's output is checked against the default configuration's; --head-dim 64 or 256 and --fp32 sweep the
-entry of GPU_CONFIG_16BIT or GPU_CONFIG_FP32 for that head dim and skip the estimate. Estimate (--only estimate
+entry of GPU_CONFIG_16BIT or GPU_CONFIG_FP32 for that head dim and skip the estimate; --fp32 sweeps FP32_CANDIDATES,
+smaller tiles, since 4-byte tiles take twice the registers and shared memory. Estimate (--only estimate
 skips the kernel sweep): vertical_slash_masses under BLOCK_K and keys-per-split candidates; the column top-1000 by
 torch.topk and by top_indices; estimate_pattern and compute_prefill at slash_granularity 1 and 64. Prints one line
 per candidate (median of --reps CUDA-event timings).
@@ -36,6 +37,10 @@ from profile_sparse_prefill import chunk_parser, dense_chunk_ms, random_chunk, t
 
 CANDIDATES = [(64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (64, 16, 4, 2),
               (32, 32, 2, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2), (128, 128, 8, 2)]
+# fp32: the 16-bit list's deeper and wider tiles spill (4K x 32K, head dim 128, band selection: (64, 32, 4, 3) 482 ms
+# and (64, 64, 4, 2) 720 ms against 58.7 for (64, 32, 4, 2)), so its sweep stays at one or two stages and 16-32 keys
+FP32_CANDIDATES = [(64, 32, 4, 2), (64, 32, 4, 1), (64, 16, 4, 2), (64, 32, 8, 2), (32, 32, 4, 2), (32, 32, 2, 2),
+                   (32, 16, 4, 1), (32, 16, 2, 2), (16, 16, 2, 1)]
 
 
 def selections(H: int, S: int, dev) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -174,7 +179,7 @@ def main() -> None:
     for label, (vertical, slash) in selections(q.shape[1], S, q.device).items():
         table[args.head_dim] = default
         ref, _ = vs.vertical_slash_attention(q, k, v, vertical, slash, scale, S - n)
-        for config in CANDIDATES:
+        for config in FP32_CANDIDATES if args.fp32 else CANDIDATES:
             table[args.head_dim] = config
             try:
                 ms = timed(lambda: vs.vertical_slash_attention(q, k, v, vertical, slash, scale, S - n), args.reps)

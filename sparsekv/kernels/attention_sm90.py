@@ -11,6 +11,11 @@ One program per (128 query rows, head), three warp-specialized partitions sharin
   next block (S = Q K^T) and the P V product of this one back to back as asynchronous wgmmas, passes the turn to the
   other, then runs the softmax of the next block while the other consumer's matrix products run (the "ping-pong"),
   and rescales its accumulator once its P V is done.
+A row keeps a stale running max until its true max exceeds it by more than RESCALE_THRESHOLD (log2 units; then
+p <= 2^8, safe in fp32 sums and 16-bit P), FlashAttention-4's conditional rescaling: alpha stays exactly 1 and a warp
+whose rows all keep theirs skips the accumulator's rescale (64 multiplies a thread) by a warp vote in inline PTX.
+Deciding for the whole warp group instead needs a cross-warp reduction with two bar.syncs per block: 7% slower than
+rescaling every block, where the warp vote is 2-3% faster (docs/decisions.md).
 Turns and slot releases go through the SM's named hardware barriers (bar.sync / bar.arrive, IDs from
 NAMED_BARRIER_BASE), not mbarriers: Gluon puts a warp-group-wide bar.sync before every mbarrier arrive and between
 mbarrier waits (six per key block with turns and releases on mbarriers, one now), and on a GPU held at its power
@@ -52,6 +57,20 @@ STAGES = 2  # K/V ring slots (3: the same at 32K causal, 1.5% slower at 128K, 3%
 NAMED_BARRIER_BASE = 4
 TURN_BARRIER = 14  # consumer warp group w waits for its turn at TURN_BARRIER + w
 LOG2E = 1.4426950408889634
+RESCALE_THRESHOLD = 8.0  # how far (log2 units) a row's max may outgrow its stale one before the row rescales
+
+
+def rescale_ptx(n: int) -> tuple[str, str]:
+    """(asm, constraints) of acc *= alpha over a thread's n accumulator elements, skipped by a warp whose rows all
+    have alpha 1. Operands: $0..$n-1 the results, tied to the accumulator's registers ($n..$2n-1), so a skip leaves
+    them as they are; $2n..$3n-1 alpha per element. In wgmma's accumulator layout a thread's elements 0 and 2 lie in
+    its two rows (r and r + 8), so their alphas decide."""
+    muls = " ".join(f"mul.f32 ${i}, ${i}, ${2 * n + i};" for i in range(n))
+    asm = (f"{{ .reg .pred r0, r1; setp.neu.f32 r0, ${2 * n}, 0f3F800000; setp.neu.f32 r1, ${2 * n + 2}, 0f3F800000; "
+           f"or.pred r0, r0, r1; vote.sync.any.pred r0, r0, 0xffffffff; @!r0 bra SKIP_RESCALE${{:uid}}; {muls} "
+           f"SKIP_RESCALE${{:uid}}: }}")
+    constraints = ",".join(["=r"] * n + [str(i) for i in range(n)] + ["r"] * n)
+    return asm, constraints
 
 
 def sm90_attention_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -66,6 +85,10 @@ def sm90_attention_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
 if HAS_GLUON:
     _NAMED_BASE = gl.constexpr(NAMED_BARRIER_BASE)
     _TURN = gl.constexpr(TURN_BARRIER)
+    _ACC_PER_THREAD = BLOCK_M // 2 * HEAD_DIM // 128  # a consumer's [64, D] fp32 accumulator over 128 threads
+    _RESCALE_ASM, _RESCALE_CONSTRAINTS = (gl.constexpr(x) for x in rescale_ptx(_ACC_PER_THREAD))
+    _RESCALE_PACK = gl.constexpr(_ACC_PER_THREAD)
+    _THRESHOLD = gl.constexpr(RESCALE_THRESHOLD)
 
     @gluon.jit
     def _named_sync(bar_id, THREADS: gl.constexpr):
@@ -81,15 +104,20 @@ if HAS_GLUON:
                                   is_pure=False, pack=1)
 
     @gluon.jit
-    def _softmax_block(s, m_i, l_i, start_n, offs_m, cols, Sk, causal_off, qk_scale, MASKED: gl.constexpr):
-        # s [ROWS, BLOCK_N] raw scores; m_i, l_i [ROWS] (running max in log2 units, row sum) -> p, alpha, m, l
+    def _softmax_block(s, m_i, l_i, start_n, offs_m, cols, Sk, causal_off, qk_scale, MASKED: gl.constexpr,
+                       FIRST: gl.constexpr):
+        # s [ROWS, BLOCK_N] raw scores; m_i, l_i [ROWS] (running max in log2 units, row sum) -> p, alpha, m, l.
+        # After the first block m_i is finite: a row that saw no key there sees none later (causal) and holds 0
         if MASKED:
             keys = gl.expand_dims(start_n + cols, 0)  # [1, BLOCK_N]
             keep = (keys < Sk) & (keys <= gl.expand_dims(offs_m, 1) + causal_off)
             s = gl.where(keep, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        if MASKED:
-            m_new = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2 gives 0, not NaN
+        if FIRST:
+            if MASKED:
+                m_new = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key: exp2 gives 0, not NaN
+        else:
+            m_new = gl.where(m_new > m_i + _THRESHOLD, m_new, m_i)  # the stale max, unless it fell too far behind
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
         alpha = gl.exp2(m_i - m_new)
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
@@ -137,9 +165,11 @@ if HAS_GLUON:
             if SLOTS < n_blocks:
                 _named_arrive(K_FREE, 384)
             if n_full > 0:
-                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, offs_m, cols, Sk, causal_off, qk_scale, False)
+                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, offs_m, cols, Sk, causal_off, qk_scale, False,
+                                                    True)
             else:
-                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, offs_m, cols, Sk, causal_off, qk_scale, True)
+                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, offs_m, cols, Sk, causal_off, qk_scale, True,
+                                                    True)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(0, n_blocks - 1):
                 slot = j % SLOTS
@@ -156,14 +186,16 @@ if HAS_GLUON:
                     _named_arrive(K_FREE + nslot, 384)
                 if j + 1 >= n_full:
                     p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, (j + 1) * BN, offs_m, cols, Sk, causal_off,
-                                                        qk_scale, True)
+                                                        qk_scale, True, False)
                 else:
                     p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, (j + 1) * BN, offs_m, cols, Sk, causal_off,
-                                                        qk_scale, False)
+                                                        qk_scale, False, False)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 if j + SLOTS < n_blocks:
                     _named_arrive(V_FREE + slot, 384)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                alpha_b, acc = gl.broadcast(gl.expand_dims(gl.convert_layout(alpha, row_o), 1), acc)  # [ROWS, D]
+                acc = gl.inline_asm_elementwise(_RESCALE_ASM, _RESCALE_CONSTRAINTS, [acc, alpha_b], dtype=gl.float32,
+                                                is_pure=True, pack=_RESCALE_PACK)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
             last = n_blocks - 1
             slot = last % SLOTS

@@ -42,6 +42,23 @@ def test_gpu_matches_reference(sq, sk, h, kvh, causal):
     _check(_run(q, k, v, causal), flash_attn_with_lse_reference(q, k, v, causal=causal), torch.bfloat16)
 
 
+# (Sq, Sk, H, KVH, causal, q's scale, keys' norms growing along the sequence): rows whose max keeps outgrowing the
+# stale one by more than RESCALE_THRESHOLD, so that warps rescale at different blocks
+GROWING_MAX = [(1000, 1000, 4, 2, True, 6.0, False), (2048, 4096, 8, 2, False, 6.0, True),
+               (3000, 3000, 4, 1, True, 3.0, True), (512, 8192, 4, 1, False, 10.0, True)]
+
+
+@pytest.mark.gpu
+@sm90_only
+@pytest.mark.parametrize("sq, sk, h, kvh, causal, q_scale, growing", GROWING_MAX)
+def test_gpu_matches_reference_as_row_maxima_grow(sq, sk, h, kvh, causal, q_scale, growing):
+    q, k, v = _qkv(sq, sk, h, kvh, 128, torch.bfloat16, seed=sq + sk + h)
+    q = (q.float() * q_scale).to(torch.bfloat16)
+    if growing:
+        k = (k.float() * torch.linspace(0.2, 2.0, sk, device=k.device)[:, None, None]).to(torch.bfloat16)
+    _check(_run(q, k, v, causal), flash_attn_with_lse_reference(q, k, v, causal=causal), torch.bfloat16)
+
+
 @pytest.mark.gpu
 @sm90_only
 def test_gpu_fp16_and_public_api_take_it(monkeypatch):
@@ -78,6 +95,14 @@ def named_barriers_stay_clear_of_tritons(cache) -> None:
     assert tritons and max(tritons) < attention_sm90.NAMED_BARRIER_BASE, tritons
     assert max(ours) < attention_sm90.TURN_BARRIER and attention_sm90.TURN_BARRIER + 1 < 16  # 16 per CTA
     assert re.search(r"bar\.sync\s+%r\d+, 384", ptx) and re.search(r"bar\.arrive\s+%r\d+, 256", ptx)
+    # the conditional rescale: every accumulator register times an alpha, and the vote reads the alphas
+    rescale = next(line for line in ptx.splitlines() if "vote.sync.any.pred" in line)  # one consumer's
+    setps = re.findall(r"setp\.neu\.f32\s+\w+, (%r\d+), 0f3F800000", rescale)
+    products = re.findall(r"mul\.f32\s+(%r\d+), (%r\d+), (%r\d+);", rescale)
+    accumulators = {a for a, _, _ in products}
+    alphas = {c for _, _, c in products}
+    assert len(products) == len(accumulators) == 64 and all(a == b for a, b, _ in products), products[:4]
+    assert alphas.isdisjoint(accumulators) and len(setps) == 2 and set(setps) <= alphas, (setps, alphas)
 
 
 def test_named_barriers_stay_clear_of_the_ones_triton_uses(tmp_path):
