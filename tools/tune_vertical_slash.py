@@ -37,8 +37,9 @@ from profile_sparse_prefill import chunk_parser, dense_chunk_ms, random_chunk, t
 
 CANDIDATES = [(64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (64, 16, 4, 2),
               (32, 32, 2, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2), (128, 128, 8, 2)]
-# fp32: the 16-bit list's deeper and wider tiles spill (4K x 32K, head dim 128, band selection: (64, 32, 4, 3) 482 ms
-# and (64, 64, 4, 2) 720 ms against 58.7 for (64, 32, 4, 2)), so its sweep stays at one or two stages and 16-32 keys
+# fp32: the 16-bit list's deeper and wider tiles run 8-12x slower (4K x 32K, head dim 128, band selection: (64, 32, 4,
+# 3) 482 ms and (64, 64, 4, 2) 720 ms against 58.7 for (64, 32, 4, 2)), so its sweep stays at one or two stages and
+# 16-32 keys
 FP32_CANDIDATES = [(64, 32, 4, 2), (64, 32, 4, 1), (64, 16, 4, 2), (64, 32, 8, 2), (32, 32, 4, 2), (32, 32, 2, 2),
                    (32, 16, 4, 1), (32, 16, 2, 2), (16, 16, 2, 1)]
 
