@@ -85,9 +85,8 @@ def sm90_attention_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
 if HAS_GLUON:
     _NAMED_BASE = gl.constexpr(NAMED_BARRIER_BASE)
     _TURN = gl.constexpr(TURN_BARRIER)
-    _ACC_PER_THREAD = BLOCK_M // 2 * HEAD_DIM // 128  # a consumer's [64, D] fp32 accumulator over 128 threads
-    _RESCALE_ASM, _RESCALE_CONSTRAINTS = (gl.constexpr(x) for x in rescale_ptx(_ACC_PER_THREAD))
-    _RESCALE_PACK = gl.constexpr(_ACC_PER_THREAD)
+    _RESCALE_PACK = gl.constexpr(BLOCK_M // 2 * HEAD_DIM // 128)  # a consumer's [64, D] fp32 accumulator / thread
+    _RESCALE_ASM, _RESCALE_CONSTRAINTS = (gl.constexpr(x) for x in rescale_ptx(_RESCALE_PACK.value))
     _THRESHOLD = gl.constexpr(RESCALE_THRESHOLD)
 
     @gluon.jit

@@ -1,6 +1,7 @@
 """The Hopper (sm_90) Gluon prefill attention kernel (sparsekv.kernels.attention_sm90) against the fp32 reference,
 on fresh random inputs, into NaN-poisoned outputs. Gluon has no CPU interpreter: on CPU only the dispatch rules, the
-launcher's errors and, from the kernel compiled for sm_90 without a GPU, its named barrier IDs are checked."""
+launcher's errors and, from the kernel compiled for sm_90 without a GPU, its named barrier IDs and its conditional
+rescale's PTX are checked."""
 from __future__ import annotations
 
 import math
@@ -85,7 +86,7 @@ def test_calls_it_cannot_serve_go_elsewhere():
         assert not attention_sm90.sm90_attention_ok(wide, kb, vb)
 
 
-def named_barriers_stay_clear_of_tritons(cache) -> None:
+def compiled_barriers_and_rescale(cache) -> None:
     """Compile the kernel for sm_90 (no GPU: tests.unit.test_compile_ahead's HopperDriver) and read the PTX."""
     q, k, v = (torch.zeros(300, heads, 128, dtype=torch.bfloat16) for heads in (8, 2, 2))
     grid, args, constants = attention_sm90.kernel_launch(q, k, v, torch.zeros_like(q), torch.zeros(8, 300), 0.1, True)
@@ -105,14 +106,15 @@ def named_barriers_stay_clear_of_tritons(cache) -> None:
     assert alphas.isdisjoint(accumulators) and len(setps) == 2 and set(setps) <= alphas, (setps, alphas)
 
 
-def test_named_barriers_stay_clear_of_the_ones_triton_uses(tmp_path):
+def test_compiled_kernel_barriers_and_rescale(tmp_path):
     """The kernel's turns (TURN_BARRIER on) and slot releases (NAMED_BARRIER_BASE on) must not share an ID with the
-    barriers Triton's warp_specialize emits itself (0-3 in Triton 3.6 and 3.9): a shared ID would hang or race."""
+    barriers Triton's warp_specialize emits itself (0-3 in Triton 3.6 and 3.9): a shared ID would hang or race. The
+    rescale's inline PTX must multiply each accumulator register by an alpha, in place, and vote on the alphas."""
     if not attention_sm90.HAS_GLUON:
         pytest.skip("Triton without Gluon's Hopper layer")
     from tests.unit.test_compile_ahead import compile_ahead, in_fresh_process
 
     if not compile_ahead.supported():
         pytest.skip("Triton without knobs.runtime.jit_cache_hook")
-    in_fresh_process("named_barriers_stay_clear_of_tritons", tmp_path / "triton",
+    in_fresh_process("compiled_barriers_and_rescale", tmp_path / "triton",
                      module="tests.kernels.test_attention_sm90")
