@@ -60,10 +60,12 @@ LOG2E = 1.4426950408889634
 # tools/tune_vertical_slash.py on an H100: 64x32 with 4 warps beat 64x64 by 6-11% on 8K x 128K chunks and 128-row
 # tiles were slower; 3 stages beat 2 by 1.6-2.4% in the engine's whole 128K prefill (--prefill; docs/decisions.md).
 # Head dims 64 and 256 (the tool's --head-dim, every candidate on the three selections): 256's entry is the fastest
-# on each, 64's within 1.7% of the best geometric mean, under the tool's run-to-run spread; fp32 (--fp32) is not
-# swept (docs/decisions.md, "The vertical-slash tiles at head dims 64 and 256").
+# on each, 64's within 1.7% of the best geometric mean, under the tool's run-to-run spread (docs/decisions.md, "The
+# vertical-slash tiles at head dims 64 and 256"). fp32 by --fp32 (4K x 32K chunks, H100): 32x32 with 4 warps in two
+# stages had the best geometric mean over the three selections at head dims 64 and 128, 1.19x and 1.69x faster than
+# 64x32; head dim 256's entry is untimed (the sweep timed one candidate in 110 s; docs/decisions.md).
 GPU_CONFIG_16BIT = {64: (64, 64, 4, 2), 128: (64, 32, 4, 3), 256: (64, 32, 4, 2)}
-GPU_CONFIG_FP32 = {64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (32, 16, 4, 1)}
+GPU_CONFIG_FP32 = {64: (32, 32, 4, 2), 128: (32, 32, 4, 2), 256: (32, 16, 4, 1)}
 INTERPRET_CONFIG = (32, 16, 4, 1)  # small tiles keep the CPU interpreter fast; BLOCK_M = 2 BLOCK_N covers RATIO > 1
 REFERENCE_CHUNK_ELEMENTS = 1 << 24  # [H, rows, Sk] scores the reference materialises at once
 
