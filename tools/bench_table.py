@@ -1,15 +1,17 @@
 """docs/benchmarks.md's tables from the records tools/gpu_bench.sh writes.
 
     python3 tools/bench_table.py OUT/records                              # print the tables
-    python3 tools/bench_table.py OUT/records --update docs/benchmarks.md  # replace the text between the markers
+    python3 tools/bench_table.py OUT/records --update docs/benchmarks.md  # each section's block in the file
     python3 tools/bench_table.py OUT/records.tgz ...                      # the packed records work too
     python3 tools/bench_table.py A.tgz B.tgz --update docs/benchmarks.md --block tp   # a named block, one table
 
 Each run directory holds run.json ({"section", "row", "vs", "command", "date"}) and the task's record (bench.json,
 quality.json or ruler.json). One table per section, in SECTIONS order; rows in the order the script ran them (each
-records path's runs in turn). --block NAME replaces the text between <!-- bench_table:NAME:begin --> and
-<!-- bench_table:NAME:end --> instead of the unnamed markers; a block named after a section holds that section's
-table only, without its "## title" (the document's own heading and introduction stand above the block).
+records path's runs in turn). --update replaces, for each section the records hold, the text between
+<!-- bench_table:SECTION:begin --> and <!-- bench_table:SECTION:end --> with that section's table, without its
+"## title" (the document's own heading, introduction and analysis stand around the block and stay); a section without
+its block in the file stops the update before anything is written. --block NAME replaces that block alone; a block
+not named after a section holds every section's table, each under its title.
 
 Decode floors are recomputed from the record's fields: the larger of the HBM floor and the PCIe floor of the bytes
 loaded. The HBM floor counts the KV a step attends; for a record that predates that count (no decode_kv_density),
@@ -26,7 +28,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-BEGIN, END = "<!-- bench_table:begin -->", "<!-- bench_table:end -->"
 QUEST_DEFAULT_TOKEN_BUDGET = 4096  # sparsekv.policies.quest.policy.DEFAULT_TOKEN_BUDGET
 SECTIONS = {
     "decode": "Decode, GPU-resident, CUDA graphs",
@@ -374,33 +375,43 @@ def table(section: str, runs: list[dict], by_id: dict[str, dict], heading: bool 
     return lines + ([""] + [NOTES[section]] if section in NOTES else []) + [""]
 
 
-def render(runs: list[dict], headings: bool = True) -> str:
-    """The tables of every section the runs hold, each under its "## title" unless headings is False."""
+def render(runs: list[dict], headings: bool = True, only: str | None = None) -> str:
+    """The tables of every section the runs hold (or of section `only`), each under its "## title" unless headings
+    is False."""
     by_id = {f"{r['section']}/{r['row']}": r for r in runs}
     lines: list[str] = []
     for section in list(SECTIONS) + sorted({r["section"] for r in runs} - set(SECTIONS)):
-        mine = [r for r in runs if r["section"] == section]
+        mine = [r for r in runs if r["section"] == section and only in (None, section)]
         if mine:
             lines += table(section, mine, by_id, headings)
     return "\n".join(lines).rstrip() + "\n"
 
 
-def markers(block: str | None) -> tuple[str, str]:
-    """The begin and end markers of the unnamed block (None) or of block `block`."""
-    if block is None:
-        return BEGIN, END
+def markers(block: str) -> tuple[str, str]:
+    """The begin and end markers of block `block`."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", block):
         raise SystemExit(f"--block {block!r}: use letters, digits, '_', '-' or '.'")
     return f"<!-- bench_table:{block}:begin -->", f"<!-- bench_table:{block}:end -->"
 
 
-def update(path: Path, tables: str, block: str | None = None) -> None:
+def _block_pattern(block: str) -> re.Pattern:
     begin, end = markers(block)
+    return re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
+
+
+def update(path: Path, tables: dict[str, str]) -> None:
+    """Replace the text of each named block with its table; the text around the blocks (headings, prose, tables
+    of other sources) stays. Every block must be in the file before anything is written."""
     text = path.read_text()
-    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
-    if not pattern.search(text):
-        raise SystemExit(f"{path} has no {begin} ... {end} block to replace; add the two markers first")
-    path.write_text(pattern.sub(lambda _: f"{begin}\n{tables}{end}", text, count=1))
+    missing = [block for block in tables if not _block_pattern(block).search(text)]
+    if missing:
+        hint = " ".join("<!-- bench_table:%s:begin --> ... <!-- bench_table:%s:end -->" % (b, b) for b in missing)
+        raise SystemExit(f"{path} has no block for {', '.join(missing)}: add the markers under the section's heading "
+                         f"({hint}), or pass --block for one of the others")
+    for block, table_text in tables.items():
+        begin, end = markers(block)
+        text = _block_pattern(block).sub(lambda _: f"{begin}\n{table_text}{end}", text, count=1)
+    path.write_text(text)
 
 
 def _unpack(path: Path, into: Path) -> Path:
@@ -419,9 +430,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="OUT/records of tools/gpu_bench.sh, or OUT/records.tgz; several make one set of tables")
     parser.add_argument("--update", type=Path, default=None, help="a Markdown file with the bench_table markers")
     parser.add_argument("--block", default=None,
-                        help="replace the block between <!-- bench_table:BLOCK:begin/end --> (default: the unnamed "
-                             "one); a block named after a section holds that section's table only, "
-                             "without a heading")
+                        help="replace only the block between <!-- bench_table:BLOCK:begin/end --> (default: the "
+                             "block of each section the records hold); a block named after a section holds that "
+                             "section's table only, without a heading, any other block every section's table")
     parser.add_argument("--skip-unrecorded", action="store_true",
                         help="leave out runs that wrote no record (e.g. cut by a time limit) instead of listing them")
     args = parser.parse_args(argv)
@@ -436,15 +447,16 @@ def main(argv: list[str] | None = None) -> int:
             runs += found
     if args.skip_unrecorded:
         runs = [r for r in runs if r["record"] is not None]
-    if args.block in SECTIONS:
-        runs = [r for r in runs if r["section"] == args.block]
-        if not runs:
-            raise SystemExit(f"--block {args.block}: the records hold no run of section {args.block}")
-    tables = render(runs, headings=args.block not in SECTIONS)  # a section's block sits under the doc's heading
-    if args.update:
-        update(args.update, tables, args.block)
+    section = args.block if args.block in SECTIONS else None  # its block sits under the doc's heading
+    if section and not any(r["section"] == section for r in runs):
+        raise SystemExit(f"--block {args.block}: the records hold no run of section {args.block}")
+    if not args.update:
+        sys.stdout.write(render(runs, headings=section is None, only=section))
+    elif args.block is not None:
+        update(args.update, {args.block: render(runs, headings=section is None, only=section)})
     else:
-        sys.stdout.write(tables)
+        sections = dict.fromkeys(r["section"] for r in runs)
+        update(args.update, {name: render(runs, headings=False, only=name) for name in sections})
     return 0
 
 

@@ -188,14 +188,33 @@ def test_tp_table_from_two_packed_record_sets_into_a_named_block(bt, tmp_path):
     assert prefill[col["H2D per rank, summed"]] == "-"
 
 
-def test_unnamed_block_and_bad_arguments(bt, tmp_path, capsys):
+def test_update_fills_each_sections_block_and_keeps_the_text_around(bt, tmp_path, capsys):
     write_run(tmp_path, "hierarchy", "cache-off", full_record(364.0))
     write_run(tmp_path, "hierarchy", "cut", None, order=1)
+    write_run(tmp_path, "decode", "4k", full_record(3.6, offload="none"), order=2)
     doc = tmp_path / "bench.md"
-    doc.write_text("<!-- bench_table:begin -->\nold\n<!-- bench_table:end -->\n")
+    original = ("## Decode\nintro\n<!-- bench_table:decode:begin -->\nold decode\n<!-- bench_table:decode:end -->\n"
+                "analysis\n### A kernel\n| hand | table |\n## Hierarchy\n<!-- bench_table:hierarchy:begin -->\nold\n"
+                "<!-- bench_table:hierarchy:end -->\nafter\n")
+    doc.write_text(original)
     assert bt.main([str(tmp_path / "records"), "--update", str(doc), "--skip-unrecorded"]) == 0
     text = doc.read_text()
-    assert "## KV memory hierarchy" in text and "| cache-off |" in text and "| cut |" not in text
+    decode = text[text.index("<!-- bench_table:decode:begin -->"):text.index("<!-- bench_table:decode:end -->")]
+    hierarchy = text[text.index("<!-- bench_table:hierarchy:begin -->"):]
+    assert list(rows_of(decode)) == ["4k"] and "old decode" not in decode and "## " not in decode
+    assert list(rows_of(hierarchy)) == ["cache-off"] and "\nold\n" not in hierarchy  # the unrecorded run left out
+    for kept in ("## Decode\nintro\n", "analysis\n### A kernel\n| hand | table |\n## Hierarchy\n", "\nafter\n"):
+        assert kept in text  # headings, prose and hand-made tables outside the blocks stay
+    doc.write_text(original.replace("decode:begin", "decode:start"))
+    with pytest.raises(SystemExit, match="no block for decode: add the markers"):
+        bt.main([str(tmp_path / "records"), "--update", str(doc)])
+    assert doc.read_text() == original.replace("decode:begin", "decode:start")  # nothing written, not even hierarchy
+
+
+def test_bad_arguments(bt, tmp_path):
+    write_run(tmp_path, "hierarchy", "cache-off", full_record(364.0))
+    doc = tmp_path / "bench.md"
+    doc.write_text("<!-- bench_table:hierarchy:begin -->\nold\n<!-- bench_table:hierarchy:end -->\n")
     with pytest.raises(SystemExit, match="bench_table:nope:begin"):
         bt.main([str(tmp_path / "records"), "--update", str(doc), "--block", "nope"])
     with pytest.raises(SystemExit, match="--block 'a b'"):
