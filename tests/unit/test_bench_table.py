@@ -166,12 +166,12 @@ def test_tp_table_from_two_packed_record_sets_into_a_named_block(bt, tmp_path):
             archive.add(tmp_path / model / "records", arcname="records")
     write_run(tmp_path / "other", "decode", "4k", full_record(3.6, offload="none"))
     doc = tmp_path / "bench.md"
-    doc.write_text("# B\n<!-- bench_table:begin -->\nmain\n<!-- bench_table:end -->\n\n## TP\nintro\n"
+    doc.write_text("# B\n<!-- bench_table:decode:begin -->\nmain\n<!-- bench_table:decode:end -->\n\n## TP\nintro\n"
                    "<!-- bench_table:tp:begin -->\nold\n<!-- bench_table:tp:end -->\nafter\n")
     assert bt.main([str(tmp_path / "qwen.tgz"), str(tmp_path / "llama.tgz"), str(tmp_path / "other" / "records"),
                     "--update", str(doc), "--block", "tp"]) == 0
     text = doc.read_text()
-    assert "main\n<!-- bench_table:end -->" in text and text.endswith("\nafter\n")  # the rest stays
+    assert "main\n<!-- bench_table:decode:end -->" in text and text.endswith("\nafter\n")  # the rest stays
     block = text[text.index("<!-- bench_table:tp:begin -->"):text.index("<!-- bench_table:tp:end -->")]
     assert "old" not in block and "## " not in block and "| 4k |" not in block  # its section only, no heading
     rows = rows_of(block)
