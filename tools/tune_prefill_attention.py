@@ -20,8 +20,9 @@ where torch has it. Each candidate's o and lse are compared with SDPA's (max abs
 shapes a small bottom-right call (1008 queries, 2048 keys) with the fp32 reference (max abs error over max |o|,
 SMALL_MAX_REL_ERR); a candidate over either is marked FAIL and cannot win. Times are triton.testing.do_bench medians
 (it clears L2 between calls); the 128K shape gets a short --rep-ms-long since one call takes ~0.25 s. Before the
-sweep, --power-warmup-s seconds of GEMMs bring the GPU to its power limit, where it then stays: a GPU fresh from idle
-times 4-5% faster for its first seconds (docs/benchmarks.md), which would favour whatever runs first.
+sweep, --power-warmup-s seconds of GEMMs bring the GPU to its power limit, where it then stays (a GPU fresh from idle
+times 4-5% faster for its first seconds, docs/benchmarks.md, which would favour whatever runs first); then the bf16
+GEMM rate, the floor the figures stand beside, is timed and recorded (gemm_tflops).
 
 Output: a table per shape, the winner per shape, and a GPU_CONFIGS_SM90 entry for --head-dim with its comment to
 paste into sparsekv/kernels/attention.py (the config with the best geometric mean over the causal shapes; the
@@ -50,6 +51,7 @@ import torch  # noqa: E402
 from sparsekv.kernels import attention as A  # noqa: E402
 from sparsekv.kernels import attention_sm90  # noqa: E402
 from sparsekv.kernels.external_attention import torch_fused_attention  # noqa: E402
+from sparsekv.tasks.bench.floors import matmul_tflops  # noqa: E402
 
 Config = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 TILE_CONFIGS: list[Config] = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3),
@@ -136,18 +138,13 @@ class Run:
                 os._exit(3)
 
     def warm_up(self, seconds: float) -> None:
-        """bf16 GEMMs for `seconds` first: a GPU fresh from idle clocks higher for its first seconds at the power
-        limit (4-5% faster on an H100), so without this the first candidates would time faster than the rest."""
+        """The floors module's sustained bf16 GEMM rate, measured after `seconds` of GEMMs: a GPU fresh from idle
+        clocks higher for its first seconds (4-5% faster on an H100), which would favour the first candidates; the
+        rate is the floor the figures stand beside."""
         if self.device.type != "cuda" or seconds <= 0:
             return
-        a = torch.randn(8192, 8192, device=self.device, dtype=torch.bfloat16)
-        c = torch.empty_like(a)
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            for _ in range(8):
-                torch.matmul(a, a, out=c)
-            torch.cuda.synchronize(self.device)
-        del a, c
+        self.record["gemm_tflops"] = matmul_tflops(device=self.device, warmup_seconds=seconds)
+        print(f"bf16 GEMM floor after {seconds:.0f} s of warm-up: {self.record['gemm_tflops']:.1f} TFLOP/s")
         self.t0 = self.beat = time.perf_counter()  # --budget-s counts the sweep alone
 
     def over_budget(self) -> bool:
@@ -349,7 +346,8 @@ def main() -> None:
     ap.add_argument("--finalists", type=int, default=6, help="32K winners also timed on the other shapes")
     ap.add_argument("--warmup-ms", type=float, default=25.0)
     ap.add_argument("--power-warmup-s", type=float, default=6.0,
-                    help="GEMMs before the sweep so that every candidate is timed at the power limit (0: none)")
+                    help="GEMMs before the sweep (then the GEMM floor is timed) so that every candidate is timed at "
+                         "the power limit (0: neither)")
     ap.add_argument("--rep-ms", type=float, default=150.0)
     ap.add_argument("--rep-ms-long", type=float, default=600.0, help="do_bench rep for the 128K shape")
     ap.add_argument("--max-err", type=float, default=2e-2, help="max |o - o_sdpa| of a correct candidate")

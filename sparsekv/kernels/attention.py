@@ -65,8 +65,8 @@ SUPPORTED_HEAD_DIMS = tuple(GPU_CONFIGS)
 # sm_90+ with TMA-compatible layouts, moves q/k/v/o through host-side TMA descriptors ([S, heads * D] views, see
 # tma.py); a call that cannot use either runs the plain code for it (see _launch_flash_fwd).
 # On sm_90 a 16-bit call with D = 128 and TMA-compatible layouts runs the warp-specialized Gluon kernel of
-# attention_sm90.py instead (650 against 557 TFLOP/s at 32K causal on an H100, docs/benchmarks.md); these tables
-# serve the rest.
+# attention_sm90.py instead (681 against 567 TFLOP/s at 32K causal in one run on an H100, docs/benchmarks.md); these
+# tables serve the rest.
 # Calls with at most this many query rows (decode: 1) run the flash-decoding kernel of decode_attention.py, which
 # splits the keys over many programs and reads each K/V tile once per GQA group, instead of _flash_fwd_kernel's
 # ceil(Sq / BLOCK_M) * H programs that each walk all keys.
