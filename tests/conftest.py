@@ -173,6 +173,14 @@ def random_prompt(length: int, vocab: int = 128, seed: int = 0) -> list[int]:
     return torch.randint(3, vocab, (length,), generator=generator).tolist()
 
 
+def growing_row_maxima(q: torch.Tensor, k: torch.Tensor, q_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q scaled up and k's norms rising 10x along the keys, in q's and k's dtypes: rows whose running max keeps
+    growing along the keys, by more than the Gluon kernel's rescale threshold at some key blocks and not at others,
+    so that the online softmax's rescaling is exercised (and, in the Gluon kernel, skipped) at different blocks."""
+    rise = torch.linspace(0.2, 2.0, k.shape[0], device=k.device)[:, None, None]
+    return (q.float() * q_scale).to(q.dtype), (k.float() * rise).to(k.dtype)
+
+
 class CountLaunches:
     """Wraps a Triton kernel: counts `kernel[grid](...)` launches and passes them on."""
 

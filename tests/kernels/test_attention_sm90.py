@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sparsekv.kernels import attention, attention_sm90, flash_attn_with_lse, flash_attn_with_lse_reference
+from tests.conftest import growing_row_maxima
 from tests.kernels.test_dense_attention import _check, _qkv
 
 ON_SM90 = (attention_sm90.HAS_GLUON and torch.cuda.is_available()
@@ -54,9 +55,8 @@ GROWING_MAX = [(1000, 1000, 4, 2, True, 6.0, False), (2048, 4096, 8, 2, False, 6
 @pytest.mark.parametrize("sq, sk, h, kvh, causal, q_scale, growing", GROWING_MAX)
 def test_gpu_matches_reference_as_row_maxima_grow(sq, sk, h, kvh, causal, q_scale, growing):
     q, k, v = _qkv(sq, sk, h, kvh, 128, torch.bfloat16, seed=sq + sk + h)
-    q = (q.float() * q_scale).to(torch.bfloat16)
-    if growing:
-        k = (k.float() * torch.linspace(0.2, 2.0, sk, device=k.device)[:, None, None]).to(torch.bfloat16)
+    scaled_q, rising_k = growing_row_maxima(q, k, q_scale)
+    q, k = scaled_q, (rising_k if growing else k)
     _check(_run(q, k, v, causal), flash_attn_with_lse_reference(q, k, v, causal=causal), torch.bfloat16)
 
 

@@ -21,7 +21,7 @@ from sparsekv.policies.xattn.block_sparse_attention import (
     block_sparse_attention_reference,
     loop_config,
 )
-from tests.conftest import host_sync_sites
+from tests.conftest import growing_row_maxima, host_sync_sites
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = 3e-3 if DEV.type == "cuda" else 1e-5  # fp32 tl.dot is tf32 on the GPU
@@ -130,6 +130,25 @@ def test_loop_modes_match_reference(seq, n, h, kvh, d, bs, q_start, dtype, kind,
     finite = torch.isfinite(rlse)
     assert (lse[finite] - rlse[finite]).abs().max().item() < 10 * tol
     assert (o.float() - ro.float()).abs().max().item() < 10 * tol
+
+
+@pytest.mark.parametrize("loop", MODES, ids=lambda c: c.mode)
+def test_rows_whose_max_grows_along_the_keys(loop):
+    # the online softmax's rescaling in each loop: q scaled up and key norms rising along the keys keep moving rows'
+    # maxima from key tile to key tile
+    seq, n, bs = 333, 120, 32
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(n, 4, 32, generator=gen).to(DEV)
+    k, v = (torch.randn(seq, 2, 32, generator=gen).to(DEV) for _ in range(2))
+    q, k = growing_row_maxima(q, k, 6.0)
+    qb0, nqb, nkb = _layout(n, seq, bs, seq - n)
+    idx, count = block_lists_from_mask(_selection("mixed", qb0, nqb, nkb, gen))
+    o, lse = block_sparse_attention(q, k, v, idx, count, bs, 0.2, loop=loop)
+    ro, rlse = block_sparse_attention_reference(q, k, v, idx, count, bs, 0.2)
+    finite = torch.isfinite(rlse)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(rlse)) and not o.isnan().any()
+    assert (lse[finite] - rlse[finite]).abs().max().item() < 10 * TOL
+    assert (o - ro).abs().max().item() < 10 * TOL
 
 
 class _Record:

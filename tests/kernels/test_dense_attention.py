@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from sparsekv.kernels import attention, flash_attn_with_lse, flash_attn_with_lse_reference
+from tests.conftest import growing_row_maxima
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TMA_DEVICE = DEV.type != "cuda" or torch.cuda.get_device_capability()[0] >= 9
@@ -95,6 +96,18 @@ def test_gqa_groups_and_scale(path, scale, group):
     q, k, v = _qkv(37, 37, 4, 4 // group, 16, seed=group)
     ref = flash_attn_with_lse_reference(q, k, v, softmax_scale=scale, causal=True)
     _check(_run(*_layout(q, k, v, path), True, scale=scale), ref, q.dtype)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_whose_max_grows_along_the_keys(path, causal):
+    # the online softmax rescales the accumulator as rows' maxima grow from block to block; a non-positive scale
+    # takes the unfused step
+    q, k, v = _qkv(40, 72, 4, 2, 32, seed=11)
+    q, k = growing_row_maxima(q, k, 6.0)
+    for scale in (None, -0.3):
+        ref = flash_attn_with_lse_reference(q, k, v, softmax_scale=scale, causal=causal)
+        _check(_run(*_layout(q, k, v, path), causal, scale=scale), ref, q.dtype)
 
 
 @pytest.mark.parametrize("path", PATHS)

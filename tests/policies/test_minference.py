@@ -36,7 +36,7 @@ from sparsekv.policies.full import FullAttentionPolicy
 from sparsekv.kvcache.offload_engine import OffloadEngine
 from sparsekv.policies.minference.policy import SLASH_BAND, MInferencePolicy
 from sparsekv.policies.minference.selection import band_offsets, band_sums, compact, top_indices
-from tests.conftest import random_prompt
+from tests.conftest import growing_row_maxima, random_prompt
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # the masses kernels' float32 dots run as TF32 on CUDA (scores off by ~3e-4 relative, up to ~4e-3 once exponentiated
@@ -137,6 +137,23 @@ def test_kernel_matches_reference(sq, sk, h, kvh, d, q_offset, nv, ns):
     _check(ref, _masked_attention(q, k, v, mask, scale))
     assert vertical_slash_pair_count(sq, sk, q_offset, vertical, slash).tolist() == mask.sum((1, 2)).tolist()
     assert pairs.tolist() == mask.sum((1, 2)).tolist()
+
+
+@pytest.mark.parametrize("bands", [False, True])
+def test_kernel_rows_whose_max_grows_along_the_keys(bands):
+    """The online softmax's rescaling in every loop (run tiles, scattered tiles, columns): q scaled up and key norms
+    rising along the keys keep moving rows' maxima from tile to tile."""
+    gen = torch.Generator().manual_seed(5)
+    sq, sk, h, kvh, d, q_offset = 90, 300, 4, 2, 16, 210
+    q, k, v = (torch.randn(n, hh, d, generator=gen).to(DEV) for n, hh in ((sq, h), (sk, kvh), (sk, kvh)))
+    q, k = growing_row_maxima(q, k, 8.0)
+    vertical = _random_selection(h, sk, 12, gen)
+    if bands:
+        slash = band_offsets(torch.tensor([[0, 2, 3]] * h), SLASH_BAND).to(DEV)
+    else:
+        slash = _random_selection(h, q_offset + sq, 40, gen)
+    ref = vertical_slash_attention_reference(q, k, v, vertical, slash, 0.25, q_offset)
+    _check(vertical_slash_attention(q, k, v, vertical, slash, 0.25, q_offset), ref)
 
 
 @pytest.mark.skipif(DEV.type == "cuda", reason="tile shapes of the CPU interpreter")
