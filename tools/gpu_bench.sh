@@ -63,7 +63,7 @@
 #
 # Each run goes to $OUT/records/<section>/<row>/: the task's record (bench.json or quality.json), run.json (the
 # exact command, the date, the row it is compared with) and run.log. A failing run is logged and the script goes on.
-# Settings: ONLY_ROWS ("full xattn_bsa-whole ...": only the runs of those row names), DECODE_STEPS (default 64 for
+# Settings: ONLY_ROWS ("full xattn_bsa ...": only the runs of those row names), DECODE_STEPS (default 64 for
 # `decode`, 16 elsewhere), BENCH_TIMEOUT (default 150 s per run), TEST_TIMEOUT (default 560 s), TEST_PARTS (default 3),
 # BENCH_MODEL_ARGS (default "model=qwen3_4b model.load_format=dummy";
 # "model=tiny device=cpu" gives a dry run of the script without a GPU; it also replaces llama3_8b in `hierarchy*`).

@@ -36,3 +36,24 @@ def test_offloaded_prefill_with_the_sequence_cached_is_offload_none(qwen3_ckpt):
             assert tokens == expected
             assert policy.last_density == pytest.approx(resident.engine.policy.last_density, rel=1e-6)
             assert policy.last_density < 1.0
+
+
+def test_resident_prompt_in_one_step_selects_as_chunks_do(qwen3_ckpt):
+    """offload=none with scheduler.max_num_batched_tokens >= the prompt: one prefill step for the whole prompt and the
+    same tokens as 32-token chunks (each query block's estimate covers every key it sees either way)."""
+    prompt = random_prompt(140, seed=21)
+    runs = {}
+    for budget in (32, 256):
+        llm = LLM(str(qwen3_ckpt), overrides=COMMON + ["offload=none", f"scheduler.max_num_batched_tokens={budget}"])
+        policy, steps = llm.engine.policy, []
+        compute = policy.compute_prefill
+
+        def counted(q, *args, **kwargs):
+            steps.append(q.shape[0])
+            return compute(q, *args, **kwargs)
+
+        policy.compute_prefill = counted
+        runs[budget] = llm.generate([prompt], GREEDY)[0].token_ids, policy.last_density, steps
+    assert runs[256][2][0] == 140 and runs[32][2][0] == 32
+    assert runs[256][0] == runs[32][0]
+    assert runs[256][1] < 1.0
