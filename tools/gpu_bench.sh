@@ -63,6 +63,8 @@
 #
 # Each run goes to $OUT/records/<section>/<row>/: the task's record (bench.json or quality.json), run.json (the
 # exact command, the date, the row it is compared with) and run.log. A failing run is logged and the script goes on.
+# RECORDS_DIR puts the records elsewhere (RECORDS_DIR=/tmp/records with `summary` last leaves $OUT three files:
+# status.log, tables.md and records.tgz, for a host that copies back only a few files).
 # Settings: ONLY_ROWS ("full xattn_bsa ...": only the runs of those row names), DECODE_STEPS (default 64 for
 # `decode`, 16 elsewhere), BENCH_TIMEOUT (default 150 s per run), TEST_TIMEOUT (default 560 s), TEST_PARTS (default 3),
 # BENCH_MODEL_ARGS (default "model=qwen3_4b model.load_format=dummy";
@@ -75,8 +77,8 @@ export PYTHONUNBUFFERED=1
 
 : "${OUT:?set OUT to the folder the records go to}"
 OUT="$(mkdir -p "$OUT" && cd "$OUT" && pwd)"
-RECORDS="$OUT/records"
-mkdir -p "$RECORDS"
+RECORDS="${RECORDS_DIR:-$OUT/records}"
+mkdir -p "$RECORDS" && RECORDS="$(cd "$RECORDS" && pwd)"
 TEST_TIMEOUT="${TEST_TIMEOUT:-560}"
 BENCH_TIMEOUT="${BENCH_TIMEOUT:-150}"
 TOOLS="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -457,7 +459,7 @@ section_tp() {  # tensor parallelism; each TP=N>1 row is compared with the TP=1 
 
 section_summary() {
     python3 "$TOOLS/bench_table.py" "$RECORDS" 2>&1 | tee "$OUT/tables.md"
-    tar czf "$OUT/records.tgz" -C "$OUT" records
+    tar czf "$OUT/records.tgz" -C "$(dirname "$RECORDS")" "$(basename "$RECORDS")"
 }
 
 SECTIONS="info tests decode offload quest prefill sparse_prefill sparse_prefill_scaling sparse_prefill_1m quality"

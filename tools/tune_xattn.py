@@ -13,7 +13,8 @@ CUDA events.
             tile), and the largest difference from the first variant's output.
   estimate: xattn_block_mass under each candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) of its SM90 tables,
             16-bit and fp8 (the fp8 times include quantize_strided of q and k), each with its difference from the
-            16-bit default's mass, and how far the policy's selection moves when the estimate runs in fp8.
+            16-bit default's mass, and how far the policy's selection moves when the estimate runs in fp8; then the
+            default tiles with each LSB_ELEMENTS candidate (a long chunk's rows in fewer, longer slices).
   pieces:   XAttentionPolicy.compute_prefill's parts: estimate, threshold and vote, lists, block-sparse attention.
 """
 from __future__ import annotations
@@ -43,6 +44,7 @@ CANDIDATES = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 3), (128, 64, 4,
 FP8_CANDIDATES = [(128, 256, 8, 3), (128, 256, 8, 4), (256, 128, 8, 3), (256, 128, 8, 4), (128, 128, 8, 4),
                   (128, 128, 4, 4), (64, 128, 4, 4), (128, 256, 8, 2)]
 QUANTIZE_CANDIDATES = [(4096, 4), (8192, 4), (8192, 8), (16384, 8), (32768, 8)]  # (ROW_TILE_ELEMENTS, warps)
+LSB_CANDIDATES = [1 << 25, 1 << 26, 1 << 27, 1 << 28]  # LSB_ELEMENTS: fewer, longer slices of a long chunk's rows
 LOOPS = {"old": "mode=lists,list_stages=3", "lists": "mode=lists", "runs": "mode=runs", "auto": "mode=auto"}
 
 
@@ -94,11 +96,11 @@ def bench_block_sparse(q, k, v, policy: XAttentionPolicy, loops: dict[str, str],
                   f"{ms / (density * dense_ms):6.3f}x dense per tile  max diff {diff:.1e}")
 
 
-def bench_estimate(q, k, policy: XAttentionPolicy, dense_ms: float, reps: int) -> None:
+def bench_estimate(q, k, policy: XAttentionPolicy, dense_ms: float, reps: int, fp8_only: bool = False) -> None:
     stride, bs = policy.stride, policy.block_size
     exact = est.xattn_block_mass(q, k, stride, bs, fp8=False)
-    for fp8, table, candidates in ((False, est.GPU_CONFIG_16BIT_SM90, CANDIDATES),
-                                   (True, est.GPU_CONFIG_FP8_SM90, FP8_CANDIDATES)):
+    sweeps = ((False, est.GPU_CONFIG_16BIT_SM90, CANDIDATES), (True, est.GPU_CONFIG_FP8_SM90, FP8_CANDIDATES))
+    for fp8, table, candidates in sweeps[1:] if fp8_only else sweeps:
         default = table[128]
         for config in candidates:
             table[128] = config
@@ -111,6 +113,16 @@ def bench_estimate(q, k, policy: XAttentionPolicy, dense_ms: float, reps: int) -
             except Exception as exc:  # a configuration the compiler rejects (shared memory, ...)
                 print(f"{label} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
         table[128] = default
+    default = est.LSB_ELEMENTS
+    for elements in LSB_CANDIDATES:
+        est.LSB_ELEMENTS = elements
+        ms = timed(lambda: est.xattn_block_mass(q, k, stride, bs), reps)
+        mass = est.xattn_block_mass(q, k, stride, bs)
+        err = ((mass - exact).norm() / exact.norm()).item()
+        lsb = q.shape[1] * (q.shape[0] // stride) * -(-k.shape[0] // bs)  # [H, rows, nkb] of the whole chunk
+        print(f"xattn_block_mass at the default tiles, LSB_ELEMENTS {elements} (~{-(-lsb // elements)} slices) "
+              f"{ms:7.2f} ms rel diff {err:.1e}", flush=True)
+    est.LSB_ELEMENTS = default
     default = fp8_module.ROW_TILE_ELEMENTS, fp8_module.QUANTIZE_WARPS
     for elements, warps in QUANTIZE_CANDIDATES:
         fp8_module.ROW_TILE_ELEMENTS, fp8_module.QUANTIZE_WARPS = elements, warps
@@ -153,6 +165,7 @@ def main() -> None:
     parser = chunk_parser(__doc__)
     parser.add_argument("--threshold", type=float, default=0.9)
     parser.add_argument("--sections", default="bsa,estimate,pieces", help="comma-separated: bsa, estimate, pieces")
+    parser.add_argument("--fp8-only", action="store_true", help="estimate: sweep the fp8 tiles only")
     parser.add_argument("--loops", nargs="*", default=None,
                         help="block-sparse loop variants, each label:spec or spec (a LoopConfig spec, "
                              "e.g. auto2:mode=auto,run_min_tiles=2); default: "
@@ -174,7 +187,7 @@ def main() -> None:
         print()
         dense_ms = dense_chunk_ms(q, k, v, args.reps)
         if "estimate" in sections:
-            bench_estimate(q, k, policy, dense_ms, args.reps)
+            bench_estimate(q, k, policy, dense_ms, args.reps, args.fp8_only)
         if "pieces" in sections:
             bench_pieces(q, k, v, policy, dense_ms, args.reps)
 
