@@ -14,7 +14,8 @@
 #   prefill         32K and 128K prefill resident and offloaded (GPU block cache off and on), HF beside, and
 #                   resident against offloaded (cache off) at the same chunk size (32K; 128K in 16K and 32K)  ~9 min
 #   sparse_prefill  128K resident prefill on structured weights: full, minference (whole prompts, 8K chunks,
-#                   500 / 3,000), xattn_bsa (the default 0.7 and 0.6), the xattn_bsa_090 preset
+#                   500 / 3,000, slash_excludes_vertical), xattn_bsa (the default 0.7 and 0.6), the xattn_bsa_090
+#                   preset
 #                                                                                                            ~6 min
 #   sparse_prefill_scaling  minference and xattn_bsa (default settings) beside full attention at 128K, 256K and 512K
 #                   (SCALING_CONTEXTS), offloaded, structured dummy weights (SCALING_POLICIES="xattn_bsa": only
@@ -45,12 +46,13 @@
 #   ruler_policies  model=probe, task=ruler at 4K / 16K / 32K (RULER_LENGTHS), RULER_SAMPLES (10) prompts per task
 #                   and length, offload none and cpu (RULER_OFFLOADS): full, quest at 1K / 2K / 4K tokens with the
 #                   default 2 dense layers and with every layer selecting, streaming_llm (the plugin in plugins/) at
-#                   2K tokens, minference (64-offset bands) and minference-diagonals (single diagonals), xattn_bsa,
-#                   xattn_bsa_090; at none MInference at 125 / 750, 500 / 3,000 and 1,000 / 6,096 columns /
-#                   diagonals and XAttention at thresholds 0.6 and 0.8 (around the defaults: 250 / 1,500 and 0.7);
-#                   at cpu Quest at 6 / 7 / 8 host blocks and at 2K / 4K tokens with 256-token blocks, MInference at
-#                   125 / 750 and with the same budgets in every chunk; then task=report over them; 17 runs at none
-#                   (40-110 s each on a shared H200), 20 at cpu (60-120 s): lanes of 3-4 cores sharing a GPU, or
+#                   2K tokens, minference (64-offset bands), minference-diagonals (single diagonals) and
+#                   minference-excl (slash_excludes_vertical), xattn_bsa, xattn_bsa_090; at none MInference at
+#                   125 / 750, 500 / 3,000 and 1,000 / 6,096 columns / diagonals and XAttention at thresholds 0.6
+#                   and 0.8 (around the defaults: 250 / 1,500 and 0.7); at cpu Quest at 6 / 7 / 8 host blocks and at
+#                   2K / 4K tokens with 256-token blocks, MInference at 125 / 750 and with the same budgets in every
+#                   chunk; then task=report over them; 18 runs at none
+#                   (40-110 s each on a shared H200), 21 at cpu (60-120 s): lanes of 3-4 cores sharing a GPU, or
 #                   ONLY_ROWS split over more calls (RULER_TIMEOUT: 180 s per run)        ~50 min one run at a time
 #                   (ONLY_ROWS="streaming_llm-2048-none minference-cpu ...": rows are named label-offload)
 #   tp              TP=1 beside TP=N for N in TP_SIZES (default "1 2"; "1 2 4" on 4 GPUs) per model of TP_MODELS
@@ -238,6 +240,8 @@ section_sparse_prefill() {  # 128K, GPU-resident, weights with planted attention
         policy.whole_prompt_prefill=false
     VS=sparse_prefill/full bench sparse_prefill minference-v500-s3000 "${S[@]}" policy=minference \
         policy.vertical_size=500 policy.slash_size=3000
+    VS=sparse_prefill/full bench sparse_prefill minference-excl "${S[@]}" policy=minference \
+        policy.slash_excludes_vertical=true
     VS=sparse_prefill/full bench sparse_prefill xattn_bsa "${S[@]}" policy=xattn_bsa
     VS=sparse_prefill/full bench sparse_prefill xattn_bsa_060 "${S[@]}" policy=xattn_bsa policy.threshold=0.6
     VS=sparse_prefill/full bench sparse_prefill xattn_bsa_090 "${S[@]}" policy=xattn_bsa_090
@@ -402,6 +406,7 @@ section_ruler_policies() {  # the policies judged on the probe: accuracy per tas
     done
     ROWS+=("streaming_llm-2048|policy=streaming_llm policy.sink_blocks=1 policy.recent_blocks=7"
            "minference|policy=minference" "minference-diagonals|policy=minference policy.slash_granularity=1"
+           "minference-excl|policy=minference policy.slash_excludes_vertical=true"
            "xattn_bsa|policy=xattn_bsa" "xattn_bsa_090|policy=xattn_bsa_090")
     # the budgets around the prefill policies' defaults, resident only (their defaults are set from these rows)
     local NONE_ROWS=("minference-v125-s750|policy=minference policy.vertical_size=125 policy.slash_size=750"
