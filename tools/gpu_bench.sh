@@ -51,8 +51,8 @@
 #                   125 / 750, 500 / 3,000 and 1,000 / 6,096 columns / diagonals and XAttention at thresholds 0.6
 #                   and 0.8 (around the defaults: 250 / 1,500 and 0.7); at cpu Quest at 6 / 7 / 8 host blocks and at
 #                   2K / 4K tokens with 256-token blocks, MInference at 125 / 750 and with the same budgets in every
-#                   chunk; then task=report over them; 18 runs at none
-#                   (40-110 s each on a shared H200), 21 at cpu (60-120 s): lanes of 3-4 cores sharing a GPU, or
+#                   chunk; then task=report over them; 18 runs at none (40-110 s each on a shared H200), 21 at cpu
+#                   (60-120 s): lanes of 3-4 cores sharing a GPU, or
 #                   ONLY_ROWS split over more calls (RULER_TIMEOUT: 180 s per run)        ~50 min one run at a time
 #                   (ONLY_ROWS="streaming_llm-2048-none minference-cpu ...": rows are named label-offload)
 #   tp              TP=1 beside TP=N for N in TP_SIZES (default "1 2"; "1 2 4" on 4 GPUs) per model of TP_MODELS
